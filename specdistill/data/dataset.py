@@ -1,0 +1,135 @@
+"""Build the tokenized train / held-out datasets (cached on disk), with optional packing."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from specdistill.assets import is_embedded
+from specdistill.config import DataConfig
+from specdistill.data.chat import tokenize_conversation
+from specdistill.data.conversations import load_rows, normalize
+
+
+@dataclass
+class TokenizedData:
+    train: "datasets.Dataset"  # noqa: F821  columns input_ids, loss_mask
+    heldout: "datasets.Dataset"  # noqa: F821
+    heldout_messages: list  # the held-out conversations, for prompt-based evaluation
+    report: dict  # rows read, malformed counts by reason, tokens
+
+
+def _source_id(path: str) -> str:
+    if is_embedded(path):
+        return path
+    p = Path(path).expanduser()
+    if p.exists():
+        st = p.stat()
+        return f"{p.resolve()}:{st.st_size}:{int(st.st_mtime)}"
+    return path
+
+
+def _fingerprint(cfg: DataConfig, tokenizer) -> str:
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items())[:: max(1, len(tokenizer) // 2000)])
+    key = json.dumps({"src": _source_id(cfg.path), "cfg": {k: v for k, v in asdict(cfg).items()
+                                                           if k not in ("cache_dir", "num_proc")},
+                      "template": tokenizer.chat_template, "vocab": vocab, "v": 2}, sort_keys=True, default=str)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def build_data(cfg: DataConfig, tokenizer, log=print) -> TokenizedData:
+    import datasets
+
+    cache = Path(cfg.cache_dir).expanduser() / _fingerprint(cfg, tokenizer)
+    if (cache / "report.json").exists():
+        report = json.loads((cache / "report.json").read_text())
+        log(f"[data] cached tokenized data at {cache}")
+        return TokenizedData(datasets.load_from_disk(str(cache / "train")), datasets.load_from_disk(str(cache / "heldout")),
+                             json.loads((cache / "heldout_messages.json").read_text()), report)
+
+    rows = load_rows(cfg.path, cfg.split, cfg.max_rows)
+    convs = normalize(rows, cfg.format)
+    report = convs.report()
+    bad = sum(convs.malformed.values())
+    if bad:
+        reasons = ", ".join(f"{n} {r}" for r, n in convs.malformed.most_common())
+        log(f"[data] {bad} of {convs.num_rows} rows are malformed and skipped ({reasons}); "
+            f"first offending row per reason: {convs.examples}")
+    if not convs.conversations or bad > cfg.max_malformed_fraction * max(1, convs.num_rows):
+        raise ValueError(f"{bad} of {convs.num_rows} rows in {cfg.path} are malformed ({dict(convs.malformed)}), more "
+                         f"than data.max_malformed_fraction={cfg.max_malformed_fraction}. Check data.format (auto | "
+                         "sharegpt | messages | prompt) and the rows named in first_malformed_row: "
+                         f"{convs.examples}")
+
+    conversations = list(convs.conversations)
+    random.Random(cfg.seed).shuffle(conversations)
+    n_held = min(cfg.heldout_size, max(1, len(conversations) // 10)) if cfg.heldout_size > 0 else 0
+    held_msgs, train_msgs = conversations[:n_held], conversations[n_held:]
+    if not train_msgs:
+        raise ValueError(f"only {len(conversations)} usable conversations: nothing left to train on after holding "
+                         f"out {n_held}; lower data.heldout_size or add data")
+
+    def tok(batch):
+        out = {"input_ids": [], "loss_mask": []}
+        for m in batch["messages"]:
+            t = tokenize_conversation(tokenizer, m, cfg.max_length)
+            out["input_ids"].append(t.input_ids)
+            out["loss_mask"].append(t.loss_mask)
+        return out
+
+    def to_ds(msgs):
+        ds = datasets.Dataset.from_dict({"messages": msgs})
+        ds = ds.map(tok, batched=True, remove_columns=["messages"], num_proc=cfg.num_proc if len(msgs) > 256 else None,
+                    desc="tokenize")
+        before = len(ds)
+        ds = ds.filter(lambda r: sum(r["loss_mask"]) > 0, desc="drop rows with no assistant token")
+        return ds, before - len(ds)
+
+    train, dropped_train = to_ds(train_msgs)
+    held, dropped_held = to_ds(held_msgs) if held_msgs else (train.select([]), 0)
+    if dropped_train:
+        log(f"[data] {dropped_train} conversations have no assistant token within max_length={cfg.max_length}: skipped")
+    if cfg.packing:
+        train = pack(train, cfg.max_length)
+    if len(train) == 0:
+        raise ValueError(f"no training example has an assistant token within data.max_length={cfg.max_length}")
+    report.update({"train_examples": len(train), "heldout_examples": len(held),
+                   "no_assistant_token_within_max_length": dropped_train + dropped_held,
+                   "train_loss_tokens": int(sum(sum(m) for m in train["loss_mask"])),
+                   "train_tokens": int(sum(len(x) for x in train["input_ids"]))})
+
+    # Written to a temp folder and renamed: a crash mid-write never leaves a cache that looks complete.
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=cache.name + ".", dir=cache.parent))
+    train.save_to_disk(str(tmp / "train"))
+    held.save_to_disk(str(tmp / "heldout"))
+    (tmp / "heldout_messages.json").write_text(json.dumps(held_msgs))
+    (tmp / "report.json").write_text(json.dumps(report, indent=1))
+    try:
+        os.replace(tmp, cache)
+    except OSError:  # another rank got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return TokenizedData(datasets.load_from_disk(str(cache / "train")), datasets.load_from_disk(str(cache / "heldout")),
+                         held_msgs, report)
+
+
+def pack(ds, max_length: int):
+    """Concatenate examples into rows of max_length (greedy, in order). Attention crosses document boundaries
+    ("naive packing"); target and draft see the same context, so KD targets stay consistent."""
+    ids, mask, out_ids, out_mask = [], [], [], []
+    for r in ds:
+        ids.extend(r["input_ids"])
+        mask.extend(r["loss_mask"])
+        while len(ids) >= max_length:
+            out_ids.append(ids[:max_length]), out_mask.append(mask[:max_length])
+            ids, mask = ids[max_length:], mask[max_length:]
+    if ids:
+        out_ids.append(ids), out_mask.append(mask)
+    import datasets
+
+    return datasets.Dataset.from_dict({"input_ids": out_ids, "loss_mask": out_mask})

@@ -1,0 +1,90 @@
+"""The frozen target model: one forward gives its logits and (for EAGLE-3) the aux hidden states."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from specdistill.assets import is_embedded, resolve_model_path
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+def parse_dtype(name: str):
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def locate_model(path: str) -> str:
+    """Resolve `embedded:*` and check a local-looking path exists, with an error that says what to do."""
+    if is_embedded(path):
+        return resolve_model_path(path)
+    p = Path(path).expanduser()
+    if p.exists():
+        if not (p / "config.json").exists():
+            raise FileNotFoundError(f"model folder {p} has no config.json: point target.path/draft.path at an HF "
+                                    "model folder (save_pretrained output)")
+        return str(p)
+    looks_local = path.startswith(("/", ".", "~")) or path.count("/") != 1
+    if looks_local:
+        raise FileNotFoundError(f"model path {path!r} does not exist. Use a local HF folder, a hub id (org/name) with "
+                                "network access, or target.path=embedded:smollm2-135m-instruct")
+    return path  # a hub id; from_pretrained raises its own error, which load_causal_lm rewords
+
+
+def load_causal_lm(path: str, dtype: str = "float32"):
+    from transformers import AutoModelForCausalLM
+
+    where = locate_model(path)
+    try:
+        return AutoModelForCausalLM.from_pretrained(where, dtype=parse_dtype(dtype))
+    except OSError as e:
+        raise FileNotFoundError(
+            f"could not load model {path!r} ({type(e).__name__}: {str(e).splitlines()[0]}). Offline machines cannot "
+            "reach the hub: download it elsewhere and pass the local folder, or use embedded:smollm2-135m-instruct"
+        ) from None
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(locate_model(path))
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # (B, T, V)
+    aux_hidden: Optional[torch.Tensor] = None  # (B, T, n_aux * H): concatenated aux layers, ascending ids
+
+
+class Target(torch.nn.Module):
+    """A frozen causal LM in eval mode. `aux_layer_ids` follow vLLM: k = residual stream after k decoder layers
+    = HF output_hidden_states[k] (0 is the embeddings)."""
+
+    def __init__(self, model, aux_layer_ids: Optional[list[int]] = None):
+        super().__init__()
+        self.model = model.eval().requires_grad_(False)
+        self.aux_layer_ids = list(aux_layer_ids) if aux_layer_ids else None
+        if self.aux_layer_ids:
+            L = model.config.num_hidden_layers
+            bad = [k for k in self.aux_layer_ids if not 0 <= k <= L]
+            if bad:
+                raise ValueError(f"aux layer ids {bad} out of range for a target with {L} layers: use ids in [0, {L}]")
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def train(self, mode: bool = True):  # the target never leaves eval mode
+        return super().train(False)
+
+    @torch.no_grad()
+    def forward(self, input_ids, attention_mask=None, logits_to_keep=0) -> TargetOutput:
+        want_aux = self.aux_layer_ids is not None
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=want_aux,
+                         use_cache=False, logits_to_keep=logits_to_keep)
+        aux = torch.cat([out.hidden_states[k] for k in self.aux_layer_ids], dim=-1) if want_aux else None
+        return TargetOutput(logits=out.logits, aux_hidden=aux)

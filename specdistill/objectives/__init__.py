@@ -1,0 +1,8 @@
+"""Training objectives, one file each; every objective is a dataclass whose __call__(batch, models) -> StepOutput."""
+from specdistill.objectives.base import Models, StepOutput
+from specdistill.objectives.kd import KDObjective
+from specdistill.objectives.sft import SFTObjective
+
+OBJECTIVES = {"sft": SFTObjective, "kd": KDObjective}
+
+__all__ = ["OBJECTIVES", "Models", "StepOutput", "KDObjective", "SFTObjective"]

@@ -1,0 +1,97 @@
+"""Atomic checkpoints that resume exactly: a step folder is written under a temp name and renamed when complete.
+
+Layout of <output_dir>/checkpoints/step-0000100/:
+  draft/              the draft in HF format (safetensors, config.json, tokenizer)
+  state/              accelerate.save_state: model, optimizer, scheduler, RNG of every rank
+  trainer_state.json  step, epoch, tokens seen
+  metrics.json        the latest metrics (training and held-out acceptance)
+  config.yaml         the fully resolved config of the run
+A folder whose name starts with "." is incomplete (a crash mid-save) and is never resumed from.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoint_dir(output_dir)
+    if not root.exists():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_RE.match(p.name))
+             and (p / "trainer_state.json").exists()]
+    return [p for _, p in sorted(found)]
+
+
+def resolve_resume(resume: Optional[str], output_dir: str | Path) -> Optional[Path]:
+    if not resume:
+        return None
+    if resume == "auto":
+        ckpts = list_checkpoints(output_dir)
+        return ckpts[-1] if ckpts else None
+    p = Path(resume).expanduser()
+    if not (p / "trainer_state.json").exists() or not (p / "state").exists():
+        raise FileNotFoundError(f"trainer.resume={resume!r} is not a complete checkpoint folder (needs "
+                                "trainer_state.json and state/); use trainer.resume=auto to take the newest one")
+    return p
+
+
+def save_checkpoint(accelerator, draft, tokenizer, output_dir, step: int, trainer_state: dict, metrics: dict,
+                    config_yaml: str, keep: int = 2) -> Path:
+    """Every rank must call this (accelerate gathers state); only the main process writes shared files."""
+    root = checkpoint_dir(output_dir)
+    final = root / f"step-{step:07d}"
+    tmp = root / f".step-{step:07d}.tmp"
+    if accelerator.is_main_process:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # debris of an interrupted save of this same step
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp / "state"))
+    state_dict = accelerator.get_state_dict(draft)  # full state dict (gathered under FSDP/ZeRO-3)
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(draft)
+        unwrapped.save_pretrained(tmp / "draft", state_dict=state_dict, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / "draft")
+        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        (tmp / "config.yaml").write_text(config_yaml)
+        # trainer_state.json is written last: its presence marks the content complete, the rename makes it visible.
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        for old in list_checkpoints(output_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, path: Path) -> dict:
+    """Restore model, optimizer, scheduler and RNG in place; return the trainer state (step, epoch...)."""
+    accelerator.load_state(str(path / "state"))
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass

@@ -1,0 +1,178 @@
+"""THE training loop: accumulate, normalise by the global loss-token count, step, log, evaluate, checkpoint.
+
+It never branches on the objective: an objective turns a batch into per-token losses (StepOutput) and everything
+else (normalisation, accumulation, clipping, schedule, logging, eval cadence, checkpoints, resume) lives here.
+"""
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
+
+from specdistill.build import Components
+from specdistill.data.chat import collate
+from specdistill.data.loader import StepBatches
+from specdistill.eval.simulated import simulated_acceptance
+from specdistill.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+
+
+@dataclass
+class FitResult:
+    step: int
+    final_checkpoint: Optional[Path]
+    history: list[dict] = field(default_factory=list)  # every logged metrics dict
+    heldout_before: Optional[dict] = None
+    heldout_after: Optional[dict] = None
+
+
+def _to_device(batch: dict, device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def peak_memory_mb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def heldout_batches(c: Components) -> list[dict]:
+    ds = c.data.heldout
+    acc = c.accelerator
+    n = c.cfg.trainer.micro_batch_size
+    idx = list(range(acc.process_index, len(ds), acc.num_processes))  # each rank scores its share once
+    pad = c.models.tokenizer.pad_token_id
+    chunks = [idx[i:i + n] for i in range(0, len(idx), n)][: c.cfg.eval.max_batches]
+    return [collate([ds[i] for i in ch], pad) for ch in chunks]
+
+
+def evaluate_heldout(c: Components) -> dict:
+    acc = c.accelerator
+    batches = [_to_device(b, acc.device) for b in heldout_batches(c)]
+    with acc.autocast():
+        sim = simulated_acceptance(c.models.draft, c.models.target, batches, c.cfg.eval.gamma,
+                                   reduce=lambda t: acc.reduce(t.to(acc.device), "sum"))
+    out = {f"heldout/{k}": v for k, v in sim.to_dict().items()}
+    out.update({f"heldout/accept_rate_pos{k + 1}": a for k, a in enumerate(sim.accept_rate_per_pos)})
+    return out
+
+
+def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], dict], ...] = ()) -> FitResult:
+    """Train until trainer.max_steps (or trainer.epochs). `epoch_end_hooks(c, epoch, step) -> metrics` run at the end
+    of every epoch (the speculative evaluator plugs in there)."""
+    cfg, acc, t = c.cfg, c.accelerator, c.cfg.trainer
+    draft, objective, opt, sched = c.models.draft, c.objective, c.optimizer, c.scheduler
+    out_dir = c.output_dir
+    batches = StepBatches(c.data.train, t.micro_batch_size, t.grad_accum, c.models.tokenizer.pad_token_id, t.seed,
+                          acc.process_index, acc.num_processes)
+    max_steps = t.max_steps if t.epochs is None else min(t.max_steps, t.epochs * batches.steps_per_epoch)
+    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    if acc.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(config_yaml)
+        (out_dir / "data_report.json").write_text(json.dumps(c.data.report, indent=1))
+    if t.wandb:
+        acc.init_trackers(t.wandb_project, config=OmegaConf.to_container(cfg, resolve=True),
+                          init_kwargs={"wandb": {"name": cfg.run_name, "dir": str(out_dir), "mode": t.wandb_mode}})
+
+    step, tokens_seen = 0, 0
+    result = FitResult(0, None)
+    resume_from = resolve_resume(t.resume, out_dir)
+    if resume_from is not None:
+        state = load_checkpoint(acc, resume_from)
+        step, tokens_seen = state["step"], state["tokens_seen"]
+        result.heldout_before = state.get("heldout_before")
+        acc.print(f"[train] resumed from {resume_from} at step {step}")
+    else:
+        result.heldout_before = evaluate_heldout(c)
+        acc.print(f"[train] held-out before training: {json.dumps(result.heldout_before)}")
+
+    metrics_file = out_dir / "metrics.jsonl"
+    world = acc.num_processes
+    sums: dict[str, torch.Tensor] = {}
+    t_window, tok_window = time.perf_counter(), 0
+    latest: dict = {}
+    bar = tqdm(total=max_steps, initial=step, desc=f"train {cfg.run_name}", disable=not acc.is_local_main_process,
+               dynamic_ncols=True)
+    draft.train()
+    while step < max_steps:
+        micro = [_to_device(b, acc.device) for b in batches.micro_batches(step)]
+        # Normalise by the global number of loss tokens in this optimizer step (all micro-batches, all ranks):
+        # the gradient is that of the mean over tokens, however the batch is split. DDP averages gradients over
+        # ranks, hence the factor world.
+        n_local = sum(b["loss_mask"].sum() for b in micro)
+        n_global = acc.reduce(n_local.detach().clone(), "sum").clamp_min(1)
+        scale = world / n_global
+        for i, b in enumerate(micro):
+            sync = nullcontext() if i == len(micro) - 1 else acc.no_sync(draft)
+            with sync, acc.autocast():
+                out = objective(b, c.models)
+                per_token = out.loss if out.weight is None else out.loss * out.weight
+                acc.backward(per_token.sum() * scale)
+            for k, v in out.metrics.items():
+                sums[k] = sums.get(k, 0) + v.detach().float()
+        sums["tokens"] = sums.get("tokens", 0) + n_local.float()
+        grad_norm = acc.clip_grad_norm_(draft.parameters(), t.max_grad_norm) if t.max_grad_norm > 0 else None
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        tokens_seen += int(n_global.item())
+        tok_window += int(n_global.item())
+        bar.update(1)
+
+        epoch_done = step % batches.steps_per_epoch == 0
+        last = step == max_steps
+        if step % t.log_every == 0 or last:
+            keys = sorted(sums)
+            totals = acc.reduce(torch.stack([torch.as_tensor(sums[k], device=acc.device) for k in keys]), "sum")
+            red = dict(zip(keys, totals.tolist()))
+            ntok = max(red.pop("tokens"), 1.0)
+            elapsed = time.perf_counter() - t_window
+            latest = {f"train/{k.removesuffix('_sum')}": v / ntok for k, v in red.items()}
+            latest.update({"train/lr": sched.get_last_lr()[0], "train/tokens_per_s": tok_window / elapsed,
+                           "train/s_per_step": elapsed / (t.log_every if step % t.log_every == 0 else step % t.log_every or 1),
+                           "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+                           "train/peak_mem_mb": peak_memory_mb(acc.device), "step": step,
+                           "epoch": batches.epoch_of(step - 1), "tokens_seen": tokens_seen})
+            bar.set_postfix(loss=f"{latest.get('train/loss', math.nan):.4f}", tok_s=f"{latest['train/tokens_per_s']:.0f}")
+            result.history.append(latest)
+            _log(acc, latest, step, metrics_file)
+            sums, t_window, tok_window = {}, time.perf_counter(), 0
+        if (t.eval_every and step % t.eval_every == 0) or last:
+            latest.update(evaluate_heldout(c))
+            _log(acc, {k: v for k, v in latest.items() if k.startswith("heldout/")}, step, metrics_file)
+        if epoch_done or last:
+            for hook in epoch_end_hooks:
+                latest.update(hook(c, batches.epoch_of(step - 1), step))
+        if step % t.save_every == 0 or last:
+            state = {"step": step, "epoch": batches.epoch_of(step - 1), "tokens_seen": tokens_seen,
+                     "heldout_before": result.heldout_before}
+            result.final_checkpoint = save_checkpoint(acc, draft, c.models.tokenizer, out_dir, step, state, latest,
+                                                      config_yaml, keep=t.keep_checkpoints)
+    bar.close()
+    result.step = step
+    result.heldout_after = {k: v for k, v in latest.items() if k.startswith("heldout/")} or None
+    if acc.is_main_process:
+        summary = {"step": step, "heldout_before": result.heldout_before, "heldout_after": result.heldout_after,
+                   "final_checkpoint": str(result.final_checkpoint) if result.final_checkpoint else None,
+                   "last_train_metrics": {k: v for k, v in latest.items() if k.startswith("train/")}}
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if t.wandb:
+        acc.end_training()
+    return result
+
+
+def _log(acc, metrics: dict, step: int, path: Path) -> None:
+    acc.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+    if acc.is_main_process:
+        with path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")

@@ -1,0 +1,101 @@
+"""Shared fixtures: a tiny chat tokenizer, tiny Llama targets saved as HF folders, and small conversation files.
+
+Nothing here touches a network or the embedded real model: everything is built from configs in seconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WORDS = ("the a cat dog sat on mat ran to park and saw bird tree red blue green one two three four five what is "
+         "why how please tell me about color number yes no hello hi thanks").split()
+
+
+def make_tokenizer(extra_words: tuple[str, ...] = ()):
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = [" ".join(random.Random(i).choices(WORDS + list(extra_words), k=12)) for i in range(300)]
+    tok.train_from_iterator(corpus + ["user assistant system"] * 5, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token="<|im_start|>")
+    fast.chat_template = CHATML
+    return fast
+
+
+def make_tiny_lm(vocab_size: int, layers: int = 4, hidden: int = 64, seed: int = 0, max_pos: int = 512):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                      tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(cfg)
+
+
+def conversations(n: int, seed: int = 0) -> list[dict]:
+    r = random.Random(seed)
+    rows = []
+    for i in range(n):
+        turns = []
+        for _ in range(r.randint(1, 2)):
+            turns.append({"from": "human", "value": " ".join(r.choices(WORDS, k=r.randint(3, 8)))})
+            turns.append({"from": "gpt", "value": " ".join(r.choices(WORDS, k=r.randint(4, 12)))})
+        rows.append({"id": str(i), "conversations": turns})
+    return rows
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tiny_target")
+    tok = make_tokenizer()
+    model = make_tiny_lm(len(tok))
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_data_file(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("data") / "conv.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in conversations(96)))
+    return p
+
+
+def tiny_overrides(target_dir, data_file, out_dir, cache_dir) -> list[str]:
+    """Overrides that point any recipe at the tiny target and data and keep runs to seconds."""
+    return [f"target.path={target_dir}", "target.dtype=float32", f"data.path={data_file}", "data.format=auto",
+            "data.max_rows=null", "data.max_length=64", "data.heldout_size=8", f"data.cache_dir={cache_dir}",
+            "draft.num_layers=1", f"trainer.output_dir={out_dir}", "trainer.micro_batch_size=2", "trainer.grad_accum=2",
+            "trainer.max_steps=3", "trainer.log_every=1", "trainer.save_every=100", "trainer.eval_every=0",
+            "trainer.warmup_steps=1", "eval.max_batches=2", "eval.num_prompts=2", "eval.max_new_tokens=8",
+            "eval.spec_eval=false"]
+
+
+def compose(recipe: str | None, overrides: list[str]):
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from specdistill.config import CONF_DIR, register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose("config", overrides=([f"recipe={recipe}"] if recipe else []) + overrides)

@@ -1,0 +1,60 @@
+"""Configs: every recipe composes, YAML mirrors the dataclasses, unknown keys fail loudly, overrides beat recipes."""
+import pytest
+from omegaconf import OmegaConf
+
+from specdistill.config import CONF_DIR, RECIPES_DIR, validate_objective
+from tests.conftest import compose
+
+RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_composes_and_validates(recipe):
+    cfg = compose(recipe, [])
+    assert cfg.run_name == recipe
+    obj = validate_objective(cfg)
+    assert obj.name == cfg.objective.name
+
+
+def test_recipes_exist():
+    assert {"sft", "kd"} <= set(RECIPES)
+
+
+def test_command_line_beats_recipe():
+    cfg = compose("kd", ["objective.divergence=jsd", "objective.beta=0.25", "trainer.lr=1e-3", "draft=small_lm"])
+    assert cfg.objective.divergence == "jsd" and cfg.objective.beta == 0.25
+    assert cfg.trainer.lr == 1e-3 and cfg.draft.init == "config"
+    assert validate_objective(cfg).beta == 0.25
+
+
+def test_unknown_keys_fail_loudly():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="lrr"):
+        compose("kd", ["trainer.lrr=1"])
+    with pytest.raises(ConfigCompositionException):
+        compose("kd", ["objective.divergenze=jsd"])
+    cfg = compose("kd", [])
+    OmegaConf.set_struct(cfg, False)
+    cfg.objective.bogus = 1
+    with pytest.raises(ValueError, match="bogus"):
+        validate_objective(cfg)
+    cfg.objective = {"name": "nope"}
+    with pytest.raises(ValueError, match="unknown objective"):
+        validate_objective(cfg)
+    cfg = compose("kd", ["objective.divergence=kl9"])
+    with pytest.raises(ValueError, match="divergence"):
+        validate_objective(cfg)
+
+
+@pytest.mark.parametrize("group", ["target", "draft", "data", "trainer", "eval", "objective"])
+def test_group_yaml_options_all_compose(group):
+    for path in sorted((CONF_DIR / group).glob("*.yaml")):
+        overrides = [f"{group}={path.stem}"]
+        if "???" in path.read_text():  # options that need a user value
+            key = {"target": "target.path", "draft": "draft.path", "data": "data.path"}[group]
+            overrides.append(f"{key}=/x")
+        cfg = compose(None, overrides)
+        assert cfg[group] is not None
+        if group == "objective":
+            validate_objective(cfg)
