@@ -103,3 +103,12 @@ def test_tokenizer_mismatch_gives_a_clear_error(tiny_target_dir, tiny_data_file,
                   + ["draft=pretrained", f"draft.path={other}"])
     with pytest.raises(ValueError, match="vocab_size|tokenizer mismatch"):
         build(cfg)
+
+
+def test_wandb_offline_logs_through_accelerate(tiny_target_dir, tiny_data_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    c, res = _run("kd", tiny_target_dir, tiny_data_file, tmp_path, ["trainer.max_steps=2", "trainer.wandb=true"], "wb")
+    runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    lines = (tmp_path / "wb" / "metrics.jsonl").read_text().splitlines()
+    assert any("train/loss" in line for line in lines)

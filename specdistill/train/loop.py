@@ -98,7 +98,7 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
     metrics_file = out_dir / "metrics.jsonl"
     world = acc.num_processes
     sums: dict[str, torch.Tensor] = {}
-    t_window, tok_window = time.perf_counter(), 0
+    t_window, tok_window, steps_window = time.perf_counter(), 0, 0
     latest: dict = {}
     bar = tqdm(total=max_steps, initial=step, desc=f"train {cfg.run_name}", disable=not acc.is_local_main_process,
                dynamic_ncols=True)
@@ -120,6 +120,7 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
             for k, v in out.metrics.items():
                 sums[k] = sums.get(k, 0) + v.detach().float()
         sums["tokens"] = sums.get("tokens", 0) + n_local.float()
+        sums["input_tokens"] = sums.get("input_tokens", 0) + sum(b["attention_mask"].sum() for b in micro).float()
         grad_norm = acc.clip_grad_norm_(draft.parameters(), t.max_grad_norm) if t.max_grad_norm > 0 else None
         opt.step()
         sched.step()
@@ -127,6 +128,7 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
         step += 1
         tokens_seen += int(n_global.item())
         tok_window += int(n_global.item())
+        steps_window += 1
         bar.update(1)
 
         epoch_done = step % batches.steps_per_epoch == 0
@@ -136,17 +138,20 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
             totals = acc.reduce(torch.stack([torch.as_tensor(sums[k], device=acc.device) for k in keys]), "sum")
             red = dict(zip(keys, totals.tolist()))
             ntok = max(red.pop("tokens"), 1.0)
+            n_input = red.pop("input_tokens")
             elapsed = time.perf_counter() - t_window
             latest = {f"train/{k.removesuffix('_sum')}": v / ntok for k, v in red.items()}
             latest.update({"train/lr": sched.get_last_lr()[0], "train/tokens_per_s": tok_window / elapsed,
-                           "train/s_per_step": elapsed / (t.log_every if step % t.log_every == 0 else step % t.log_every or 1),
+                           "train/input_tokens_per_s": n_input / elapsed,
+                           "train/s_per_step": elapsed / steps_window,
                            "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                            "train/peak_mem_mb": peak_memory_mb(acc.device), "step": step,
                            "epoch": batches.epoch_of(step - 1), "tokens_seen": tokens_seen})
             bar.set_postfix(loss=f"{latest.get('train/loss', math.nan):.4f}", tok_s=f"{latest['train/tokens_per_s']:.0f}")
             result.history.append(latest)
             _log(acc, latest, step, metrics_file)
-            sums, t_window, tok_window = {}, time.perf_counter(), 0
+            sums, t_window, tok_window, steps_window = {}, time.perf_counter(), 0, 0
+        t_pause = time.perf_counter()  # eval and checkpoint time is kept out of tokens/s and s/step
         if (t.eval_every and step % t.eval_every == 0) or last:
             latest.update(evaluate_heldout(c))
             _log(acc, {k: v for k, v in latest.items() if k.startswith("heldout/")}, step, metrics_file)
@@ -158,6 +163,7 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
                      "heldout_before": result.heldout_before}
             result.final_checkpoint = save_checkpoint(acc, draft, c.models.tokenizer, out_dir, step, state, latest,
                                                       config_yaml, keep=t.keep_checkpoints)
+        t_window += time.perf_counter() - t_pause
     bar.close()
     result.step = step
     result.heldout_after = {k: v for k, v in latest.items() if k.startswith("heldout/")} or None
