@@ -1,0 +1,154 @@
+"""Drafters propose tokens for the target to verify: a standalone LM with its own KV cache, or prompt lookup (n-grams).
+
+The protocol, per generation: start(prompt) once, then each round propose(k) -> Proposal and commit(verdict info).
+Like the target, a drafter holds every token but the last ("pending") one in its state: propose(k) feeds the
+pending token(s) and drafts k; commit() keeps the accepted drafts and makes next_token the new pending token.
+Rows whose `active` flag is False have stopped: they keep nothing and their proposals are ignored.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from .kv import BatchKV, TokenBuffer, device_of, logits_dim, max_positions
+from .sampling import Sampler
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor               # (B, k) long drafted tokens
+    probs: torch.Tensor | None = None  # (B, k, V) the draft's processed probs q; None = one-hot at tokens
+
+
+class Drafter(ABC):
+    vocab_size: int | None = None     # size of q's vocab; None: proposes token ids from the context, any vocab
+    needs_hidden_states: bool = False  # EAGLE-style heads: the loop passes the target's hidden states to start/commit
+
+    @abstractmethod
+    def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_hidden=None) -> None:
+        """Left-padded prompt (B, T). target_hidden: the target's per-layer hidden states for input_ids[:, :-1]."""
+
+    @abstractmethod
+    def propose(self, k: int, sampler: Sampler) -> Proposal:
+        """Draft k tokens per row: sampled from q at temperature > 0, argmax at temperature 0."""
+
+    @abstractmethod
+    def commit(self, num_accepted: torch.Tensor, next_token: torch.Tensor, active: torch.Tensor,
+               target_hidden=None) -> None:
+        """Row b accepted its first num_accepted[b] drafts, then next_token[b] (B,). active (B,) bool: rows going on.
+
+        target_hidden: the target's per-layer hidden states (B, k+1, H) for [pending, d_1..d_k] from the
+        verification forward (only when needs_hidden_states); row b keeps the first 1 + num_accepted[b].
+        """
+
+
+class LMDrafter(Drafter):
+    """Any HF causal LM sharing the target's vocabulary, drafting autoregressively from its own KV cache.
+
+    Positions past the draft's max_position_embeddings are clamped: poor drafts there, output still lossless.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.vocab_size = logits_dim(model)
+
+    def start(self, input_ids, attention_mask, target_hidden=None) -> None:
+        limit = max_positions(self.model)
+        longest = int(attention_mask.sum(1).max())
+        if limit is not None and longest > limit:
+            raise ValueError(f"prompt of {longest} tokens exceeds the draft's max_position_embeddings={limit}: "
+                             "shorten the prompt or use a draft with a longer context")
+        device = device_of(self.model)
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        self.kv = BatchKV(self.model)
+        self.kv.prefill(input_ids[:, :-1], attention_mask[:, :-1])
+        self.pending = input_ids[:, -1:]                                     # (B, P) right-padded, P in {1, 2}
+        self.pending_valid = torch.ones_like(self.pending, dtype=torch.bool)  # (B, P)
+
+    @torch.no_grad()
+    def propose(self, k: int, sampler: Sampler) -> Proposal:
+        B = self.pending.shape[0]
+        rows = torch.arange(B, device=self.pending.device)
+        logits = self.kv.step(self.pending, self.pending_valid).logits       # (B, P, V)
+        logits = logits[rows, self.pending_valid.sum(1) - 1]                 # (B, V) at each row's last real slot
+        tokens, probs = [], []
+        for i in range(k):
+            token, q = sampler.draw(logits)                                  # (B,), (B, V) | None
+            tokens.append(token)
+            probs.append(q)
+            if i < k - 1:
+                logits = self.kv.step(token[:, None]).logits[:, -1]         # (B, V)
+        self.tokens = torch.stack(tokens, 1) if k else self.pending.new_zeros(B, 0)  # (B, k)
+        if sampler.greedy:
+            return Proposal(self.tokens, None)
+        q = torch.stack(probs, 1) if k else logits.new_zeros(B, 0, logits.shape[-1]).float()  # (B, k, V)
+        return Proposal(self.tokens, q)
+
+    @torch.no_grad()
+    def commit(self, num_accepted, next_token, active, target_hidden=None) -> None:
+        device = self.pending.device
+        n, next_token, active = num_accepted.to(device), next_token.to(device), active.to(device)
+        B, k = self.tokens.shape
+        # The cache tail holds [pending slots, d_1 .. d_{k-1}]; d_k was drafted but never fed.
+        fed = torch.arange(max(k - 1, 0), device=device)
+        keep = torch.cat([self.pending_valid, fed < n[:, None]], dim=1) & active[:, None]
+        self.kv.commit(keep)
+        # New pending: next_token, preceded by d_k where all k drafts were accepted. Stopped rows re-feed any
+        # real token (its output is ignored and commit keeps nothing for them).
+        full = (n == k) & (k > 0) & active                                   # (B,)
+        first = self.tokens[:, -1] if k else next_token
+        first = torch.where(full, first, torch.where(active, next_token, self.pending[:, 0]))
+        second = torch.where(full, next_token, 0)
+        self.pending = torch.stack([first, second], 1)                       # (B, 2)
+        self.pending_valid = torch.stack([torch.ones_like(full), full], 1)
+        if not bool(full.any()):
+            self.pending, self.pending_valid = self.pending[:, :1], self.pending_valid[:, :1]
+
+
+class NGramDrafter(Drafter):
+    """Prompt lookup decoding (Saxena 2023): propose what followed the most recent earlier occurrence of the
+    context's last n tokens, trying n = max_ngram down to min_ngram. Training-free; q is one-hot.
+
+    Proposals are always k wide: a continuation that runs into the end of the context repeats with the match's
+    period (what the match predicts), and a row with no match proposes its last token again.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def start(self, input_ids, attention_mask, target_hidden=None) -> None:
+        self.context = TokenBuffer.from_prompt(input_ids, attention_mask)
+
+    @torch.no_grad()
+    def propose(self, k: int, sampler: Sampler) -> Proposal:
+        ctx, length = self.context.tokens, self.context.length              # (B, S), (B,)
+        B, S = ctx.shape
+        device = ctx.device
+        j = torch.arange(k, device=device)
+        tokens = ctx.gather(1, (length - 1)[:, None]).expand(B, k).clone()  # (B, k) fallback: the last token
+        found = torch.zeros(B, dtype=torch.bool, device=device)
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if S <= n:
+                continue
+            suffix = ctx.gather(1, (length[:, None] - n + torch.arange(n, device=device)).clamp(min=0))  # (B, n)
+            starts = torch.arange(S - n + 1, device=device)
+            hit = (ctx.unfold(1, n, 1) == suffix[:, None, :]).all(-1)       # (B, S-n+1)
+            hit &= (starts + n < length[:, None]) & (length[:, None] > n)   # an earlier occurrence with a follower
+            best = torch.where(hit, starts, -1).max(1).values               # (B,) most recent occurrence
+            use = (best >= 0) & ~found
+            period = (length - best - n).clamp(min=1)                       # (B,)
+            cont = ctx.gather(1, (best.clamp(min=0)[:, None] + n + j % period[:, None]).clamp(max=S - 1))
+            tokens = torch.where(use[:, None], cont, tokens)
+            found |= use
+        self.tokens = tokens
+        return Proposal(tokens, None)
+
+    def commit(self, num_accepted, next_token, active, target_hidden=None) -> None:
+        emitted = torch.cat([self.tokens, next_token[:, None]], dim=1)      # (B, k+1)
+        emitted.scatter_(1, num_accepted[:, None], next_token[:, None])     # accepted drafts, then next_token
+        self.context.append(emitted, (num_accepted + 1) * active)

@@ -1,0 +1,366 @@
+"""Speculative decoding (Leviathan et al. 2023; Chen et al. 2023) and its target-only baseline, both returning a Rollout.
+
+Each round: the drafter proposes K tokens, the target scores [pending, d_1..d_K] in ONE forward, verification keeps
+an accepted prefix plus one target token (correction or bonus), and both caches roll back to what was kept.
+Both models' states hold every token but the last ("pending") one, so the prefill feeds prompt[:, :-1] and every
+generated token comes out of a round: target forwards = rounds, and mean_accept_len = tokens / rounds.
+Batch > 1: one shared cache per model with per-row masks and positions (see kv.py); rows accept different counts,
+and a row that hit EOS or max_new_tokens stops counting (its later compute is wasted, never emitted).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .drafters import Drafter
+from .kv import BatchKV, TokenBuffer, device_of, logits_dim, max_positions
+from .sampling import Sampler
+from .verify import verify_greedy, verify_sampling
+
+
+# ----------------------------------------------------------------------------------------------- gamma policies
+class GammaPolicy(Protocol):
+    max_gamma: int
+
+    def gamma(self) -> int: ...
+
+    def update(self, proposed: int, accepted: int) -> None: ...
+
+
+@dataclass
+class FixedGamma:
+    k: int
+
+    def __post_init__(self) -> None:
+        if self.k < 0:
+            raise ValueError(f"gamma must be >= 0, got {self.k}")
+
+    @property
+    def max_gamma(self) -> int:
+        return self.k
+
+    def gamma(self) -> int:
+        return self.k
+
+    def update(self, proposed: int, accepted: int) -> None:
+        pass
+
+
+@dataclass
+class DynamicGamma:
+    """Adapts gamma to the recent acceptance rate: an EMA of accepted / proposed drafts per round (summed over
+    rows). Above grow_above (rounds where everything is accepted push it there) gamma grows by 1, below
+    shrink_below it shrinks by 1, always within [min_gamma, max_gamma]. State persists across calls."""
+
+    min_gamma: int = 1
+    max_gamma: int = 8
+    init: int = 4
+    smoothing: float = 0.5  # weight of the past in the EMA
+    grow_above: float = 0.8
+    shrink_below: float = 0.4
+    ema: float | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_gamma <= self.init <= self.max_gamma:
+            raise ValueError(f"need 1 <= min_gamma <= init <= max_gamma, got {self.min_gamma}, {self.init}, {self.max_gamma}")
+        if not 0 <= self.smoothing < 1 or not 0 <= self.shrink_below < self.grow_above <= 1:
+            raise ValueError("need 0 <= smoothing < 1 and 0 <= shrink_below < grow_above <= 1")
+        self._gamma = self.init
+
+    def gamma(self) -> int:
+        return self._gamma
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed == 0:
+            return
+        rate = accepted / proposed
+        self.ema = rate if self.ema is None else self.smoothing * self.ema + (1 - self.smoothing) * rate
+        if self.ema >= self.grow_above:
+            self._gamma = min(self._gamma + 1, self.max_gamma)
+        elif self.ema < self.shrink_below:
+            self._gamma = max(self._gamma - 1, self.min_gamma)
+
+
+# ----------------------------------------------------------------------------------------------- results
+@dataclass
+class RoundRecord:
+    """One verification round = one target forward. Per-row tensors; a row inactive this round emits nothing."""
+
+    gamma: int                   # K, tokens drafted this round
+    active: torch.Tensor         # (B,) bool, rows still generating when the round began
+    offset: torch.Tensor         # (B,) long, tokens the row had generated before this round (index into sequences)
+    draft_tokens: torch.Tensor   # (B, K)
+    accepted: torch.Tensor       # (B, K) bool
+    num_accepted: torch.Tensor   # (B,)
+    next_token: torch.Tensor     # (B,) correction or bonus (meaningless where not active)
+    num_emitted: torch.Tensor    # (B,) tokens appended to sequences (num_accepted + 1, cut at EOS / budget)
+    alpha: torch.Tensor          # (B, K) sum_x min(p, q) per drafted position, after a rejection too; 0 if inactive
+    # record=True only: what an on-policy trainer builds its loss from.
+    target_logits: torch.Tensor | None = None  # (B, K+1, V) raw target logits at [pending, d_1..d_K]
+    target_probs: torch.Tensor | None = None   # (B, K, V) processed p at the drafted positions (one-hot at T=0)
+    draft_probs: torch.Tensor | None = None    # (B, K, V) processed q; None = one-hot at draft_tokens
+
+
+@dataclass
+class Rollout:
+    sequences: torch.Tensor          # (B, max_new_tokens) generated tokens; pad_token after num_new_tokens
+    num_new_tokens: torch.Tensor     # (B,)
+    rounds: list[RoundRecord]        # empty for target_generate
+    target_forwards: torch.Tensor    # (B,) rounds (decode forwards) in which the row was active; prefill excluded
+    accept_hist: torch.Tensor        # (max_gamma+1,) row-rounds by num_accepted
+    position_proposed: torch.Tensor  # (max_gamma,) drafts proposed at draft position k, summed over row-rounds
+    position_accepted: torch.Tensor  # (max_gamma,) drafts accepted at position k
+    position_alpha: torch.Tensor     # (max_gamma,) sum of alpha at position k
+    prefill_seconds: float           # target prefill + drafter start (warm-up: report apart)
+    round_seconds: list[float]       # wall time of each round (host-synchronized, CUDA included)
+
+    @property
+    def decode_seconds(self) -> float:
+        return sum(self.round_seconds)
+
+    @property
+    def mean_accept_len(self) -> float:
+        """Tokens per target forward (bonus included), from summed counts."""
+        return self.num_new_tokens.sum().item() / max(self.target_forwards.sum().item(), 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode throughput over all rows, prefill excluded."""
+        return self.num_new_tokens.sum().item() / max(self.decode_seconds, 1e-9)
+
+    @property
+    def acceptance_per_position(self) -> torch.Tensor:
+        """P(draft k accepted) = P(drafts 0..k all accepted); accepted[k] / accepted[k-1] is the conditional rate."""
+        return self.position_accepted / self.position_proposed.clamp(min=1)  # (max_gamma,)
+
+    @property
+    def alpha_per_position(self) -> torch.Tensor:
+        return self.position_alpha / self.position_proposed.clamp(min=1)     # (max_gamma,)
+
+    def tokens(self, row: int) -> list[int]:
+        return self.sequences[row, : int(self.num_new_tokens[row])].tolist()
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _check_inputs(model, input_ids, attention_mask, max_new_tokens, device):
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}")
+    input_ids, attention_mask = input_ids.to(device).long(), attention_mask.to(device).long()
+    lengths = attention_mask.sum(1)
+    if input_ids.shape[1] == 0 or bool((lengths == 0).any()):
+        raise ValueError("empty prompt: every row needs at least one real token (e.g. BOS or a chat template)")
+    if bool((attention_mask[:, 1:] < attention_mask[:, :-1]).any()):
+        raise ValueError("prompts must be left-padded (tokenizer padding_side='left'), real tokens last")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    limit = max_positions(model)
+    longest = int(lengths.max())
+    if limit is not None and longest + max_new_tokens > limit:
+        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's "
+                         f"max_position_embeddings={limit}: shorten the prompt or lower max_new_tokens")
+    return input_ids, attention_mask
+
+
+def _eos(eos_token_id, device) -> torch.Tensor | None:
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def _emit_counts(tokens, num_emitted, generated, max_new_tokens, eos, active):
+    """tokens (B, C): how many to append per row (cut after EOS and at the budget), and which rows are done."""
+    count = torch.minimum(num_emitted, max_new_tokens - generated)          # (B,)
+    if eos is not None:
+        is_eos = torch.isin(tokens, eos) & (torch.arange(tokens.shape[1], device=tokens.device) < count[:, None])
+        hit = is_eos.any(1)
+        count = torch.where(hit, is_eos.long().argmax(1) + 1, count)       # keep the EOS itself
+    else:
+        hit = torch.zeros_like(active)
+    count = count * active
+    done = active & (hit | (generated + count >= max_new_tokens))
+    return count, done
+
+
+def _pad_id(eos_token_id) -> int:
+    if eos_token_id is None:
+        return 0
+    return eos_token_id if isinstance(eos_token_id, int) else list(eos_token_id)[0]
+
+
+def _counters(batch: int, max_gamma: int, device) -> dict[str, torch.Tensor]:
+    return dict(
+        target_forwards=torch.zeros(batch, dtype=torch.long, device=device),
+        accept_hist=torch.zeros(max_gamma + 1, dtype=torch.long, device=device),
+        position_proposed=torch.zeros(max_gamma, dtype=torch.long, device=device),
+        position_accepted=torch.zeros(max_gamma, dtype=torch.long, device=device),
+        position_alpha=torch.zeros(max_gamma, dtype=torch.float, device=device),
+    )
+
+
+# ----------------------------------------------------------------------------------------------- decoding
+@torch.no_grad()
+def speculative_generate(
+    target_model: torch.nn.Module,
+    drafter: Drafter,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    gamma: int | GammaPolicy = 4,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_token_id: int | list[int] | None = None,
+    generator: torch.Generator | None = None,
+    record: bool = False,
+) -> Rollout:
+    """Generate from target_model with drafts from `drafter`; lossless: greedy output equals target-only greedy,
+    sampled output is distributed as the target's (same temperature / top_p processing for both models)."""
+    policy = FixedGamma(gamma) if isinstance(gamma, int) else gamma
+    sampler = Sampler(temperature, top_p, generator)
+    device = device_of(target_model)
+    input_ids, attention_mask = _check_inputs(target_model, input_ids, attention_mask, max_new_tokens, device)
+    V = logits_dim(target_model)
+    if drafter.vocab_size is not None and drafter.vocab_size != V:
+        raise ValueError(f"draft vocab size {drafter.vocab_size} != target vocab size {V}: verification compares "
+                         "distributions token by token; use a draft with the target's tokenizer and output vocab "
+                         "(or a vocab-mapped head)")
+    B = input_ids.shape[0]
+    eos = _eos(eos_token_id, device)
+    hidden = {"output_hidden_states": True} if drafter.needs_hidden_states else {}
+    out = TokenBuffer(B, max_new_tokens, device, fill=_pad_id(eos_token_id))
+    stats = _counters(B, policy.max_gamma, device)
+    rounds: list[RoundRecord] = []
+    round_seconds: list[float] = []
+
+    # 1. Prefill both models with the prompt but its last token, which becomes the first pending token.
+    t0 = _clock(device)
+    target = BatchKV(target_model)
+    prefill = target.prefill(input_ids[:, :-1], attention_mask[:, :-1], **hidden)
+    drafter.start(input_ids, attention_mask, target_hidden=getattr(prefill, "hidden_states", None))
+    pending = input_ids[:, -1]                                              # (B,)
+    active = torch.ones(B, dtype=torch.bool, device=device)
+    max_remaining = max_new_tokens
+    t_prev = t_start = _clock(device)
+
+    while True:
+        # 2. Draft K tokens; K never drafts past the budget (the token after the last draft comes free).
+        K = max(min(policy.gamma(), policy.max_gamma, max_remaining - 1), 0)
+        proposal = drafter.propose(K, sampler)
+        drafts = proposal.tokens.to(device)                                # (B, K)
+        q = None if proposal.probs is None else proposal.probs.to(device)  # (B, K, V)
+
+        # 3. Verify: one target forward over [pending, d_1..d_K] scores every draft plus the bonus position.
+        out_t = target.step(torch.cat([pending[:, None], drafts], dim=1), **hidden)
+        logits = out_t.logits                                               # (B, K+1, V)
+        p = None if sampler.greedy and not record else sampler.probs(logits)
+        verdict = verify_greedy(drafts, logits) if sampler.greedy else verify_sampling(drafts, q, p, generator)
+        n = verdict.num_accepted                                            # (B,)
+
+        # 4. Emit accepted drafts + next token, cut at EOS and at max_new_tokens.
+        offset = out.length
+        count, done = _emit_counts(verdict.tokens, verdict.num_emitted, offset, max_new_tokens, eos, active)
+        out.append(verdict.tokens, count)
+        going = active & ~done
+
+        # 5. Roll back: rows that go on keep [pending, accepted drafts]; next_token becomes their pending token.
+        col = torch.arange(K + 1, device=device)
+        target.commit((col <= n[:, None]) & going[:, None])
+        drafter.commit(n, verdict.next_token, going, target_hidden=getattr(out_t, "hidden_states", None))
+        pending = torch.where(going, verdict.next_token, pending)
+
+        # 6. Counters from sums over active rows (ratios are taken from these sums, never averaged).
+        accepted = verdict.accepted & active[:, None]                       # (B, K)
+        stats["target_forwards"] += active.long()
+        stats["accept_hist"].scatter_add_(0, n, active.long())
+        stats["position_proposed"][:K] += active.sum()
+        stats["position_accepted"][:K] += accepted.sum(0)
+        stats["position_alpha"][:K] += (verdict.alpha * active[:, None]).sum(0)
+        rounds.append(RoundRecord(
+            gamma=K, active=active, offset=offset, draft_tokens=drafts, accepted=accepted,
+            num_accepted=n * active, next_token=verdict.next_token, num_emitted=count,
+            alpha=verdict.alpha * active[:, None],
+            target_logits=logits if record else None,
+            target_probs=p[:, :K] if record else None,
+            draft_probs=q if record else None,
+        ))
+
+        # Loop control in one host sync (commit() also syncs once for its crop size; nothing syncs per token).
+        remaining = torch.where(going, max_new_tokens - out.length, 0).max()
+        n_going, n_accepted, n_active, max_remaining = torch.stack(
+            [going.sum(), accepted.sum(), active.sum(), remaining]).tolist()
+        policy.update(K * n_active, n_accepted)
+        active = going
+        t_now = time.perf_counter()  # the .tolist() above waited for the device
+        round_seconds.append(t_now - t_prev)
+        t_prev = t_now
+        if n_going == 0:
+            break
+
+    return Rollout(sequences=out.tokens[:, :max_new_tokens], num_new_tokens=out.length, rounds=rounds,
+                   prefill_seconds=t_start - t0, round_seconds=round_seconds, **stats)
+
+
+@torch.no_grad()
+def target_generate(
+    target_model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_token_id: int | list[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> Rollout:
+    """Target-only decoding on the same cache machinery: the denominator of every speedup. One forward per token."""
+    sampler = Sampler(temperature, top_p, generator)
+    device = device_of(target_model)
+    input_ids, attention_mask = _check_inputs(target_model, input_ids, attention_mask, max_new_tokens, device)
+    B = input_ids.shape[0]
+    eos = _eos(eos_token_id, device)
+    out = TokenBuffer(B, max_new_tokens, device, fill=_pad_id(eos_token_id))
+    stats = _counters(B, 0, device)
+    round_seconds: list[float] = []
+    one = torch.ones(B, dtype=torch.long, device=device)
+
+    t0 = _clock(device)
+    target = BatchKV(target_model)
+    target.prefill(input_ids[:, :-1], attention_mask[:, :-1])
+    pending = input_ids[:, -1]                                              # (B,)
+    active = torch.ones(B, dtype=torch.bool, device=device)
+    t_prev = t_start = _clock(device)
+    while True:
+        logits = target.step(pending[:, None]).logits[:, -1]               # (B, V)
+        token, _ = sampler.draw(logits)                                     # (B,)
+        count, done = _emit_counts(token[:, None], one, out.length, max_new_tokens, eos, active)
+        out.append(token[:, None], count)
+        # Stopped rows keep decoding garbage that is never emitted: cheaper than a per-row rollback here.
+        target.commit_all()
+        stats["target_forwards"] += active.long()
+        stats["accept_hist"] += active.sum()
+        active = active & ~done
+        pending = token
+        still = bool(active.any())  # the one host sync per token
+        t_now = time.perf_counter()
+        round_seconds.append(t_now - t_prev)
+        t_prev = t_now
+        if not still:
+            break
+
+    return Rollout(sequences=out.tokens[:, :max_new_tokens], num_new_tokens=out.length, rounds=[],
+                   prefill_seconds=t_start - t0, round_seconds=round_seconds, **stats)

@@ -1,0 +1,58 @@
+"""Fixtures for the spec/ tests: seeded tiny Llama models built from configs, and a chi-square p-value."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def _tiny_lm(seed: int = 0, vocab: int = 48, max_positions: int = 256, init_std: float = 0.2) -> LlamaForCausalLM:
+    # init_std 0.2 (not HF's 0.02) makes the distributions peaked and two seeds disagree: alpha ~0.4.
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=max_positions,
+                         initializer_range=init_std, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+def _chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit of counts (V,) to probs (V,); cells expecting < 5 are pooled."""
+    counts, probs = counts.double(), probs.double() / probs.sum()
+    expected = counts.sum() * probs
+    if bool((counts[probs == 0] > 0).any()):
+        return 0.0  # an impossible outcome was observed
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), stat / 2))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models are overhead-bound: one thread is faster, and 2 threads on a busy 2-core box crawl (~10x)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def tiny_lm():
+    return _tiny_lm
+
+
+@pytest.fixture
+def chi_square_pvalue():
+    return _chi_square_pvalue
+
+
+@pytest.fixture
+def ragged_prompts():
+    """Left-padded (4, 9) prompts of lengths 9, 5, 2, 7 (pad id 0), seeded."""
+    g = torch.Generator().manual_seed(123)
+    lengths = [9, 5, 2, 7]
+    ids = torch.randint(3, 48, (4, 9), generator=g)
+    mask = (torch.arange(9) >= 9 - torch.tensor(lengths)[:, None]).long()
+    return ids * mask, mask

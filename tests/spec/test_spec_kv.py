@@ -1,0 +1,134 @@
+"""Rollback is exact: after ragged commits the cache equals a fresh prefill of each row's kept tokens."""
+
+import pytest
+import torch
+
+from specdistill.spec.drafters import LMDrafter
+from specdistill.spec.kv import BatchKV, TokenBuffer
+from specdistill.spec.sampling import Sampler
+
+
+def _real_rows(kv: BatchKV, row: int):
+    """Per layer, (keys, values) of the row's real columns: (H, n, D) each."""
+    real = kv.mask[row].bool()
+    return [(layer.keys[row][:, real], layer.values[row][:, real]) for layer in kv.cache.layers]
+
+
+def _fresh(model, tokens: list[int]) -> BatchKV:
+    kv = BatchKV(model)
+    ids = torch.tensor([tokens])
+    kv.prefill(ids, torch.ones_like(ids))
+    return kv
+
+
+def _assert_cache_is_fresh(model, kv: BatchKV, row: int, tokens: list[int]):
+    fresh = _fresh(model, tokens)
+    assert int(kv.length[row]) == len(tokens) == int(kv.mask[row].sum())
+    for (k, v), (fk, fv) in zip(_real_rows(kv, row), _real_rows(fresh, 0)):
+        assert torch.allclose(k, fk, atol=1e-5) and torch.allclose(v, fv, atol=1e-5)
+
+
+@torch.no_grad()
+def test_ragged_commits_equal_fresh_prefill(tiny_lm, ragged_prompts):
+    model = tiny_lm(0)
+    ids, mask = ragged_prompts
+    kv = BatchKV(model)
+    kv.prefill(ids, mask)
+    rows = [ids[b][mask[b].bool()].tolist() for b in range(4)]
+    g = torch.Generator().manual_seed(0)
+    ones = torch.ones(4, 4, dtype=torch.long)
+    rounds = [  # (valid slots fed, slots kept): the kept ones are a prefix of each row's real slots
+        (ones, torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]])),  # ragged rollback
+        (torch.tensor([[1, 0, 1, 1], [0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 1]]),         # padding slots (holes)
+         torch.tensor([[1, 0, 1, 0], [0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 1]])),
+        (ones, ones),                                                                    # everything
+        (ones, 0 * ones),                                                                # nothing
+    ]
+    for i, (valid, keep) in enumerate(rounds):
+        new = torch.randint(3, 48, (4, 4), generator=g)
+        kv.step(new, valid.bool())
+        kv.commit(keep.bool())
+        if i == 1:
+            kv.compact()  # right-align rows and drop all-padding columns
+            assert kv.mask.shape[1] == max(len(r) + int(k.sum()) for r, k in zip(rows, keep)) == kv.committed
+        for b in range(4):
+            rows[b] += new[b][keep[b].bool()].tolist()
+            _assert_cache_is_fresh(model, kv, b, rows[b])
+    # Next-token logits from the rolled-back batch equal a fresh forward over each row's whole sequence.
+    nxt = torch.randint(3, 48, (4, 1), generator=g)
+    logits = kv.step(nxt).logits[:, -1]
+    for b in range(4):
+        full = torch.tensor([rows[b] + nxt[b].tolist()])
+        assert torch.allclose(logits[b], model(full).logits[0, -1], atol=1e-5)
+
+
+@torch.no_grad()
+def test_lm_drafter_rollback_and_next_proposal_match_fresh_model(tiny_lm, ragged_prompts):
+    target, draft = tiny_lm(0), tiny_lm(1)
+    ids, mask = ragged_prompts
+    drafter = LMDrafter(draft)
+    drafter.start(ids, mask)
+    seqs = [ids[b][mask[b].bool()].tolist() for b in range(4)]
+    sampler = Sampler(temperature=1.0, generator=torch.Generator().manual_seed(0))
+    for k, n, active in [(3, [3, 1, 0, 2], [1, 1, 1, 1]), (4, [0, 4, 2, 4], [1, 1, 0, 1]), (2, [2, 2, 1, 0], [1, 1, 0, 1])]:
+        proposal = drafter.propose(k, sampler)
+        for b in range(4):  # each q_k is the draft's distribution after the row's sequence + earlier drafts
+            if active[b]:
+                ctx = torch.tensor([seqs[b] + proposal.tokens[b, :2].tolist()])
+                fresh = torch.softmax(draft(ctx).logits[0, -3:], -1)
+                assert torch.allclose(proposal.probs[b, : min(k, 3)], fresh[: min(k, 3)], atol=1e-5)
+        nxt = torch.randint(3, 48, (4,), generator=torch.Generator().manual_seed(k))
+        drafter.commit(torch.tensor(n), nxt, torch.tensor(active).bool())
+        for b in range(4):
+            if active[b]:
+                seqs[b] += proposal.tokens[b, : n[b]].tolist() + [int(nxt[b])]
+        # The drafter's cache holds all but its pending tokens, exactly as a fresh prefill would.
+        for b in range(4):
+            if active[b]:
+                pending = int(drafter.pending_valid[b].sum())
+                _assert_cache_is_fresh(draft, drafter.kv, b, seqs[b][:-pending])
+                assert drafter.pending[b, :pending].tolist() == seqs[b][-pending:]
+
+
+@torch.no_grad()
+def test_holes_from_ragged_acceptance_are_compacted(tiny_lm, ragged_prompts):
+    model = tiny_lm(0)
+    ids, mask = ragged_prompts
+    kv = BatchKV(model)
+    kv.prefill(ids, mask)
+    rows = [ids[b][mask[b].bool()].tolist() for b in range(4)]
+    g = torch.Generator().manual_seed(1)
+    widths = []
+    for i in range(30):  # one row keeps all 5 slots, the others 1, a different row each round: holes pile up
+        new = torch.randint(3, 48, (4, 5), generator=g)
+        kept = [5 if b == i % 4 else 1 for b in range(4)]
+        kv.step(new)
+        kv.commit(torch.arange(5) < torch.tensor(kept)[:, None])
+        for b in range(4):
+            rows[b] += new[b, : kept[b]].tolist()
+        widths.append(kv.mask.shape[1])
+        longest = max(map(len, rows))
+        # Padding for the widest row stays within max(32, width / 4).
+        assert widths[-1] - longest <= max(32, widths[-1] // 4)
+    assert any(w2 < w1 for w1, w2 in zip(widths, widths[1:]))  # compaction happened
+    for b in range(4):
+        _assert_cache_is_fresh(model, kv, b, rows[b])
+
+
+def test_sliding_window_models_are_refused():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=64, sliding_window=8)
+    with pytest.raises(ValueError, match="sliding"):
+        BatchKV(MistralForCausalLM(config))
+
+
+def test_token_buffer_appends_ragged_counts_and_grows():
+    ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 4]])
+    buf = TokenBuffer.from_prompt(ids, (ids > 0).long(), extra=1)
+    for _ in range(3):
+        buf.append(torch.tensor([[1, 2, 3], [1, 2, 3]]), torch.tensor([3, 1]))
+    assert buf.length.tolist() == [11, 7]
+    assert buf.tokens[0, :11].tolist() == [5, 6] + [1, 2, 3] * 3
+    assert buf.tokens[1, :7].tolist() == [7, 8, 9, 4, 1, 1, 1]
