@@ -112,3 +112,16 @@ def test_wandb_offline_logs_through_accelerate(tiny_target_dir, tiny_data_file, 
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
     lines = (tmp_path / "wb" / "metrics.jsonl").read_text().splitlines()
     assert any("train/loss" in line for line in lines)
+
+
+def test_train_entry_runs_real_speculative_eval_at_epoch_end(tiny_target_dir, tiny_data_file, tmp_path):
+    from specdistill.train.run import run
+
+    out = tmp_path / "spec"
+    cfg = compose("kd", tiny_overrides(tiny_target_dir, tiny_data_file, out, tmp_path / "cache")
+                  + ["trainer.max_steps=2", "eval.spec_eval=true", "eval.prompts=heldout", "eval.num_prompts=2",
+                     "eval.warmup_prompts=0", "eval.measure_cost=false"])
+    res = run(cfg)
+    metrics = json.loads((res.final_checkpoint / "metrics.json").read_text())
+    assert 1.0 <= metrics["spec/mean_accept_len"] <= 1 + cfg.eval.gamma
+    assert (out / "eval" / "epoch-0" / "results.json").exists()
