@@ -86,20 +86,35 @@ class TrainerConfig:
 
 @dataclass
 class EvalConfig:
-    # Simulated acceptance during training (teacher-forced agreement runs; the real evaluator is scripts/evaluate.py).
-    gamma: int = 4
+    # Simulated acceptance during training (teacher-forced agreement runs; the real evaluator is specdistill.eval).
+    gamma: int = 4  # draft length (dynamic_gamma: its start value)
     max_batches: int = 8
-    # Real speculative evaluation after each epoch (specdistill.eval): prompts and limits.
+    # Real speculative evaluation: scripts/evaluate.py, and after each epoch in training (spec_eval).
+    # prompts: embedded:mt_bench | embedded:sharegpt (held-out tail) | heldout (training only) | a file | a hub dataset
     prompts: str = "embedded:mt_bench"
-    num_prompts: int = 8
+    prompts_split: str = "train"  # split of a hub dataset
+    num_prompts: Optional[int] = 8  # null = the whole set
+    max_prompt_tokens: Optional[int] = 1024  # longer prompts are skipped and counted (null: keep all)
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
+    ignore_eos: bool = False  # generate exactly max_new_tokens per prompt (fixed-length benchmarking)
+    seed: int = 0  # sampling at temperature > 0
     drafter: str = "draft"  # draft | ngram | target (the target as its own draft: an upper bound)
+    draft_path: Optional[str] = None  # a trained draft folder (.../checkpoints/step-N/draft); null: build the draft group
+    ngram_max: int = 3  # n-gram prompt lookup: longest and shortest n-gram matched
+    ngram_min: int = 1
     dynamic_gamma: bool = False
+    max_gamma: int = 8  # dynamic_gamma: gamma moves within [1, max_gamma]
     batch_size: int = 1
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # the batch-size sweep of scripts/evaluate.py
-    warmup_prompts: int = 1
+    sweep_prompts: int = 16  # prompts per sweep point (the first ones of the set)
+    warmup_prompts: int = 1  # run once before timing, not counted
+    measure_cost: bool = True  # time one draft token vs one target forward (c of the predicted speedup)
+    position_bucket: int = 16  # acceptance against output position, in buckets of this many tokens
+    compare_hf: bool = False  # side by side with HF transformers' assisted generation at batch 1 (temperature 0)
+    device: str = "auto"  # scripts/evaluate.py: auto (cuda if available) | cpu | cuda | cuda:N
+    output_dir: str = "outputs/eval_${eval.drafter}"  # scripts/evaluate.py writes results.json, results.md, plots here
     spec_eval: bool = True  # run the real speculative evaluation at the end of each epoch during training
 
 

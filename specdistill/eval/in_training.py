@@ -1,0 +1,74 @@
+"""Real speculative evaluation inside training: the loop calls spec_eval_hook at each epoch end (issue 3, item 6).
+
+Same code as scripts/evaluate.py (specdistill.eval.evaluator over specdistill.spec), on a small prompt set
+(eval.prompts, eval.num_prompts, eval.max_new_tokens), without the batch sweep or the HF comparison. Rank 0 runs it;
+the other ranks wait at a barrier and return {}. Drafts sharded across ranks (FSDP, DeepSpeed ZeRO-3) have no full
+copy on rank 0, so the hook skips them (with a message) rather than hang.
+"""
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+_warned: set[str] = set()
+
+
+def _sharded(acc) -> bool:
+    kind = str(getattr(acc, "distributed_type", ""))
+    if "FSDP" in kind:
+        return True
+    if "DEEPSPEED" in kind:
+        plugin = getattr(acc.state, "deepspeed_plugin", None)
+        return getattr(plugin, "zero_stage", 0) == 3
+    return False
+
+
+def spec_eval_hook(c, epoch: int, step: int) -> dict:
+    """Speculative eval of the current draft against the target; returns spec/* metrics (rank 0) and writes
+    c.output_dir/eval/epoch-{epoch}/results.json. Returns {} at once when cfg.eval.spec_eval is false."""
+    ecfg = c.cfg.eval
+    if not ecfg.spec_eval:
+        return {}
+    acc = c.accelerator
+    if _sharded(acc):
+        if "sharded" not in _warned:
+            acc.print("[spec-eval] skipped: the draft is sharded across ranks (FSDP / ZeRO-3); run "
+                      "scripts/evaluate.py eval.draft_path=<checkpoint>/draft instead")
+            _warned.add("sharded")
+        return {}
+    metrics: dict = {}
+    if acc.is_main_process:
+        metrics = _evaluate_on_this_rank(c, epoch, step)
+    acc.wait_for_everyone()
+    return metrics
+
+
+def _evaluate_on_this_rank(c, epoch: int, step: int) -> dict:
+    from specdistill.eval.evaluator import evaluate, for_training
+    from specdistill.eval.prompts import load_prompts
+    from specdistill.eval.report import write_report
+    from specdistill.spec.kv import max_positions
+
+    acc = c.accelerator
+    ecfg = OmegaConf.to_object(c.cfg.eval) if isinstance(c.cfg.eval, DictConfig) else c.cfg.eval
+    cfg = for_training(ecfg)
+    target = c.models.target.model if hasattr(c.models.target, "model") else c.models.target
+    tokenizer = c.models.tokenizer
+    draft = acc.unwrap_model(c.models.draft)
+    was_training = draft.training
+    draft.eval()
+    try:
+        prompts = load_prompts(cfg.prompts, tokenizer, num_prompts=cfg.num_prompts, max_new_tokens=cfg.max_new_tokens,
+                               context=max_positions(target), max_prompt_tokens=cfg.max_prompt_tokens,
+                               split=cfg.prompts_split, heldout=getattr(c.data, "heldout_messages", None))
+        spec = draft if cfg.drafter == "draft" else cfg.drafter
+        result = evaluate(target, tokenizer, spec, prompts, cfg, progress=False, log=acc.print)
+    finally:
+        draft.train(was_training)
+    write_report(result, c.output_dir / "eval" / f"epoch-{epoch}", plots=False, extra={"epoch": epoch, "step": step})
+    metrics = result.flat("spec/")
+    metrics["spec/epoch"] = float(epoch)
+    mm = "-" if result.greedy_mismatches is None else result.greedy_mismatches
+    acc.print(f"[spec-eval] epoch {epoch} step {step}: tau {result.mean_accept_len:.3f}, speedup {result.speedup:.3f}x "
+              f"({result.tokens_per_s:.1f} vs {result.target_only_tokens_per_s:.1f} tok/s), "
+              f"a_k {[round(a, 3) for a in result.accept_rate_per_pos]}, greedy mismatches {mm}")
+    return metrics

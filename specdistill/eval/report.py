@@ -1,0 +1,153 @@
+"""Evaluator reports: results.json (every number), results.md (a table to read), outputs.jsonl and PNG plots."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+from specdistill.eval.evaluator import EvalResult
+
+REQUIRED_KEYS = ("mean_accept_len", "accept_rate_per_pos", "tokens_per_s", "target_only_tokens_per_s", "speedup",
+                 "gamma", "temperature", "num_prompts", "new_tokens")
+PLOTS = ("accept_rate_per_pos.png", "accept_len_hist.png", "speedup_vs_batch_size.png", "accept_by_output_position.png")
+
+
+def _clean(x):
+    """JSON has no NaN/inf: write null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def write_report(result: EvalResult, out_dir, plots: bool = True, extra: Optional[dict] = None) -> dict[str, Path]:
+    """Write results.json, results.md, outputs.jsonl and (plots=True) the PNGs; return their paths by name."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = _clean(result.to_dict()) | (extra or {})
+    paths = {"results.json": out / "results.json", "results.md": out / "results.md",
+             "outputs.jsonl": out / "outputs.jsonl"}
+    paths["results.json"].write_text(json.dumps(data, indent=1))
+    paths["results.md"].write_text(markdown(result))
+    with paths["outputs.jsonl"].open("w") as f:
+        for s in result.samples:
+            f.write(json.dumps(s) + "\n")
+    if plots:
+        paths.update(write_plots(result, out))
+    return paths
+
+
+def _f(x, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def markdown(r: EvalResult) -> str:
+    gamma = f"{r.gamma} (dynamic, mean {r.mean_gamma:.2f})" if r.dynamic_gamma else str(r.gamma)
+    rows = [
+        ("drafter", r.drafter), ("prompts", f"{r.prompts} ({r.num_prompts})"), ("gamma", gamma),
+        ("temperature / top_p", f"{r.temperature} / {r.top_p}"), ("batch size", r.batch_size),
+        ("max new tokens", r.max_new_tokens), ("generated tokens (spec / target-only)",
+                                               f"{r.new_tokens} / {r.target_only_new_tokens}"),
+        ("**mean accept length tau** (tokens per target forward)", _f(r.mean_accept_len)),
+        ("alpha (acceptance given an accepted prefix)", _f(r.alpha)),
+        ("accept rate per position a_k", ", ".join(_f(a) for a in r.accept_rate_per_pos)),
+        ("**tokens/s speculative**", _f(r.tokens_per_s, 2)),
+        ("**tokens/s target-only**", _f(r.target_only_tokens_per_s, 2)),
+        ("**speedup** (wall clock, prefill included)", _f(r.speedup)),
+        ("decode-only speedup", _f(r.decode_speedup)),
+        ("per-token latency p50 / p95 / p99 ms (spec)",
+         " / ".join(_f(r.latency_ms[q], 1) for q in ("p50", "p95", "p99"))),
+        ("per-token latency p50 / p95 / p99 ms (target-only)",
+         " / ".join(_f(r.target_only_latency_ms[q], 1) for q in ("p50", "p95", "p99"))),
+        ("round cost / target step (from rollouts)", _f(r.round_cost_ratio)),
+    ]
+    if r.cost is not None:
+        rows += [("cost c = draft token / target forward", _f(r.cost.c)),
+                 ("v = verify forward (gamma+1 tokens) / target forward", _f(r.cost.v)),
+                 ("predicted tau from alpha (i.i.d.)", _f(r.predicted_tau_from_alpha)),
+                 ("predicted speedup (Leviathan, from alpha and c)", _f(r.predicted_speedup)),
+                 ("predicted speedup (measured tau, c and v)", _f(r.predicted_speedup_measured_tau))]
+    rows.append(("greedy mismatches vs target-only (should be 0)",
+                 "- (sampling)" if r.greedy_mismatches is None else r.greedy_mismatches))
+    lines = ["# Speculative decoding evaluation", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    if r.batch_sweep:
+        lines += ["", "## Batch-size sweep", "", "| batch | prompts | tokens/s spec | tokens/s target | speedup | tau |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {p.batch_size} | {p.num_prompts} | {_f(p.tokens_per_s, 2)} | {_f(p.target_only_tokens_per_s, 2)} "
+                  f"| {_f(p.speedup)} | {_f(p.mean_accept_len)} |" for p in r.batch_sweep]
+    if r.accept_by_output_position:
+        lines += ["", "## Acceptance against output position", "", "| tokens | rounds | tau | accept rate |",
+                  "|---|---|---|---|"]
+        lines += [f"| {b['start']}-{b['end'] - 1} | {b['rounds']} | {_f(b['tau'])} | {_f(b['accept_rate'])} |"
+                  for b in r.accept_by_output_position]
+    if r.hf:
+        h = r.hf
+        lines += ["", f"## Side by side with HF transformers (batch 1, {h['num_prompts']} prompts)", "",
+                  "| method | tokens/s | identical to ours | time ours / HF |", "|---|---|---|---|",
+                  f"| ours speculative | {_f(h['ours_tokens_per_s'], 2)} | - | - |",
+                  f"| ours target-only | {_f(h['ours_target_only_tokens_per_s'], 2)} | - | - |"]
+        for name, v in h.items():
+            if isinstance(v, dict):
+                lines.append(f"| {name} | {_f(v['tokens_per_s'], 2)} | {v['identical_outputs']}/{h['num_prompts']} "
+                             f"| {_f(v['time_ratio_ours_over_hf'])} |")
+    if r.mismatches:
+        lines += ["", "## Greedy mismatches", "", "| prompt | position | top-2 logit margin |", "|---|---|---|"]
+        lines += [f"| {m['prompt']} | {m['position']} | {m['top2_logit_margin']:.2e} |" for m in r.mismatches]
+    env = r.env
+    lines += ["", f"Device {env.get('device')}, {env.get('torch_threads')} torch threads, load average "
+                  f"{env.get('loadavg_before')} -> {env.get('loadavg_after')} (CPU timings on a shared machine are "
+                  "noisy).", ""]
+    return "\n".join(lines)
+
+
+def write_plots(r: EvalResult, out: Path) -> dict[str, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = {}
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        paths[name] = out / name
+
+    k = list(range(1, len(r.accept_rate_per_pos) + 1))
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.bar([x - 0.2 for x in k], r.accept_rate_per_pos, width=0.4, label="a_k (given accepted prefix)")
+    ax.bar([x + 0.2 for x in k], r.reach_rate_per_pos, width=0.4, label="P(accepted | drafted)")
+    ax.set(xlabel="draft position k", ylabel="acceptance", ylim=(0, 1.05), xticks=k,
+           title=f"{r.drafter}: tau {r.mean_accept_len:.2f}")
+    ax.legend(fontsize=8)
+    save(fig, "accept_rate_per_pos.png")
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    total = max(sum(r.accept_len_hist), 1)
+    ax.bar(range(len(r.accept_len_hist)), [h / total for h in r.accept_len_hist])
+    ax.set(xlabel="accepted drafts per round", ylabel="share of rounds", xticks=range(len(r.accept_len_hist)),
+           title="accepted-length histogram")
+    save(fig, "accept_len_hist.png")
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    pts = sorted(r.batch_sweep, key=lambda p: p.batch_size)
+    ax.plot([p.batch_size for p in pts], [p.speedup for p in pts], "o-")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set(xlabel="batch size", ylabel="speedup vs target-only", title="speedup against batch size")
+    ax.set_xscale("log", base=2)
+    save(fig, "speedup_vs_batch_size.png")
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    buckets = r.accept_by_output_position
+    ax.plot([b["start"] for b in buckets], [b["tau"] for b in buckets], "o-")
+    ax.set(xlabel="output position (round start, tokens)", ylabel="tau", title="acceptance against output position")
+    save(fig, "accept_by_output_position.png")
+    return paths

@@ -1,0 +1,83 @@
+"""scripts/evaluate.py's body: config -> target, tokenizer, drafter, prompts -> evaluate -> report files."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from specdistill.eval.evaluator import EvalResult, check_eval_config, evaluate
+from specdistill.eval.prompts import load_prompts
+from specdistill.eval.report import write_report
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
+    """eval.draft_path (a trained HF draft folder) if set, else a draft built from the `draft` group (untrained)."""
+    from specdistill.models.draft import build_draft, check_tokenizers_match, check_vocab_compatible
+    from specdistill.models.target import load_causal_lm
+
+    path = cfg.eval.draft_path
+    if path:
+        if not (Path(path).expanduser() / "config.json").exists() and Path(path).expanduser().exists():
+            raise FileNotFoundError(f"eval.draft_path={path} has no config.json: point it at a checkpoint's draft/ "
+                                    "folder, e.g. outputs/kd/checkpoints/step-0000040/draft")
+        draft = load_causal_lm(path, cfg.draft.dtype)
+        check_vocab_compatible(draft.config, target_model.config)
+        check_tokenizers_match(path, tokenizer)
+        log(f"[eval] draft from {path}")
+    else:
+        draft_cfg = OmegaConf.to_object(cfg.draft)
+        draft = build_draft(draft_cfg, target_model)
+        log(f"[eval] no eval.draft_path: an UNTRAINED draft built from the draft group (init={draft_cfg.init}, "
+            f"num_layers={draft_cfg.num_layers}); pass eval.draft_path=.../checkpoints/step-N/draft for a trained one")
+    return draft.requires_grad_(False).eval()
+
+
+def run(cfg: DictConfig, log=print) -> tuple[EvalResult, dict[str, Path]]:
+    from specdistill.build import build_tokenizer
+    from specdistill.models.target import load_causal_lm
+    from specdistill.spec.kv import max_positions
+
+    ecfg = OmegaConf.to_object(cfg.eval)
+    check_eval_config(ecfg)  # fail before loading anything
+    device = resolve_device(ecfg.device)
+    torch.manual_seed(ecfg.seed)
+    target = load_causal_lm(cfg.target.path, cfg.target.dtype).to(device).eval().requires_grad_(False)
+    tokenizer = build_tokenizer(cfg)
+    prompts = load_prompts(ecfg.prompts, tokenizer, num_prompts=ecfg.num_prompts, max_new_tokens=ecfg.max_new_tokens,
+                           context=max_positions(target), max_prompt_tokens=ecfg.max_prompt_tokens,
+                           split=ecfg.prompts_split)
+    if prompts.skipped_too_long:
+        log(f"[eval] {prompts.skipped_too_long} prompts longer than eval.max_prompt_tokens={ecfg.max_prompt_tokens} "
+            "skipped")
+    spec = load_draft(cfg, target, tokenizer, log).to(device) if ecfg.drafter == "draft" else ecfg.drafter
+    log(f"[eval] target {cfg.target.path} on {device}; {len(prompts)} prompts from {ecfg.prompts}; "
+        f"drafter={ecfg.drafter} gamma={ecfg.gamma}{' (dynamic)' if ecfg.dynamic_gamma else ''} "
+        f"T={ecfg.temperature} max_new_tokens={ecfg.max_new_tokens} batch={ecfg.batch_size}")
+    result = evaluate(target, tokenizer, spec, prompts, ecfg, log=log)
+    extra = {"target_path": cfg.target.path, "draft_path": ecfg.draft_path,
+             "prompts_skipped_too_long": prompts.skipped_too_long,
+             "config": OmegaConf.to_container(cfg.eval, resolve=True)}
+    paths = write_report(result, ecfg.output_dir, extra=extra)
+    log(summary_line(result))
+    log(f"[eval] wrote {', '.join(sorted(p.name for p in paths.values()))} to {ecfg.output_dir}")
+    return result, paths
+
+
+def summary_line(r: EvalResult) -> str:
+    mm = "-" if r.greedy_mismatches is None else r.greedy_mismatches
+    s = (f"[eval] {r.drafter}: tau {r.mean_accept_len:.3f} | {r.tokens_per_s:.2f} tok/s vs target-only "
+         f"{r.target_only_tokens_per_s:.2f} | speedup {r.speedup:.3f}x | greedy mismatches {mm}")
+    if r.predicted_speedup is not None:
+        s += f" | predicted {r.predicted_speedup:.2f}x (c={r.cost.c:.3f})"
+    if r.hf:
+        for k, v in r.hf.items():
+            if isinstance(v, dict):
+                s += f" | {k}: {v['tokens_per_s']:.2f} tok/s, ours/HF time {v['time_ratio_ours_over_hf']:.3f}"
+    return s

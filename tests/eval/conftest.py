@@ -1,0 +1,40 @@
+"""Fixtures for the evaluator tests: a tiny chat tokenizer and tiny Llama target/draft built from configs."""
+import pytest
+import torch
+
+from tests.conftest import make_tiny_lm, make_tokenizer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models are overhead-bound: one thread is faster, and 2 threads on a busy 2-core box crawl."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tok():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def target(tok):
+    return make_tiny_lm(len(tok), layers=2, hidden=64, seed=0).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def draft(tok):
+    return make_tiny_lm(len(tok), layers=1, hidden=64, seed=1).eval().requires_grad_(False)
+
+
+PROMPTS = [[{"role": "user", "content": "tell me about the cat and the dog"}],
+           [{"role": "user", "content": "what is one two three"}],
+           [{"role": "system", "content": "yes"}, {"role": "user", "content": "hello"}],
+           [{"role": "user", "content": "why is the bird red and blue and green"}]]
+
+
+@pytest.fixture
+def prompts():
+    return [list(p) for p in PROMPTS]
