@@ -52,6 +52,22 @@ def build_tokenizer(cfg: DictConfig):
     return tok
 
 
+def build_eagle3_draft(draft_cfg, target, data):
+    """An EAGLE-3 head for `target`; sets the target to return the head's aux hidden states from its forward."""
+    from specdistill.models.eagle3 import Eagle3Head, build_eagle3, frequent_token_vocab
+
+    if draft_cfg.path:
+        head = Eagle3Head.from_pretrained(draft_cfg.path)
+        if head.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"EAGLE-3 head at {draft_cfg.path} was made for vocab {head.config.vocab_size}, the target "
+                             f"has {target.config.vocab_size}: warm-start only from a head trained for this target")
+    else:
+        vocab = frequent_token_vocab(data.train, target.config.vocab_size, draft_cfg.draft_vocab_size)
+        head = build_eagle3(target.model, vocab, target.aux_layer_ids)
+    target.set_aux_layer_ids(head.config.aux_layer_ids)
+    return head.train()
+
+
 def build(cfg: DictConfig, accelerator=None) -> Components:
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
@@ -69,7 +85,10 @@ def build(cfg: DictConfig, accelerator=None) -> Components:
         data = build_data(OmegaConf.to_object(cfg.data) if isinstance(cfg.data, DictConfig) else cfg.data,
                           tokenizer, log=log)
     draft_cfg = OmegaConf.to_object(cfg.draft) if isinstance(cfg.draft, DictConfig) else cfg.draft
-    draft = build_draft(draft_cfg, target.model)
+    if draft_cfg.init == "eagle3":
+        draft = build_eagle3_draft(draft_cfg, target, data)
+    else:
+        draft = build_draft(draft_cfg, target.model)
     if draft_cfg.init == "pretrained":
         check_tokenizers_match(draft_cfg.path, tokenizer)
     target.to(accelerator.device)

@@ -32,6 +32,7 @@ class DraftConfig:
     #   from_target: the target's embeddings, first `num_layers` decoder layers, final norm and head
     #   config:      a fresh model of the target's architecture with the sizes below (vocab from the target)
     #   pretrained:  a local HF folder or hub id at `path`
+    #   eagle3:      an EAGLE-3 head (specdistill/models/eagle3.py) over target.aux_layer_ids; `path` warm-starts it
     init: str = "from_target"
     num_layers: int = 2
     path: Optional[str] = None
@@ -40,6 +41,7 @@ class DraftConfig:
     num_attention_heads: Optional[int] = None
     num_key_value_heads: Optional[int] = None
     dtype: str = "float32"  # trained weights are kept in fp32; bf16 autocast comes from trainer.mixed_precision
+    draft_vocab_size: int = 32000  # eagle3: the Vd most frequent target tokens under the training loss mask
 
 
 @dataclass
@@ -114,6 +116,7 @@ class EvalConfig:
     position_bucket: int = 16  # acceptance against output position, in buckets of this many tokens
     compare_hf: bool = False  # side by side with HF transformers' assisted generation at batch 1 (temperature 0)
     device: str = "auto"  # scripts/evaluate.py: auto (cuda if available) | cpu | cuda | cuda:N
+    threads: Optional[int] = None  # scripts/evaluate.py: torch CPU threads (null = torch's default; 1 on a busy box)
     output_dir: str = "outputs/eval_${eval.drafter}"  # scripts/evaluate.py writes results.json, results.md, plots here
     spec_eval: bool = True  # run the real speculative evaluation at the end of each epoch during training
 

@@ -533,14 +533,15 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
             raise ValueError(f"eval.compare_hf needs a draft model or the n-gram drafter, not {drafter_name}")
         modes = ("assisted_gamma", "target_only") if lookup else HF_MODES
 
-        def hf_runner(mode: str):
+        def hf_runner(mode: str, max_new: int):
             def run(b: _Batch) -> _Run:
                 toks, t = _timed(device, lambda: hf_generate(
-                    target_model, b, max_new_tokens=cfg.max_new_tokens, eos=eos, pad_id=pad_id, mode=mode,
+                    target_model, b, max_new_tokens=max_new, eos=eos, pad_id=pad_id, mode=mode,
                     assistant=assistant, prompt_lookup=lookup, ngram_max=cfg.ngram_max, gamma=cfg.gamma))
                 return _Run([toks], t)
             return run
-        hf_runners = {f"hf_{m}": hf_runner(m) for m in modes}
+        hf_runners = {f"hf_{m}": hf_runner(m, cfg.max_new_tokens) for m in modes}
+        hf_warm = {f"hf_{m}": hf_runner(m, min(cfg.max_new_tokens, 16)) for m in modes}
 
     # 1. Warm-up (not counted): every code path once, on the first prompts, with a short budget.
     if cfg.warmup_prompts > 0:
@@ -549,7 +550,7 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
         runners = {"target": target_runner(short), "spec": spec_runner(short, new_policy())}
         if hf_runners:
             warm1 = make_batches(prompt_ids[:1], 1, pad_id, device)
-            _run_pass(warm1, hf_runners, "warm-up hf", False)
+            _run_pass(warm1, hf_warm, "warm-up hf", False)
         _run_pass(warm, runners, "warm-up", False)
 
     # 2. The cost model's c and v, timed on the first batch.
@@ -582,6 +583,9 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
             for row, (ours, ref) in enumerate(zip(rs.tokens, rt.tokens)):
                 if ours != ref:
                     mismatches.append(_mismatch(target_model, b, row, ours, ref, b.index[row]))
+        for m in mismatches:
+            log(f"[eval] greedy mismatch: prompt {m['prompt']} parts from target-only decoding at token "
+                f"{m['position']} (target top-2 logit margin there {m['top2_logit_margin']:.2e})")
     samples = []
     for b, rs, rt in zip(batches, runs["spec"], runs["target"]):
         for row, i in enumerate(b.index):

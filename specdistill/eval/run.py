@@ -47,6 +47,8 @@ def run(cfg: DictConfig, log=print) -> tuple[EvalResult, dict[str, Path]]:
     ecfg = OmegaConf.to_object(cfg.eval)
     check_eval_config(ecfg)  # fail before loading anything
     device = resolve_device(ecfg.device)
+    if ecfg.threads:
+        torch.set_num_threads(ecfg.threads)
     torch.manual_seed(ecfg.seed)
     target = load_causal_lm(cfg.target.path, cfg.target.dtype).to(device).eval().requires_grad_(False)
     tokenizer = build_tokenizer(cfg)

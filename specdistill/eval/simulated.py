@@ -47,17 +47,42 @@ def summarize(reached: torch.Tensor, gamma: int) -> SimulatedAcceptance:
     return SimulatedAcceptance(gamma, rates, tau, rates[0] if rates else 0.0, int(reached[0].item()))
 
 
+def eagle3_chain_counts(head, target_out, batch: dict, gamma: int) -> torch.Tensor:
+    """EAGLE-3 heads: unroll gamma steps on the head's own features (as the TTT objective does); a chain started at
+    slot t reaches k if steps 0..k-1 all predict the target's argmax for tokens t+2..t+1+k. Same counts as above."""
+    from specdistill.objectives.eagle3 import shift_left
+
+    lm = batch["loss_mask"].bool()
+    step_logits = head(target_out.aux_hidden, batch["input_ids"], batch["attention_mask"], steps=gamma)
+    inner = getattr(head, "module", head)
+    target_argmax = target_out.logits.argmax(-1)  # (B, T)
+    ok = shift_left(lm, 1)  # chains start at slots whose first prediction is a loss position
+    reached = [ok.sum()]
+    for j, q in enumerate(step_logits):
+        hit = inner.draft_to_target(q.argmax(-1)) == shift_left(target_argmax, 1 + j, fill=-1)
+        ok = ok & hit & shift_left(lm, 1 + j, fill=False)
+        reached.append(ok.sum())
+    return torch.stack(reached)
+
+
 @torch.no_grad()
 def simulated_acceptance(draft, target, batches, gamma: int, reduce=lambda t: t) -> SimulatedAcceptance:
-    """batches: iterable of collated dicts on the right device. `reduce` sums tensors over ranks."""
+    """batches: iterable of collated dicts on the right device. `reduce` sums tensors over ranks.
+    Works for standalone causal-LM drafts and EAGLE-3 heads (dispatch on the draft's type)."""
+    from specdistill.models.eagle3 import is_eagle3
+
     was_training = draft.training
     draft.eval()
+    eagle = is_eagle3(getattr(draft, "module", draft))
     total = None
     for batch in batches:
-        q = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-        p = target(batch["input_ids"], batch["attention_mask"]).logits
-        match = q.argmax(-1) == p.argmax(-1)  # (B, T)
-        counts = chain_counts(match, batch["loss_mask"].bool(), gamma)
+        p = target(batch["input_ids"], batch["attention_mask"])
+        if eagle:
+            counts = eagle3_chain_counts(draft, p, batch, gamma)
+        else:
+            q = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+            match = q.argmax(-1) == p.logits.argmax(-1)  # (B, T)
+            counts = chain_counts(match, batch["loss_mask"].bool(), gamma)
         total = counts if total is None else total + counts
     draft.train(was_training)
     if total is None:

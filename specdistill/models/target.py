@@ -67,12 +67,17 @@ class Target(torch.nn.Module):
     def __init__(self, model, aux_layer_ids: Optional[list[int]] = None):
         super().__init__()
         self.model = model.eval().requires_grad_(False)
-        self.aux_layer_ids = list(aux_layer_ids) if aux_layer_ids else None
-        if self.aux_layer_ids:
-            L = model.config.num_hidden_layers
-            bad = [k for k in self.aux_layer_ids if not 0 <= k <= L]
-            if bad:
-                raise ValueError(f"aux layer ids {bad} out of range for a target with {L} layers: use ids in [0, {L}]")
+        self.aux_layer_ids = None
+        if aux_layer_ids:
+            self.set_aux_layer_ids(aux_layer_ids)
+
+    def set_aux_layer_ids(self, ids: list[int]) -> None:
+        L = self.model.config.num_hidden_layers
+        bad = [k for k in ids if not 0 <= k <= L]
+        if bad:
+            raise ValueError(f"target.aux_layer_ids {bad} out of range for a target with {L} layers: use ids in "
+                             f"[0, {L}] (vLLM convention: k = hidden_states[k], 0 = the embeddings)")
+        self.aux_layer_ids = list(ids)
 
     @property
     def config(self):

@@ -140,7 +140,7 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
             ntok = max(red.pop("tokens"), 1.0)
             n_input = red.pop("input_tokens")
             elapsed = time.perf_counter() - t_window
-            latest = {f"train/{k.removesuffix('_sum')}": v / ntok for k, v in red.items()}
+            latest = ratios(red, ntok)
             latest.update({"train/lr": sched.get_last_lr()[0], "train/tokens_per_s": tok_window / elapsed,
                            "train/input_tokens_per_s": n_input / elapsed,
                            "train/s_per_step": elapsed / steps_window,
@@ -175,6 +175,17 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
     if t.wandb:
         acc.end_training()
     return result
+
+
+def ratios(sums: dict, ntok: float) -> dict:
+    """Turn reduced sums into logged ratios: `X_sum` / `X_count` where a count exists, else / loss tokens."""
+    out = {}
+    for k, v in sums.items():
+        if k.endswith("_count"):
+            continue
+        base = k.removesuffix("_sum")
+        out[f"train/{base}"] = v / max(sums.get(f"{base}_count", ntok), 1.0)
+    return out
 
 
 def _log(acc, metrics: dict, step: int, path: Path) -> None:

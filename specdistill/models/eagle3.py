@@ -1,0 +1,328 @@
+"""EAGLE-3 draft head (Li et al. 2025, arXiv 2503.01840) in exactly the serving engines' "midlayer" layout.
+
+Parameter names are the checkpoint names vLLM and SGLang load (shared/notes/field-facts.md):
+  fc [H, 3*Ht] | midlayer.{input_layernorm, hidden_norm, post_attention_layernorm} [H]
+  midlayer.self_attn.{q,k,v}_proj [*, 2H], o_proj [H, nh*hd] | midlayer.mlp.{gate,up,down}_proj | norm [H]
+  lm_head [Vd, H] | d2t int64 [Vd] (target_id = draft_id + d2t[draft_id]) | t2d bool [V] | embed_tokens [V, H] (frozen)
+The layer: q/k/v read concat(input_layernorm(embed(token)), hidden_norm(g)) (2H); the residual stream is g itself
+(norm_before_residual = false); then post-attention norm + MLP; logits = lm_head(norm(out)) over the draft vocabulary.
+
+Position convention (documented choice): the head's slot t pairs the fused target feature g_t with token t+1 and
+predicts token t+2; its RoPE position id is t, and unrolled step j uses t + j (EAGLE / SpecForge / vLLM's proposer,
+where each draft step advances the position by one).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int  # H
+    intermediate_size: int  # I
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int  # the target's (a 2048 default cut acceptance in serving)
+    vocab_size: int  # V, the target's
+    draft_vocab_size: int  # Vd
+    target_hidden_size: int  # Ht
+    aux_layer_ids: list[int] = field(default_factory=list)  # vLLM convention: k = output_hidden_states[k]
+    hidden_act: str = "silu"
+    rope_scaling: Optional[dict] = None
+
+    @classmethod
+    def from_target(cls, tcfg, draft_vocab_size: int, aux_layer_ids: list[int]) -> "Eagle3Config":
+        rope = getattr(tcfg, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(tcfg, "rope_theta", 10000.0))
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" else None
+        return cls(hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size,
+                   num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=tcfg.num_key_value_heads,
+                   head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads,
+                   rms_norm_eps=tcfg.rms_norm_eps, rope_theta=float(theta),
+                   max_position_embeddings=tcfg.max_position_embeddings, vocab_size=tcfg.vocab_size,
+                   draft_vocab_size=min(draft_vocab_size, tcfg.vocab_size), target_hidden_size=tcfg.hidden_size,
+                   aux_layer_ids=list(aux_layer_ids), hidden_act=getattr(tcfg, "hidden_act", "silu"),
+                   rope_scaling=scaling)
+
+    def to_hf_dict(self) -> dict:
+        """config.json in the flat-Llama "midlayer" format vLLM and SGLang load."""
+        d = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+             "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+             "max_position_embeddings": self.max_position_embeddings, "vocab_size": self.vocab_size,
+             "draft_vocab_size": self.draft_vocab_size, "target_hidden_size": self.target_hidden_size,
+             "hidden_act": self.hidden_act, "tie_word_embeddings": False, "norm_before_residual": False,
+             "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)},
+             "torch_dtype": "float32"}
+        if self.rope_scaling:
+            d["rope_scaling"] = self.rope_scaling
+        return d
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "Eagle3Config":
+        aux = d.get("eagle_aux_hidden_state_layer_ids") or (d.get("eagle_config") or {}).get(
+            "eagle_aux_hidden_state_layer_ids") or []
+        return cls(hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+                   num_attention_heads=d["num_attention_heads"], num_key_value_heads=d["num_key_value_heads"],
+                   head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+                   rms_norm_eps=d["rms_norm_eps"], rope_theta=d.get("rope_theta", 10000.0),
+                   max_position_embeddings=d["max_position_embeddings"], vocab_size=d["vocab_size"],
+                   draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
+                   target_hidden_size=d.get("target_hidden_size") or d["hidden_size"], aux_layer_ids=list(aux),
+                   hidden_act=d.get("hidden_act", "silu"), rope_scaling=d.get("rope_scaling"))
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """Low / middle / high layers for any depth. For L >= 8 this equals the engines' default (2, L//2, L-3); for
+    small targets (where that default breaks) it spreads (1, L//2, L-1). Ids follow vLLM: k = hidden_states[k]."""
+    L = num_layers
+    if L >= 8:
+        return [2, L // 2, L - 3]
+    return [min(1, L), max(1, L // 2), max(1, L - 1)]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, n: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin (B, T, hd) for integer positions (B, T); the Llama (rotate_half) convention, default RoPE."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float) / head_dim))
+    freqs = position_ids.float()[..., None] * inv_freq  # (B, T, hd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate(x, cos, sin):  # x (B, h, T, hd), cos/sin (B, T, hd)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(2 * c.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
+
+    def qkv(self, x, cos, sin):
+        """x (B, T, 2H) -> q (B, nh, T, hd), k/v (B, nh, T, hd) (kv heads repeated for GQA), RoPE applied."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        rep = self.nh // self.nkv
+        return q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Eagle3Attention(c)
+        self.mlp = Eagle3MLP(c)
+
+
+@dataclass
+class Eagle3StepOutput:
+    hidden: torch.Tensor  # (B, n, H) pre-norm output: the next step's input feature
+    logits: torch.Tensor  # (B, n, Vd) over the draft vocabulary
+    keys: torch.Tensor  # (B, nh, S + n, hd) the cache after this step
+    values: torch.Tensor
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's embeddings, frozen
+        self.fc = nn.Linear(len(c.aux_layer_ids or [0, 0, 0]) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(c)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool) if c.draft_vocab_size == c.vocab_size
+                             else torch.zeros(c.vocab_size, dtype=torch.bool))
+
+    # ------------------------------------------------------------------ vocab
+    def set_vocab(self, draft_to_target: torch.Tensor) -> None:
+        """draft_to_target (Vd,) ascending target ids kept in the draft vocabulary."""
+        ids = draft_to_target.to(self.d2t.device).long()
+        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # ------------------------------------------------------------------ one layer application
+    def _layer(self, token_ids, g, position_ids, attend):
+        """token_ids (B, n), g (B, n, H), positions (B, n); attend(q, k, v) -> (B, nh, n, hd). Returns out, k, v."""
+        L = self.midlayer
+        x = torch.cat([L.input_layernorm(self.embed_tokens(token_ids)), L.hidden_norm(g)], dim=-1)  # (B, n, 2H)
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        q, k, v = L.self_attn.qkv(x, cos, sin)
+        a = attend(q, k, v)  # (B, nh, n, hd)
+        B, _, n, _ = a.shape
+        h = g + L.self_attn.o_proj(a.transpose(1, 2).reshape(B, n, -1))
+        h = h + L.mlp(L.post_attention_layernorm(h))
+        return h, k, v
+
+    # ------------------------------------------------------------------ training: training-time test unroll
+    def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                steps: int = 1) -> list[torch.Tensor]:
+        """TTT unroll. aux_hidden (B, T, 3Ht), input_ids/attention_mask (B, T), right-padded.
+        Returns per-step logits [(B, T, Vd)] * steps; step j at slot t reads token t+1+j and predicts token t+2+j.
+
+        Attention at step j: slot t sees step-0 keys at slots <= t plus the keys of steps 1..j at slot t only
+        (one diagonal per step), which is what the head sees at inference after drafting j tokens past t.
+        """
+        B, T = input_ids.shape
+        scale = 1.0 / math.sqrt(self.config.head_dim)
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, T)
+        valid = attention_mask.bool()
+        causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None, None] & valid[:, None, None, :]
+        g = self.fc(aux_hidden)  # (B, T, H)
+        keys, values, logits = [], [], []
+
+        def attend(q, k, v):  # q (B, nh, T, hd): step-0 block (causal) + one diagonal per earlier step
+            keys.append(k), values.append(v)
+            s0 = (q @ keys[0].transpose(-1, -2)) * scale  # (B, nh, T, T)
+            s0 = s0.masked_fill(~causal, torch.finfo(s0.dtype).min)
+            diag = [(q * kk).sum(-1, keepdim=True) * scale for kk in keys[1:]]  # j x (B, nh, T, 1)
+            p = torch.cat([s0] + diag, dim=-1).float().softmax(-1).to(q.dtype)
+            out = p[..., :T] @ values[0]
+            for i, vv in enumerate(values[1:]):
+                out = out + p[..., T + i: T + i + 1] * vv
+            return out
+
+        for j in range(steps):
+            tokens = torch.roll(input_ids, -(1 + j), dims=1)  # token t+1+j at slot t (wrapped slots are masked out)
+            g, _, _ = self._layer(tokens, g, position_ids + j, attend)
+            logits.append(self.lm_head(self.norm(g)))
+        return logits
+
+    # ------------------------------------------------------------------ inference: one call per draft step
+    def step(self, token_ids: torch.Tensor, g: torch.Tensor, position_ids: torch.Tensor,
+             past: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+             key_mask: Optional[torch.Tensor] = None) -> Eagle3StepOutput:
+        """Append n slots to a cache. token_ids (B, n), g (B, n, H) (fc-fused target features or the head's own
+        previous output), position_ids (B, n); past keys/values (B, nh, S, hd); key_mask (B, S + n) bool marks
+        usable cache slots. New slots attend causally among themselves and to every usable past slot."""
+        scale = 1.0 / math.sqrt(self.config.head_dim)
+        store = {}
+
+        def attend(q, k, v):
+            K = k if past is None else torch.cat([past[0], k], dim=2)
+            Vv = v if past is None else torch.cat([past[1], v], dim=2)
+            S, n = K.shape[2] - k.shape[2], k.shape[2]
+            allow = torch.ones(n, S + n, dtype=torch.bool, device=q.device)
+            allow[:, S:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            allow = allow[None, None]
+            if key_mask is not None:
+                allow = allow & key_mask[:, None, None, :].bool()
+            s = (q @ K.transpose(-1, -2)) * scale
+            s = s.masked_fill(~allow, torch.finfo(s.dtype).min)
+            store["k"], store["v"] = K, Vv
+            return s.float().softmax(-1).to(q.dtype) @ Vv
+
+        h, _, _ = self._layer(token_ids, g, position_ids, attend)
+        return Eagle3StepOutput(h, self.lm_head(self.norm(h)), store["k"], store["v"])
+
+    # ------------------------------------------------------------------ HF-style persistence (midlayer format)
+    def save_pretrained(self, path, state_dict: Optional[dict] = None, safe_serialization: bool = True, **_) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        sd = state_dict if state_dict is not None else self.state_dict()
+        save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()}, str(path / "model.safetensors"))
+        (path / "config.json").write_text(json.dumps(self.config.to_hf_dict(), indent=1))
+
+    @classmethod
+    def from_pretrained(cls, path) -> "Eagle3Head":
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        head = cls(Eagle3Config.from_hf_dict(json.loads((path / "config.json").read_text())))
+        sd = load_file(str(path / "model.safetensors"))
+        missing, unexpected = head.load_state_dict(sd, strict=False)
+        missing = [k for k in missing if k != "embed_tokens.weight"]  # engines reuse the target's embeddings
+        if missing or unexpected:
+            raise ValueError(f"EAGLE-3 checkpoint {path} does not match the head: missing {missing}, unexpected "
+                             f"{unexpected}")
+        return head
+
+
+def is_eagle3(model) -> bool:
+    return isinstance(model, Eagle3Head)
+
+
+def build_eagle3(target_model, draft_vocab: torch.Tensor, aux_layer_ids: Optional[list[int]]) -> Eagle3Head:
+    """A fresh head for this target: embeddings copied (frozen), vocab mapping set, fc/midlayer/head random."""
+    L = target_model.config.num_hidden_layers
+    aux = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(L)
+    bad = [k for k in aux if not 0 <= k <= L]
+    if bad or len(aux) != 3:
+        raise ValueError(f"target.aux_layer_ids={aux}: EAGLE-3 needs 3 ids in [0, {L}] (vLLM convention: k = "
+                         f"hidden_states[k], 0 = embeddings); for this target try {default_aux_layer_ids(L)}")
+    cfg = Eagle3Config.from_target(target_model.config, len(draft_vocab), aux)
+    head = Eagle3Head(cfg)
+    with torch.no_grad():
+        head.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
+    head.set_vocab(draft_vocab)
+    return head
+
+
+def frequent_token_vocab(datasets_rows, vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
+    """The Vd most frequent next-token ids under the loss mask (ascending ids). rows: iterable of
+    {input_ids, loss_mask}; loss_mask[t] marks the prediction of input_ids[t+1]."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for r in datasets_rows:
+        ids = torch.as_tensor(r["input_ids"])
+        m = torch.as_tensor(r["loss_mask"]).bool()
+        nxt = ids[1:][m[:-1]]
+        counts += torch.bincount(nxt, minlength=vocab_size)[:vocab_size]
+    Vd = min(draft_vocab_size, vocab_size)
+    # ties broken by id so the choice is deterministic; unseen tokens fill the tail in id order
+    order = torch.argsort(counts * vocab_size + (vocab_size - 1 - torch.arange(vocab_size)), descending=True)
+    return order[:Vd].sort().values

@@ -1,0 +1,70 @@
+"""EAGLE-3 training-time test (Li et al. 2025): a k-step unroll of the head on its own features, soft CE against
+the target's distribution restricted to the draft vocabulary, steps weighted decay^j."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specdistill.objectives.base import Models, StepOutput
+
+
+def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """x (B, T, ...) -> y with y[:, t] = x[:, t + n] and `fill` past the end."""
+    if n == 0:
+        return x
+    y = torch.full_like(x, fill)
+    y[:, :-n] = x[:, n:]
+    return y
+
+
+def draft_vocab_targets(p_logits: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target logits (..., V) -> (probs over the draft vocab renormalised (..., Vd), in_vocab (...,) bool: whether the
+    target's argmax is in the draft vocabulary; positions where it is not are masked, as in EAGLE-3)."""
+    in_vocab = t2d[p_logits.argmax(-1)]
+    probs = p_logits[..., t2d].float().softmax(-1)  # softmax over kept ids == p restricted and renormalised
+    return probs, in_vocab
+
+
+@dataclass
+class Eagle3Objective:
+    name: str = "eagle3"
+    steps: int = 7  # unrolled TTT steps (k)
+    decay: float = 0.8  # step j weighted decay^j (EAGLE, SpecForge); 1.0 weighs steps equally
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError("objective.steps must be >= 1")
+        if not 0 < self.decay <= 1:
+            raise ValueError("objective.decay must be in (0, 1]")
+
+    def __call__(self, batch: dict, models: Models) -> StepOutput:
+        ids, am, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"].bool()
+        tgt = models.target(ids, am)  # one forward: logits (B, T, V) and aux hidden (B, T, 3Ht)
+        if tgt.aux_hidden is None:
+            raise ValueError("the eagle3 objective needs the target's aux hidden states: build it with draft=eagle3")
+        head = models.draft
+        t2d = _unwrap(head).t2d
+        step_logits = head(tgt.aux_hidden, ids, am, steps=self.steps)  # k x (B, T, Vd)
+        losses, weights, metrics = [], [], {}
+        for j, q_logits in enumerate(step_logits):
+            # slot t at step j predicts token t+2+j: the target's distribution for it sits at position t+1+j, and
+            # the loss counts iff that position is a loss position (loss_mask[t+1+j]).
+            p_logits = shift_left(tgt.logits, 1 + j)
+            mask = shift_left(lm, 1 + j, fill=False)
+            p, in_vocab = draft_vocab_targets(p_logits[mask], t2d)  # (N_j, Vd), (N_j,)
+            q_log = F.log_softmax(q_logits[mask].float(), -1)  # (N_j, Vd)
+            ce = -(p * q_log).sum(-1) * in_vocab  # soft CE; out-of-vocab targets masked
+            losses.append(ce)
+            weights.append(torch.full_like(ce, self.decay ** j))
+            with torch.no_grad():
+                correct = (q_log.argmax(-1) == p.argmax(-1)) & in_vocab
+                metrics[f"acc_step{j}_sum"] = correct.sum().float()
+                metrics[f"acc_step{j}_count"] = torch.tensor(float(mask.sum()), device=ids.device)
+        metrics["loss_sum"] = sum((l * w).sum() for l, w in zip(losses, weights)).detach()
+        return StepOutput(torch.cat(losses), torch.cat(weights), metrics)
+
+
+def _unwrap(m):
+    return getattr(m, "module", m)

@@ -1,0 +1,112 @@
+"""EAGLE-3 head: the TTT unroll equals a naive step-by-step reference, vocab maps round-trip, persistence, errors."""
+import pytest
+import torch
+
+from specdistill.models.eagle3 import (Eagle3Head, build_eagle3, default_aux_layer_ids, frequent_token_vocab)
+from specdistill.models.target import Target
+from specdistill.objectives.eagle3 import Eagle3Objective, draft_vocab_targets
+from specdistill.objectives.base import Models
+from tests.conftest import make_tiny_lm
+
+V = 97
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_lm(V, layers=4, hidden=32, seed=1).eval()
+
+
+def _head(target, vd=V, seed=0):
+    torch.manual_seed(seed)
+    vocab = torch.randperm(V)[:vd].sort().values
+    head = build_eagle3(target, vocab, None)
+    for p in head.parameters():  # make the layer non-trivial (fresh norms are all-ones)
+        if p.requires_grad:
+            p.data.add_(0.05 * torch.randn_like(p))
+    return head.eval()
+
+
+def test_ttt_unroll_equals_naive_step_by_step_inference(target):
+    head = _head(target)
+    B, T, steps = 2, 9, 4
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    am = torch.ones(B, T, dtype=torch.long)
+    am[1, 7:] = 0  # right padding
+    aux = torch.randn(B, T, 3 * 32, generator=g)
+    with torch.no_grad():
+        ttt = head(aux, ids, am, steps=steps)
+        fused = head.fc(aux)
+        for b in range(B):
+            n = int(am[b].sum())
+            # step 0 over the valid prefix, as inference prefills the accepted context
+            pos = torch.arange(n)[None]
+            out0 = head.step(torch.roll(ids[b:b + 1, :n], -1, 1), fused[b:b + 1, :n], pos)
+            assert torch.allclose(out0.logits[0, : n - 1], ttt[0][b, : n - 1], atol=1e-5)
+            for t in range(n - steps):
+                # draft deeper from slot t: cache = step-0 keys of slots <= t, then each own step's key
+                past = (out0.keys[:, :, : t + 1], out0.values[:, :, : t + 1])
+                h = out0.hidden[:, t: t + 1]
+                for j in range(1, steps):
+                    o = head.step(ids[b:b + 1, t + 1 + j: t + 2 + j], h, torch.tensor([[t + j]]), past)
+                    assert torch.allclose(o.logits[0, 0], ttt[j][b, t], atol=1e-5), (b, t, j)
+                    past, h = (o.keys, o.values), o.hidden
+
+
+def test_vocab_maps_round_trip(target):
+    head = _head(target, vd=40)
+    kept = torch.nonzero(head.t2d).squeeze(-1)
+    assert len(kept) == 40 and head.t2d.sum() == 40
+    draft_ids = torch.arange(40)
+    assert torch.equal(head.draft_to_target(draft_ids), kept)  # d2t offsets map draft ids onto the kept target ids
+    assert (head.d2t >= 0).all()
+    # restricted, renormalised target probs
+    p_logits = torch.randn(5, V)
+    p, in_vocab = draft_vocab_targets(p_logits, head.t2d)
+    assert torch.allclose(p.sum(-1), torch.ones(5), atol=1e-5)
+    assert torch.allclose(p, p_logits.softmax(-1)[:, head.t2d] / p_logits.softmax(-1)[:, head.t2d].sum(-1, keepdim=True))
+    assert torch.equal(in_vocab, head.t2d[p_logits.argmax(-1)])
+
+
+def test_frequent_vocab_picks_the_most_frequent_loss_tokens():
+    rows = [{"input_ids": [0, 5, 5, 7, 9, 9, 9], "loss_mask": [1, 1, 1, 1, 1, 0, 0]}]  # predicts 5, 5, 7, 9, 9
+    assert frequent_token_vocab(rows, 12, 2).tolist() == [5, 9]
+    assert frequent_token_vocab(rows, 12, 3).tolist() == [5, 7, 9]
+    assert len(frequent_token_vocab(rows, 12, 50)) == 12
+
+
+def test_save_and_reload_gives_identical_logits(target, tmp_path):
+    head = _head(target, vd=50)
+    head.save_pretrained(tmp_path / "h")
+    again = Eagle3Head.from_pretrained(tmp_path / "h").eval()
+    ids = torch.randint(0, V, (1, 6))
+    aux = torch.randn(1, 6, 96)
+    am = torch.ones(1, 6, dtype=torch.long)
+    with torch.no_grad():
+        for a, b in zip(head(aux, ids, am, steps=3), again(aux, ids, am, steps=3)):
+            assert torch.equal(a, b)
+    assert torch.equal(again.d2t, head.d2t) and torch.equal(again.t2d, head.t2d)
+    cfg = (tmp_path / "h" / "config.json").read_text()
+    assert '"LlamaForCausalLMEagle3"' in cfg and '"draft_vocab_size": 50' in cfg
+
+
+def test_aux_ids_defaults_and_errors(target):
+    assert default_aux_layer_ids(32) == [2, 16, 29]
+    assert default_aux_layer_ids(4) == [1, 2, 3]
+    assert default_aux_layer_ids(2) == [1, 1, 1]
+    with pytest.raises(ValueError, match="aux_layer_ids"):
+        build_eagle3(target, torch.arange(V), [1, 2, 9])
+    with pytest.raises(ValueError, match="out of range"):
+        Target(target, [0, 5])
+
+
+def test_objective_is_finite_and_masks_out_of_vocab(target):
+    head = _head(target, vd=30).train()
+    tgt = Target(target, head.config.aux_layer_ids)
+    ids = torch.randint(0, V, (2, 12))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    out = Eagle3Objective(steps=3)(batch, Models(head, tgt))
+    assert torch.isfinite(out.loss).all()
+    assert torch.allclose(out.weight.unique(), torch.tensor([0.64, 0.8, 1.0]))
+    out.loss.mul(out.weight).sum().backward()
+    assert head.fc.weight.grad is not None and head.embed_tokens.weight.grad is None
