@@ -23,6 +23,7 @@ class Conversations:
     num_rows: int
     malformed: Counter = field(default_factory=Counter)  # reason -> count
     repaired: int = 0  # rows kept after dropping leading assistant turns
+    indices: list[int] = field(default_factory=list)  # source row index of each kept conversation
     examples: dict = field(default_factory=dict)  # reason -> first row index with it
 
     def report(self) -> dict:
@@ -131,7 +132,7 @@ def _check_messages(msgs, need_assistant: bool = True) -> list[dict]:
 
 
 def normalize(rows: Iterable[dict], fmt: str = "auto", need_assistant: bool = True) -> Conversations:
-    convs, bad, first = [], Counter(), {}
+    convs, kept, bad, first = [], [], Counter(), {}
     n = repaired = 0
     for i, row in enumerate(rows):
         n += 1
@@ -144,7 +145,9 @@ def normalize(rows: Iterable[dict], fmt: str = "auto", need_assistant: bool = Tr
             if need_assistant and not any(m["role"] == "assistant" for m in msgs):
                 raise MalformedRow("no assistant turn")
             convs.append(msgs)
+            kept.append(i)
         except MalformedRow as e:
             bad[str(e)] += 1
             first.setdefault(str(e), i)
-    return Conversations(convs, n, malformed=bad, examples=first, repaired=repaired)
+    return Conversations(convs, n, malformed=bad, examples=first, repaired=repaired,
+                         indices=kept)
