@@ -68,6 +68,22 @@ def build_eagle3_draft(draft_cfg, target, data):
     return head.train()
 
 
+def feature_meta(cfg: DictConfig, aux_layer_ids, data) -> dict:
+    """What offline features depend on: checked when training reads them."""
+    return {"target": str(cfg.target.path), "aux_layer_ids": list(aux_layer_ids or []), "data": data.fingerprint}
+
+
+def with_offline_features(cfg: DictConfig, target, data):
+    from specdistill.data.features import FeatureStore, WithFeatures
+
+    store = FeatureStore(cfg.data.offline_dir)
+    want = feature_meta(cfg, target.aux_layer_ids, data)
+    if not target.aux_layer_ids:  # KD needs only the final hidden state: any aux ids will do
+        want.pop("aux_layer_ids")
+    store.check_matches(want)
+    return WithFeatures(data.train, store)
+
+
 def build(cfg: DictConfig, accelerator=None) -> Components:
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
@@ -91,6 +107,8 @@ def build(cfg: DictConfig, accelerator=None) -> Components:
         draft = build_draft(draft_cfg, target.model)
     if draft_cfg.init == "pretrained":
         check_tokenizers_match(draft_cfg.path, tokenizer)
+    if cfg.data.offline_dir:
+        data.train = with_offline_features(cfg, target, data)
     target.to(accelerator.device)
 
     t = cfg.trainer

@@ -59,6 +59,9 @@ class DataConfig:
     max_malformed_fraction: float = 0.5
     cache_dir: str = "~/.cache/specdistill/data"
     num_proc: int = 1
+    # Offline target features (scripts/dump_features.py writes them here; training reads them instead of running the
+    # target on the training batches). null = online: the target runs in the training process.
+    offline_dir: Optional[str] = None
 
 
 @dataclass

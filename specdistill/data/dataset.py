@@ -22,6 +22,7 @@ class TokenizedData:
     heldout: "datasets.Dataset"  # noqa: F821
     heldout_messages: list  # the held-out conversations, for prompt-based evaluation
     report: dict  # rows read, malformed counts by reason, tokens
+    fingerprint: str = ""  # identifies source + tokenizer + settings (offline features are checked against it)
 
 
 def _source_id(path: str) -> str:
@@ -37,7 +38,7 @@ def _source_id(path: str) -> str:
 def _fingerprint(cfg: DataConfig, tokenizer) -> str:
     vocab = json.dumps(sorted(tokenizer.get_vocab().items())[:: max(1, len(tokenizer) // 2000)])
     key = json.dumps({"src": _source_id(cfg.path), "cfg": {k: v for k, v in asdict(cfg).items()
-                                                           if k not in ("cache_dir", "num_proc")},
+                                                           if k not in ("cache_dir", "num_proc", "offline_dir")},
                       "template": tokenizer.chat_template, "vocab": vocab, "v": 2}, sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -50,7 +51,7 @@ def build_data(cfg: DataConfig, tokenizer, log=print) -> TokenizedData:
         report = json.loads((cache / "report.json").read_text())
         log(f"[data] cached tokenized data at {cache}")
         return TokenizedData(datasets.load_from_disk(str(cache / "train")), datasets.load_from_disk(str(cache / "heldout")),
-                             json.loads((cache / "heldout_messages.json").read_text()), report)
+                             json.loads((cache / "heldout_messages.json").read_text()), report, cache.name)
 
     rows = load_rows(cfg.path, cfg.split, cfg.max_rows)
     convs = normalize(rows, cfg.format)
@@ -115,7 +116,7 @@ def build_data(cfg: DataConfig, tokenizer, log=print) -> TokenizedData:
     except OSError:  # another rank got there first
         shutil.rmtree(tmp, ignore_errors=True)
     return TokenizedData(datasets.load_from_disk(str(cache / "train")), datasets.load_from_disk(str(cache / "heldout")),
-                         held_msgs, report)
+                         held_msgs, report, cache.name)
 
 
 def pack(ds, max_length: int):

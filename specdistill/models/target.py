@@ -87,6 +87,21 @@ class Target(torch.nn.Module):
         return super().train(False)
 
     @torch.no_grad()
+    def from_features(self, final_hidden, aux_hidden=None, logits_to_keep=0) -> TargetOutput:
+        """Rebuild the output from stored features (data/features.py): logits = lm_head(final normed hidden)."""
+        h = final_hidden if isinstance(logits_to_keep, int) and logits_to_keep == 0 else final_hidden[:, logits_to_keep]
+        head = self.model.get_output_embeddings()
+        aux = aux_hidden.to(head.weight.dtype) if aux_hidden is not None else None  # stored as bf16
+        return TargetOutput(logits=head(h.to(head.weight.dtype)), aux_hidden=aux)
+
+    def outputs(self, batch: dict, logits_to_keep=0) -> TargetOutput:
+        """The target's output for a training batch: from stored features when the batch carries them, else a
+        forward pass."""
+        if "final_hidden" in batch:
+            return self.from_features(batch["final_hidden"], batch.get("aux_hidden"), logits_to_keep)
+        return self(batch["input_ids"], batch["attention_mask"], logits_to_keep=logits_to_keep)
+
+    @torch.no_grad()
     def forward(self, input_ids, attention_mask=None, logits_to_keep=0) -> TargetOutput:
         want_aux = self.aux_layer_ids is not None
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=want_aux,

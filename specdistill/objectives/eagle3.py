@@ -41,7 +41,7 @@ class Eagle3Objective:
 
     def __call__(self, batch: dict, models: Models) -> StepOutput:
         ids, am, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"].bool()
-        tgt = models.target(ids, am)  # one forward: logits (B, T, V) and aux hidden (B, T, 3Ht)
+        tgt = models.target.outputs(batch)  # one forward (or stored features): logits (B,T,V), aux (B,T,3Ht)
         if tgt.aux_hidden is None:
             raise ValueError("the eagle3 objective needs the target's aux hidden states: build it with draft=eagle3")
         head = models.draft

@@ -26,7 +26,7 @@ class KDObjective:
     def __call__(self, batch: dict, models: Models) -> StepOutput:
         keep = keep_positions(batch["loss_mask"])
         sel = batch["loss_mask"][:, keep].bool()
-        p_logits = models.target(batch["input_ids"], batch["attention_mask"], logits_to_keep=keep).logits[sel]  # (N, V)
+        p_logits = models.target.outputs(batch, logits_to_keep=keep).logits[sel]  # (N, V)
         q_logits = masked_logits(models.draft, batch, keep)  # (N, V)
         loss = divergence(self.divergence, p_logits, q_logits, beta=self.beta, temperature=self.temperature)
         if self.sft_weight:

@@ -1,13 +1,14 @@
 """Speculative decoding shared by evaluation and on-policy training: propose (drafters), verify, generate -> Rollout."""
 
 from .drafters import Drafter, LMDrafter, NGramDrafter, Proposal
+from .eagle3_drafter import Eagle3Drafter
 from .generate import (DynamicGamma, FixedGamma, GammaPolicy, RoundRecord, Rollout, speculative_generate,
                        target_generate)
 from .sampling import Sampler, probs_from_logits, sample
 from .verify import Verdict, verify_greedy, verify_sampling
 
 __all__ = [
-    "Drafter", "LMDrafter", "NGramDrafter", "Proposal",
+    "Drafter", "Eagle3Drafter", "LMDrafter", "NGramDrafter", "Proposal",
     "DynamicGamma", "FixedGamma", "GammaPolicy", "RoundRecord", "Rollout", "speculative_generate", "target_generate",
     "Sampler", "probs_from_logits", "sample",
     "Verdict", "verify_greedy", "verify_sampling",

@@ -1,0 +1,165 @@
+"""EAGLE-3 drafting (Li et al. 2025, arXiv 2503.01840): the one-layer head reads the target's fused hidden states.
+
+Bookkeeping, in the head's training semantics (models/eagle3.py): slot t pairs the fused target feature g_t (the
+target's aux hidden states at position t) with the embedding of token t+1, predicts token t+2, RoPE position t.
+With context x_0 .. x_{N-1} where x_{N-1} is pending (the target has seen x_0 .. x_{N-2}), the head's cache holds
+the slots 0 .. N-3 and slot N-2 (g_{N-2} with the pending x_{N-1}) is the first draft step: it predicts d_1.
+Draft step j > 0 stays on slot N-2 and feeds d_j with the head's own pre-norm output as g, position N-2+j, and
+attends to the cached slots plus the earlier draft steps (the TTT's step-diagonal attention).
+
+Like LMDrafter, the not-yet-cached slots wait as a "pending block" that propose() feeds first: at start, every
+prompt slot (prefill features of x_0 .. x_{T-2} with tokens x_1 .. x_{T-1}); after a round that accepted n drafts,
+the n+1 slots whose features the verify forward over [pending, d_1 .. d_K] just produced: g of the old pending and
+of d_1 .. d_n, paired with d_1 .. d_n and next_token. Draft-step slots are never kept (their g is the head's own
+output, not the target's), so commit() crops them off and keeps the pending block's real slots: a row that kept
+fewer than the widest row leaves masked holes, as in kv.BatchKV (keys carry their RoPE position, so holes are exact).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdistill.models.eagle3 import Eagle3Head
+
+from .drafters import Drafter, Proposal
+from .sampling import Sampler
+
+
+class Eagle3Drafter(Drafter):
+    """Proposes target ids from an Eagle3Head; q is expressed over the target vocabulary (zero outside t2d).
+
+    The sampler's temperature / top_p act on the draft-vocabulary logits, then ids map to the target's via d2t.
+    After each propose(), `logits` (B, k, Vd) holds the raw draft-vocabulary logits of every draft step.
+    """
+
+    needs_hidden_states = True
+
+    def __init__(self, head: Eagle3Head):
+        self.head = head
+        self.vocab_size = head.config.vocab_size  # V: proposals and q are over the target's vocabulary
+        self.aux_layer_ids = list(head.config.aux_layer_ids)
+        self.logits: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------------------------------- features
+    def _features(self, target_hidden) -> torch.Tensor:
+        """HF hidden_states tuple (per layer (B, C, Ht)) -> fused features g (B, C, H)."""
+        if target_hidden is None:
+            raise ValueError("Eagle3Drafter needs the target's hidden states: run it through speculative_generate "
+                             "(which passes output_hidden_states=True to the target for drafters that need them)")
+        if max(self.aux_layer_ids) >= len(target_hidden):
+            raise ValueError(f"head aux_layer_ids {self.aux_layer_ids} need hidden_states[{max(self.aux_layer_ids)}] "
+                             f"but the target returned {len(target_hidden)}: the head was built for another target")
+        fc = self.head.fc
+        aux = torch.cat([target_hidden[k] for k in self.aux_layer_ids], dim=-1)  # (B, C, 3Ht)
+        return fc(aux.to(device=fc.weight.device, dtype=fc.weight.dtype))       # (B, C, H)
+
+    def _set_pending(self, tokens, g, keep, last) -> None:
+        self.pending_tokens = tokens  # (B, P) token x_{t+1} of each slot (target ids)
+        self.pending_g = g            # (B, P, H) fused target feature g_t of each slot
+        self.pending_keep = keep      # (B, P) bool: a real slot, cached at commit
+        self.pending_last = last      # (B,) the slot that drafts (pairs the row's pending token); fed even if not kept
+
+    # ------------------------------------------------------------------------------------------- protocol
+    @torch.no_grad()
+    def start(self, input_ids, attention_mask, target_hidden=None) -> None:
+        head = self.head
+        device, dtype = head.fc.weight.device, head.fc.weight.dtype
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device).bool()
+        B, T = input_ids.shape
+        c = head.config
+        self.keys = torch.zeros(B, c.num_attention_heads, 0, c.head_dim, device=device, dtype=dtype)  # (B, nh, S, hd)
+        self.values = torch.zeros_like(self.keys)
+        self.mask = torch.zeros(B, 0, dtype=torch.bool, device=device)  # (B, S) real cached slots
+        self.length = torch.zeros(B, dtype=torch.long, device=device)   # (B,) cached slots = next slot's position
+        last = torch.full((B,), max(T - 2, 0), dtype=torch.long, device=device)
+        if T == 1:  # no target features at all: one feature-less slot for the pending token (drafts are guesses)
+            g = torch.zeros(B, 1, c.hidden_size, device=device, dtype=dtype)
+            self._set_pending(input_ids, g, torch.zeros(B, 1, dtype=torch.bool, device=device), last)
+            return
+        # Slot c (column c of the left-padded prompt) pairs the prefill feature at c with the token at c+1; real
+        # iff the token at c is (left padding). A row of one token has no slot, only its pending token.
+        keep = attention_mask[:, :-1]                                       # (B, T-1)
+        g = self._features(target_hidden)[:, -(T - 1):] * keep[..., None]   # (B, T-1, H) zero where not real
+        self._set_pending(input_ids[:, 1:], g, keep, last)
+
+    @torch.no_grad()
+    def propose(self, k: int, sampler: Sampler) -> Proposal:
+        head = self.head
+        tokens_p, keep = self.pending_tokens, self.pending_keep            # (B, P)
+        B, P = tokens_p.shape
+        rows = torch.arange(B, device=tokens_p.device)
+        is_last = torch.arange(P, device=keep.device) == self.pending_last[:, None]
+        positions = (self.length[:, None] + keep.long().cumsum(1) - 1).clamp(min=0)  # (B, P)
+        # 1. The pending block: cacheable slots, and per row the drafting slot (step 0 of the TTT unroll).
+        key_mask = torch.cat([self.mask, keep | is_last], dim=1)            # (B, S+P)
+        out = head.step(tokens_p, self.pending_g, positions, (self.keys, self.values), key_mask)
+        self.tail_keys, self.tail_values = out.keys, out.values            # (B, nh, S+P, hd), dropped/cropped at commit
+        h = out.hidden[rows, self.pending_last][:, None]                    # (B, 1, H)
+        logits = out.logits[rows, self.pending_last]                        # (B, Vd)
+        pos = positions[rows, self.pending_last]                            # (B,)
+        ones = torch.ones(B, 1, dtype=torch.bool, device=keep.device)
+        # 2. Draft steps: step j feeds d_j with the head's own output, position + j, same slot (TTT step j).
+        tokens, probs, step_logits = [], [], []
+        for j in range(k):
+            step_logits.append(logits)
+            draft_id, q = sampler.draw(logits)                              # (B,), (B, Vd) | None
+            token = head.draft_to_target(draft_id)                          # (B,) target ids
+            tokens.append(token)
+            probs.append(q)
+            if j < k - 1:
+                key_mask = torch.cat([key_mask, ones], dim=1)
+                out = head.step(token[:, None], h, (pos + j + 1)[:, None],
+                                (self.tail_keys, self.tail_values), key_mask)
+                self.tail_keys, self.tail_values = out.keys, out.values
+                h, logits = out.hidden, out.logits[:, 0]
+        Vd = logits.shape[-1]
+        self.logits = torch.stack(step_logits, 1) if k else logits.new_zeros(B, 0, Vd)  # (B, k, Vd)
+        self.tokens = torch.stack(tokens, 1) if k else tokens_p.new_zeros(B, 0)           # (B, k)
+        if sampler.greedy:
+            return Proposal(self.tokens, None)
+        # q over the target vocabulary: draft-vocab probs scattered to their target ids, zero elsewhere.
+        q_draft = torch.stack(probs, 1) if k else logits.new_zeros(B, 0, Vd).float()      # (B, k, Vd)
+        kept_ids = head.draft_to_target(torch.arange(Vd, device=q_draft.device))          # (Vd,)
+        q = q_draft.new_zeros(B, k, self.vocab_size)
+        q[..., kept_ids] = q_draft
+        return Proposal(self.tokens, q)
+
+    @torch.no_grad()
+    def commit(self, num_accepted, next_token, active, target_hidden=None) -> None:
+        device = self.length.device
+        n, next_token, active = num_accepted.to(device), next_token.to(device), active.to(device)
+        B, k = self.tokens.shape
+        S0 = self.mask.shape[1]
+        # 1. Cache: keep the pending block's real slots of rows that go on; crop the rest of the block and every
+        #    draft-step slot. One host sync for the crop widths.
+        keep = self.pending_keep & active[:, None]                          # (B, P)
+        P = keep.shape[1]
+        kept_cols = torch.where(keep.any(0), torch.arange(P, device=device) + 1, 0)
+        count = keep.sum(1)                                                 # (B,)
+        widest = (self.mask.sum(1) + count).max()
+        width = torch.where(active, n + 1, 0).max()                         # the new pending block's width
+        last, widest, width = torch.stack([kept_cols.max() if P else kept_cols.new_zeros(()), widest, width]).tolist()
+        self.keys, self.values = self.tail_keys[:, :, : S0 + last], self.tail_values[:, :, : S0 + last]
+        self.tail_keys = self.tail_values = None
+        self.mask = torch.cat([self.mask, keep[:, :last]], dim=1)
+        self.length = self.length + count
+        S = self.mask.shape[1]
+        if S - widest > max(32, S // 4):
+            self._compact(widest)
+        # 2. New pending block: the verify forward's features for [pending, d_1 .. d_n] (positions length ..
+        #    length + n) paired with [d_1 .. d_n, next_token]. Stopped rows get one slot that is fed, never kept.
+        width = max(width, 1)
+        g = self._features(target_hidden)[:, :width]                        # (B, width, H)
+        emitted = torch.cat([self.tokens, next_token[:, None]], dim=1)     # (B, k+1)
+        emitted = emitted.scatter(1, n[:, None], next_token[:, None])[:, :width]
+        col = torch.arange(width, device=device)
+        new_keep = (col <= n[:, None]) & active[:, None]                    # (B, width)
+        self._set_pending(emitted, g * new_keep[..., None], new_keep, torch.where(active, n, 0))
+
+    def _compact(self, widest: int) -> None:
+        """Right-align every row's real cached slots (order kept) and drop the columns that are holes in all rows."""
+        S = self.mask.shape[1]
+        order = torch.sort(self.mask.int(), dim=1, stable=True).indices[:, S - widest:]  # (B, widest)
+        idx = order[:, None, :, None].expand(-1, self.keys.shape[1], -1, self.keys.shape[-1])
+        self.keys, self.values = self.keys.gather(2, idx), self.values.gather(2, idx)     # (B, nh, widest, hd)
+        self.mask = self.mask.gather(1, order)
