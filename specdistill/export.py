@@ -12,9 +12,11 @@ checked for consistency, aux layer ids are checked against the target's depth, a
 problem raises one ValueError listing each bad tensor and its fix; the export is written to a temporary folder,
 re-read and re-validated, then renamed into place, so a failed export leaves nothing behind.
 
-Aux layer convention (vLLM): id k = the residual stream entering target decoder layer k = HF output_hidden_states[k]
-(0 = the embeddings); the engine captures them in layer order, so the three features are concatenated in ascending
-id order. Valid ids are 0 <= k < L: vLLM never captures k = L (and HF's hidden_states[L] is post-final-norm anyway).
+Aux layer convention (vLLM 0.32, checked in its llama.py): id k = the residual stream after k target decoder layers
+(hidden + residual; 0 = the embeddings) = HF output_hidden_states[k] for k < L. vLLM sorts and de-duplicates the ids and
+concatenates the features in layer order, so fc's column blocks must follow ascending ids (unsorted ids are fixed here
+by permuting fc). Exported ids must satisfy 0 <= k < L: vLLM's k = L is the PRE-final-norm stream, while HF's
+hidden_states[L] (what training read) is post-final-norm, so a head trained on k = L would be served other features.
 """
 from __future__ import annotations
 
@@ -160,8 +162,10 @@ def check_tensors(cfg: Eagle3Config, sd: dict[str, torch.Tensor], target_layers:
         bad = [k for k in cfg.aux_layer_ids if not 0 <= k < target_layers]
         if bad:
             errs.append(f"eagle_aux_hidden_state_layer_ids {bad} out of range for a target with {target_layers} "
-                        f"layers: vLLM captures ids 0..{target_layers - 1} (k = input of decoder layer k); retrain "
-                        f"with target.aux_layer_ids inside that range")
+                        f"layers: use ids in [0, {target_layers - 1}] (k = residual stream after k layers; HF's "
+                        f"hidden_states[{target_layers}] is post-final-norm but vLLM's id {target_layers} is pre-norm, "
+                        "so a head trained on it is served different features); retrain with target.aux_layer_ids "
+                        "inside that range")
     return errs
 
 
