@@ -96,6 +96,8 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
         acc.print(f"[train] held-out before training: {json.dumps(result.heldout_before)}")
 
     metrics_file = out_dir / "metrics.jsonl"
+    if resume_from is None and acc.is_main_process and metrics_file.exists():
+        metrics_file.unlink()  # a fresh run in an old output dir starts a fresh log (checkpoints are kept)
     world = acc.num_processes
     sums: dict[str, torch.Tensor] = {}
     t_window, tok_window, steps_window = time.perf_counter(), 0, 0
