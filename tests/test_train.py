@@ -80,6 +80,10 @@ def test_resume_equals_uninterrupted(tiny_target_dir, tiny_data_file, tmp_path):
     (tmp_path / "full" / "checkpoints" / ".step-0000009.tmp").mkdir()
     again, res3 = _run("kd", tiny_target_dir, tiny_data_file, tmp_path, common + ["trainer.resume=auto"], "full")
     assert res3.step == 6 and not res3.history  # nothing left to do
+    # a fresh run pointed at a folder with checkpoints refuses instead of pruning them
+    with pytest.raises(FileExistsError, match="resume=auto"):
+        _run("kd", tiny_target_dir, tiny_data_file, tmp_path, common, "full")
+    assert [p.name for p in list_checkpoints(tmp_path / "full")] == ["step-0000003", "step-0000006"]
 
 
 def test_checkpoint_weights_are_the_hf_draft(tiny_target_dir, tiny_data_file, tmp_path):

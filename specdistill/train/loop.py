@@ -22,7 +22,7 @@ from specdistill.build import Components
 from specdistill.data.chat import collate
 from specdistill.data.loader import StepBatches
 from specdistill.eval.simulated import simulated_acceptance
-from specdistill.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from specdistill.train.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 
 
 @dataclass
@@ -86,6 +86,10 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
     step, tokens_seen = 0, 0
     result = FitResult(0, None)
     resume_from = resolve_resume(t.resume, out_dir)
+    if resume_from is None and list_checkpoints(out_dir):
+        raise FileExistsError(f"{out_dir} already holds checkpoints of an earlier run ({list_checkpoints(out_dir)[-1].name})"
+                              ": continue it with trainer.resume=auto, or start fresh in another trainer.output_dir "
+                              "(nothing is overwritten)")
     if resume_from is not None:
         state = load_checkpoint(acc, resume_from)
         step, tokens_seen = state["step"], state["tokens_seen"]
