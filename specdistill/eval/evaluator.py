@@ -35,8 +35,9 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from specdistill.config import EvalConfig
-from specdistill.spec import (Drafter, DynamicGamma, FixedGamma, LMDrafter, NGramDrafter, Rollout, Sampler,
-                              speculative_generate, target_generate)
+from specdistill.models.eagle3 import is_eagle3
+from specdistill.spec import (Drafter, DynamicGamma, Eagle3Drafter, FixedGamma, LMDrafter, NGramDrafter, Rollout,
+                              Sampler, speculative_generate, target_generate)
 from specdistill.spec.kv import BatchKV, device_of, max_positions
 
 DRAFTERS = ("draft", "ngram", "target")
@@ -167,6 +168,8 @@ def make_drafter(spec: Union[str, Drafter, torch.nn.Module], target_model, cfg: 
     """'ngram' | 'target' | a Drafter | a draft causal LM -> (Drafter, its name for reports)."""
     if isinstance(spec, Drafter):
         return spec, type(spec).__name__
+    if is_eagle3(spec):
+        return Eagle3Drafter(spec), "eagle3"
     if isinstance(spec, torch.nn.Module):
         return LMDrafter(spec), "draft"
     if spec == "ngram":

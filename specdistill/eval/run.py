@@ -19,20 +19,23 @@ def resolve_device(name: str) -> torch.device:
 
 def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
     """eval.draft_path (a trained HF draft folder) if set, else a draft built from the `draft` group (untrained)."""
-    from specdistill.models.draft import build_draft, check_tokenizers_match, check_vocab_compatible
-    from specdistill.models.target import load_causal_lm
+    from specdistill.models.draft import (build_draft, check_tokenizers_match, check_vocab_compatible,
+                                          load_trained_draft)
 
     path = cfg.eval.draft_path
     if path:
         if not (Path(path).expanduser() / "config.json").exists() and Path(path).expanduser().exists():
             raise FileNotFoundError(f"eval.draft_path={path} has no config.json: point it at a checkpoint's draft/ "
                                     "folder, e.g. outputs/kd/checkpoints/step-0000040/draft")
-        draft = load_causal_lm(path, cfg.draft.dtype)
+        draft = load_trained_draft(path)  # a standalone LM or an EAGLE-3 head
         check_vocab_compatible(draft.config, target_model.config)
         check_tokenizers_match(path, tokenizer)
         log(f"[eval] draft from {path}")
     else:
         draft_cfg = OmegaConf.to_object(cfg.draft)
+        if draft_cfg.init == "eagle3":
+            raise ValueError("an EAGLE-3 head needs training data for its vocabulary: pass eval.draft_path=<a trained "
+                             "head's checkpoint draft/ folder>")
         draft = build_draft(draft_cfg, target_model)
         log(f"[eval] no eval.draft_path: an UNTRAINED draft built from the draft group (init={draft_cfg.init}, "
             f"num_layers={draft_cfg.num_layers}); pass eval.draft_path=.../checkpoints/step-N/draft for a trained one")
