@@ -1,8 +1,10 @@
 """Export a trained EAGLE-3 head for serving engines, validating every tensor before anything is written.
 
-Two formats (shared/notes/field-facts.md):
-  vllm         the "midlayer" format vLLM and SGLang load: a flat Llama config.json with architectures
-               ["LlamaForCausalLMEagle3"] + model.safetensors named as in specdistill/models/eagle3.py.
+Three formats (shared/notes/field-facts.md):
+  vllm         the "midlayer" format: a flat Llama config.json with architectures ["LlamaForCausalLMEagle3"] +
+               model.safetensors named as in specdistill/models/eagle3.py.
+  sglang       the same files, with the aux layer ids written in SGLang's convention (each id minus one, see below)
+               and `aux_layer_convention: "sglang"` so specdistill reads them back correctly.
   speculators  vllm-project/speculators: architectures ["Eagle3Speculator"], a nested `transformer_layer_config`,
                `speculators_config` (proposal method, verifier), weights under `layers.0.` instead of `midlayer.`.
 
@@ -17,6 +19,9 @@ Aux layer convention (vLLM 0.32, checked in its llama.py): id k = the residual s
 concatenates the features in layer order, so fc's column blocks must follow ascending ids (unsorted ids are fixed here
 by permuting fc). Exported ids must satisfy 0 <= k < L: vLLM's k = L is the PRE-final-norm stream, while HF's
 hidden_states[L] (what training read) is post-final-norm, so a head trained on k = L would be served other features.
+SGLang (checked in its llama.py: `layers_to_capture = [val + 1 for val in layer_ids]`, a layer capturing the stream
+entering it) serves config id j with the stream after j + 1 layers, so the same head needs ids k - 1 there; a vllm
+export loaded in SGLang runs but is fed the wrong layers (silently lower acceptance). k = 0 (embeddings) has no SGLang id.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ import torch
 
 from specdistill.models.eagle3 import Eagle3Config, Eagle3Head
 
-FORMATS = ("vllm", "speculators")
+FORMATS = ("vllm", "sglang", "speculators")
 MIDLAYER_ARCH = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCH = "Eagle3Speculator"
 WEIGHTS_FILE = "model.safetensors"
@@ -44,7 +49,7 @@ _MID, _SPEC = "midlayer.", "layers.0."
 @dataclass
 class ExportResult:
     out_dir: Path
-    format: str  # "vllm" (midlayer; SGLang loads it too) | "speculators"
+    format: str  # "vllm" (midlayer) | "sglang" (midlayer, SGLang's aux ids) | "speculators"
     tensors: dict[str, tuple[list[int], str]]  # name in the written file -> (shape, dtype)
     warnings: list[str] = field(default_factory=list)
     config: dict = field(default_factory=dict)  # the written config.json
@@ -224,14 +229,14 @@ def detect_format(raw: dict) -> str:
     if SPECULATORS_ARCH in archs or raw.get("speculators_model_type") == "eagle3":
         return "speculators"
     if MIDLAYER_ARCH in archs:
-        return "vllm"
+        return "sglang" if raw.get("aux_layer_convention") == "sglang" else "vllm"
     raise ValueError(f"not an EAGLE-3 checkpoint: architectures={archs} (expected {MIDLAYER_ARCH} or "
                      f"{SPECULATORS_ARCH})")
 
 
 @dataclass
 class Checkpoint:
-    format: str  # "vllm" (midlayer) | "speculators"
+    format: str  # "vllm" (midlayer) | "sglang" | "speculators"
     raw: dict  # config.json as stored
     config: Eagle3Config
     state_dict: dict[str, torch.Tensor]  # midlayer names, whatever the stored format
@@ -337,7 +342,7 @@ def export_eagle3(head_dir, out_dir, fmt: str = "vllm", target_path: Optional[st
     problem and writes nothing; never replaces an existing out_dir unless overwrite=True.
     """
     if fmt not in FORMATS:
-        raise ValueError(f"format {fmt!r}: choose one of {FORMATS} ('vllm' is also what SGLang loads)")
+        raise ValueError(f"format {fmt!r}: choose one of {FORMATS}")
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} exists: pass overwrite=True (--overwrite) or choose another --out")
@@ -377,6 +382,9 @@ def export_eagle3(head_dir, out_dir, fmt: str = "vllm", target_path: Optional[st
 
     _sort_aux(cfg, sd, warnings)
     errs += check_tensors(cfg, sd, target_layers, require_embeddings=include_embeddings)
+    if fmt == "sglang" and 0 in cfg.aux_layer_ids:
+        errs.append("aux layer id 0 (the embeddings) cannot be expressed in SGLang's convention (config id j = stream "
+                    "after j + 1 layers); export --format vllm, or retrain with ids >= 1")
     _raise(errs, f"export of {head_dir} refused; nothing was written")
 
     if not include_embeddings and "embed_tokens.weight" in sd:
@@ -392,6 +400,13 @@ def export_eagle3(head_dir, out_dir, fmt: str = "vllm", target_path: Optional[st
     mid_cfg["torch_dtype"] = float_dtypes.pop() if len(float_dtypes) == 1 else "float32"
     if fmt == "vllm":
         config, tensors = mid_cfg, sd
+    elif fmt == "sglang":
+        ids = [k - 1 for k in cfg.aux_layer_ids]
+        config = {**mid_cfg, "eagle_aux_hidden_state_layer_ids": ids, "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": ids}, "aux_layer_convention": "sglang"}
+        tensors = sd
+        warnings.append(f"aux ids written as {ids} (SGLang config convention) for features hidden_states"
+                        f"{cfg.aux_layer_ids}; do not serve this folder with vLLM (use --format vllm)")
     else:
         config = _speculators_config(cfg, mid_cfg, speculative_tokens, verifier_name, verifier_archs)
         tensors = {(_SPEC + k[len(_MID):]) if k.startswith(_MID) else k: v for k, v in sd.items()}
@@ -443,7 +458,9 @@ def validate_export(path, target_path: Optional[str] = None, target_layers: Opti
         bad = [k for k in ck.stored_names if k.startswith(_MID)]
         if bad:
             errs.append(f"speculators format stores the layer under '{_SPEC}', found {bad[:3]}")
-    elif any(k.startswith(_SPEC) for k in ck.stored_names):
+    elif fmt == "sglang" and 0 in cfg.aux_layer_ids:
+        errs.append("SGLang aux ids must be >= 0 (id -1 would mean the embeddings, which SGLang cannot capture)")
+    if fmt != "speculators" and any(k.startswith(_SPEC) for k in ck.stored_names):
         errs.append(f"midlayer format stores the layer under '{_MID}', found '{_SPEC}' names")
     if sorted(cfg.aux_layer_ids) != list(cfg.aux_layer_ids):
         errs.append(f"eagle_aux_hidden_state_layer_ids {cfg.aux_layer_ids} not ascending: engines concatenate aux "
@@ -456,7 +473,8 @@ def validate_export(path, target_path: Optional[str] = None, target_layers: Opti
                         f"{tcfg.get('max_position_embeddings')}: re-export with --target")
     errs += check_tensors(cfg, sd, target_layers)
     _raise(errs, f"{path} failed validation")
-    names = sd if fmt == "vllm" else {(_SPEC + k[len(_MID):]) if k.startswith(_MID) else k: v for k, v in sd.items()}
+    names = sd if fmt != "speculators" else {(_SPEC + k[len(_MID):]) if k.startswith(_MID) else k: v
+                                              for k, v in sd.items()}
     return ExportResult(Path(path), fmt, {k: (list(v.shape), str(v.dtype).replace("torch.", ""))
                                           for k, v in names.items()}, warnings, raw)
 

@@ -75,6 +75,8 @@ class Eagle3Config:
     def from_hf_dict(cls, d: dict) -> "Eagle3Config":
         aux = d.get("eagle_aux_hidden_state_layer_ids") or (d.get("eagle_config") or {}).get(
             "eagle_aux_hidden_state_layer_ids") or []
+        if d.get("aux_layer_convention") == "sglang":  # written by specdistill.export for SGLang: ids shifted by -1
+            aux = [k + 1 for k in aux]
         return cls(hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
                    num_attention_heads=d["num_attention_heads"], num_key_value_heads=d["num_key_value_heads"],
                    head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
@@ -313,15 +315,15 @@ def build_eagle3(target_model, draft_vocab: torch.Tensor, aux_layer_ids: Optiona
     return head
 
 
-def frequent_token_vocab(datasets_rows, vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
-    """The Vd most frequent next-token ids under the loss mask (ascending ids). rows: iterable of
-    {input_ids, loss_mask}; loss_mask[t] marks the prediction of input_ids[t+1]."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for r in datasets_rows:
-        ids = torch.as_tensor(r["input_ids"])
-        m = torch.as_tensor(r["loss_mask"]).bool()
-        nxt = ids[1:][m[:-1]]
-        counts += torch.bincount(nxt, minlength=vocab_size)[:vocab_size]
+def frequent_token_vocab(rows, vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
+    """The Vd most frequent next-token ids under the loss mask (ascending ids). rows: a datasets.Dataset (read by
+    column) or a list of {input_ids, loss_mask}; loss_mask[t] marks the prediction of input_ids[t+1]."""
+    if hasattr(rows, "column_names"):
+        pairs = zip(rows["input_ids"], rows["loss_mask"])
+    else:
+        pairs = ((r["input_ids"], r["loss_mask"]) for r in rows)
+    predicted = [i for ids, m in pairs for i, keep in zip(ids[1:], m[:-1]) if keep]
+    counts = torch.bincount(torch.tensor(predicted, dtype=torch.long), minlength=vocab_size)[:vocab_size]
     Vd = min(draft_vocab_size, vocab_size)
     # ties broken by id so the choice is deterministic; unseen tokens fill the tail in id order
     order = torch.argsort(counts * vocab_size + (vocab_size - 1 - torch.arange(vocab_size)), descending=True)
