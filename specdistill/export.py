@@ -21,7 +21,8 @@ by permuting fc). Exported ids must satisfy 0 <= k < L: vLLM's k = L is the PRE-
 hidden_states[L] (what training read) is post-final-norm, so a head trained on k = L would be served other features.
 SGLang (checked in its llama.py: `layers_to_capture = [val + 1 for val in layer_ids]`, a layer capturing the stream
 entering it) serves config id j with the stream after j + 1 layers, so the same head needs ids k - 1 there; a vllm
-export loaded in SGLang runs but is fed the wrong layers (silently lower acceptance). k = 0 (embeddings) has no SGLang id.
+export loaded in SGLang runs but is fed the wrong layers (silently lower acceptance). k = 0 (the embeddings) has no
+SGLang id.
 """
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ class ExportResult:
             lines.append(f"{key:<{w}}  {c.get(key)}")
         if self.format == "speculators":
             sc = self.config.get("speculators_config", {})
-            lines.append(f"{'speculative_tokens':<{w}}  {sc.get('proposal_methods', [{}])[0].get('speculative_tokens')}")
+            k = sc.get("proposal_methods", [{}])[0].get("speculative_tokens")
+            lines.append(f"{'speculative_tokens':<{w}}  {k}")
             lines.append(f"{'verifier':<{w}}  {sc.get('verifier', {}).get('name_or_path')}")
         lines += [f"warning: {m}" for m in self.warnings]
         return "\n".join(lines)
@@ -440,7 +442,7 @@ def _write_atomic(out_dir: Path, config: dict, tensors: dict, overwrite: bool, t
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-# ---------------------------------------------------------------------------------------------------- checking / loading
+# ------------------------------------------------------------------------------------------- checking / loading
 def validate_export(path, target_path: Optional[str] = None, target_layers: Optional[int] = None) -> ExportResult:
     """Re-read an exported (or training) folder in either format and check it as export_eagle3 does.
     Raises ValueError listing every problem; returns the folder's ExportResult otherwise."""

@@ -303,9 +303,9 @@ def build_eagle3(target_model, draft_vocab: torch.Tensor, aux_layer_ids: Optiona
     """A fresh head for this target: embeddings copied (frozen), vocab mapping set, fc/midlayer/head random."""
     L = target_model.config.num_hidden_layers
     aux = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(L)
-    bad = [k for k in aux if not 0 <= k <= L]
+    bad = [k for k in aux if not 0 <= k < L]  # not L: vLLM's stream L is pre-final-norm, HF's hidden_states[L] is not
     if bad or len(aux) != 3:
-        raise ValueError(f"target.aux_layer_ids={aux}: EAGLE-3 needs 3 ids in [0, {L}] (vLLM convention: k = "
+        raise ValueError(f"target.aux_layer_ids={aux}: EAGLE-3 needs 3 ids in [0, {L - 1}] (vLLM convention: k = "
                          f"hidden_states[k], 0 = embeddings); for this target try {default_aux_layer_ids(L)}")
     cfg = Eagle3Config.from_target(target_model.config, len(draft_vocab), aux)
     head = Eagle3Head(cfg)

@@ -73,10 +73,11 @@ class Target(torch.nn.Module):
 
     def set_aux_layer_ids(self, ids: list[int]) -> None:
         L = self.model.config.num_hidden_layers
-        bad = [k for k in ids if not 0 <= k <= L]
+        bad = [k for k in ids if not 0 <= k < L]
         if bad:
+            # k = L is excluded: HF's hidden_states[L] is after the final norm, vLLM's stream L is before it.
             raise ValueError(f"target.aux_layer_ids {bad} out of range for a target with {L} layers: use ids in "
-                             f"[0, {L}] (vLLM convention: k = hidden_states[k], 0 = the embeddings)")
+                             f"[0, {L - 1}] (vLLM convention: k = hidden_states[k], 0 = the embeddings)")
         self.aux_layer_ids = list(ids)
 
     @property
