@@ -94,6 +94,7 @@ def test_aux_ids_defaults_and_errors(target):
     assert default_aux_layer_ids(32) == [2, 16, 29]
     assert default_aux_layer_ids(4) == [1, 2, 3]
     assert default_aux_layer_ids(2) == [1, 1, 1]
+    assert default_aux_layer_ids(1) == [0, 0, 0]
     with pytest.raises(ValueError, match="aux_layer_ids"):
         build_eagle3(target, torch.arange(V), [1, 2, 9])
     with pytest.raises(ValueError, match="out of range"):

@@ -33,7 +33,7 @@ def test_shards_round_trip_and_are_bounded(tmp_path):
 
 def test_logits_rebuild_from_the_final_hidden_state():
     model = make_tiny_lm(50, layers=2).eval()
-    t = Target(model, [1, 2, 2])
+    t = Target(model, [0, 1, 1])
     ids = torch.randint(0, 50, (2, 7))
     am = torch.ones_like(ids)
     ref = t(ids, am)

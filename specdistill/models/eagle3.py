@@ -89,11 +89,11 @@ class Eagle3Config:
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """Low / middle / high layers for any depth. For L >= 8 this equals the engines' default (2, L//2, L-3); for
-    small targets (where that default breaks) it spreads (1, L//2, L-1). Ids follow vLLM: k = hidden_states[k]."""
+    small targets (where that default breaks) it spreads (1, L//2, L-1), all below L. Ids follow vLLM: k = hidden_states[k]."""
     L = num_layers
     if L >= 8:
         return [2, L // 2, L - 3]
-    return [min(1, L), max(1, L // 2), max(1, L - 1)]
+    return [min(1, L - 1), min(L // 2, L - 1), L - 1]
 
 
 class RMSNorm(nn.Module):
