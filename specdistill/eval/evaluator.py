@@ -611,14 +611,16 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
             hf_runs = {k: extra[k] for k in hf_runners}
         hf = _hf_summary(ours_runs, ours_target_runs, hf_runs, drafter_name)
 
-    # 5. Batch-size sweep on the first sweep_prompts prompts.
+    # 5. Batch-size sweep on the first sweep_prompts prompts (every point on the same prompts).
     sweep = []
     main_point = SweepPoint(cfg.batch_size, len(prompt_ids), spec_t.tokens_per_s(), target_t.tokens_per_s(),
                             spec_t.tokens_per_s() / target_t.tokens_per_s(), counts.tau(),
                             len(mismatches) if greedy else None)
     n_sweep = min(cfg.sweep_prompts, len(prompt_ids))
-    for bs in sorted(set(cfg.batch_sizes)):
-        if bs == cfg.batch_size and n_sweep == len(prompt_ids):
+    sizes = sorted(set(cfg.batch_sizes))
+    for bs in sizes:
+        # The main pass is the point at its own batch size when the sweep would only repeat it on fewer prompts.
+        if bs == cfg.batch_size and (n_sweep == len(prompt_ids) or sizes == [bs]):
             sweep.append(main_point)
             continue
         sb = make_batches(prompt_ids[:n_sweep], bs, pad_id, device)
