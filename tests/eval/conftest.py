@@ -2,16 +2,10 @@
 import pytest
 import torch
 
-from tests.conftest import make_tiny_lm, make_tokenizer
+from tests.conftest import make_tiny_lm, make_tokenizer, single_thread
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models are overhead-bound: one thread is faster, and 2 threads on a busy 2-core box crawl."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+one_thread = pytest.fixture(autouse=True, scope="module")(single_thread)
 
 
 @pytest.fixture(scope="session")

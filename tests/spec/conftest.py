@@ -4,6 +4,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.conftest import single_thread
+
 
 def _tiny_lm(seed: int = 0, vocab: int = 48, max_positions: int = 256, init_std: float = 0.2) -> LlamaForCausalLM:
     # init_std 0.2 (not HF's 0.02) makes the distributions peaked and two seeds disagree: alpha ~0.4.
@@ -29,13 +31,7 @@ def _chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), stat / 2))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models are overhead-bound: one thread is faster, and 2 threads on a busy 2-core box crawl (~10x)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+one_thread = pytest.fixture(autouse=True, scope="module")(single_thread)
 
 
 @pytest.fixture
