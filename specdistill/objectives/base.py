@@ -16,7 +16,9 @@ class Models:
 
 @dataclass
 class StepOutput:
-    """Per-token losses; the loop sums (loss * weight) and divides once by the global count of loss tokens."""
+    """Per-token losses; the loop sums (loss * weight) and divides once by the global count of loss tokens: the data's
+    loss_mask tokens, or, for an objective with a `num_tokens(batch, models) -> ()` tensor method (on-policy
+    positions), the sum of what that method returns; the loop calls it before any backward of the step."""
     loss: torch.Tensor  # (N,) per loss token, differentiable
     weight: Optional[torch.Tensor] = None  # (N,) detached weights (acceptance weighting); None = all ones
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # detached SUMS over this micro-batch; ratios later

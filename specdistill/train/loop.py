@@ -113,8 +113,10 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
         micro = [_to_device(b, acc.device) for b in batches.micro_batches(step)]
         # Normalise by the global number of loss tokens in this optimizer step (all micro-batches, all ranks):
         # the gradient is that of the mean over tokens, however the batch is split. DDP averages gradients over
-        # ranks, hence the factor world.
-        n_local = sum(b["loss_mask"].sum() for b in micro)
+        # ranks, hence the factor world. An objective whose loss tokens are not the data's (on-policy positions)
+        # counts them itself with num_tokens(batch, models), called before any backward.
+        count = getattr(objective, "num_tokens", None)
+        n_local = sum(count(b, c.models) if count else b["loss_mask"].sum() for b in micro)
         n_global = acc.reduce(n_local.detach().clone(), "sum").clamp_min(1)
         scale = world / n_global
         for i, b in enumerate(micro):
