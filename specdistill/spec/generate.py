@@ -261,7 +261,8 @@ def speculative_generate(
         # 2. Draft K tokens; K never drafts past the budget (the token after the last draft comes free).
         K = max(min(policy.gamma(), policy.max_gamma, max_remaining - 1), 0)
         proposal = drafter.propose(K, sampler)
-        drafts = proposal.tokens.to(device)                                # (B, K)
+        drafts = proposal.tokens.to(device)                                # (B, K') with K' <= K
+        K = drafts.shape[1]
         q = None if proposal.probs is None else proposal.probs.to(device)  # (B, K, V)
 
         # 3. Verify: one target forward over [pending, d_1..d_K] scores every draft plus the bonus position.

@@ -37,6 +37,14 @@ def test_ngram_without_match_repeats_the_last_token_and_rows_are_independent():
     assert p.tokens.tolist() == [[5, 5, 5], [8, 9, 7]]
 
 
+def test_ngram_with_no_match_in_any_row_proposes_nothing_and_commit_keeps_the_next_token():
+    drafter, p = _ngram([[3, 4, 5], [6, 7, 8]], 4)
+    assert p.tokens.shape == (2, 0)  # a 1-token target step instead of verifying filler
+    drafter.commit(torch.zeros(2, dtype=torch.long), torch.tensor([9, 6]), torch.tensor([True, True]))
+    p2 = drafter.propose(2, Sampler(0.0))
+    assert p2.tokens.tolist() == [[9, 9], [7, 8]]  # row 1 ends "6 7 8 6": "6" was followed by 7 8; row 0 repeats
+
+
 def test_ngram_commit_appends_accepted_drafts_and_next_token():
     drafter, p = _ngram([[1, 2, 3, 1, 2], [4, 5]], 2)
     drafter.commit(torch.tensor([1, 2]), torch.tensor([9, 8]), torch.tensor([True, False]))

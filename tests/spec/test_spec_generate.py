@@ -41,6 +41,22 @@ def test_greedy_is_token_identical_to_target_only(kind, tiny_lm, ragged_prompts)
                 assert r.target_forwards.tolist() == [-(-MAX_NEW // (gamma + 1))] * len(ids)
 
 
+def test_zero_width_rounds_are_plain_target_steps(tiny_lm):
+    """A prompt of distinct tokens gives the n-gram drafter nothing to match at first: those rounds propose 0 drafts,
+    cost one forward each and emit one token, and the output is still the target's."""
+    target = tiny_lm(0)
+    ids = torch.arange(1, 10)[None]
+    mask = torch.ones_like(ids)
+    reference = target_generate(target, ids, mask, max_new_tokens=MAX_NEW)
+    r = speculative_generate(target, NGramDrafter(max_ngram=3), ids, mask, gamma=4, max_new_tokens=MAX_NEW)
+    assert torch.equal(r.sequences, reference.sequences)
+    widths = [rnd.gamma for rnd in r.rounds]
+    assert 0 in widths
+    assert sum(rnd.num_emitted.sum().item() for rnd in r.rounds) == MAX_NEW
+    assert r.target_forwards.item() == len(r.rounds)
+    assert r.position_proposed[0].item() == sum(1 for w in widths if w > 0)
+
+
 def test_target_generate_matches_hf_generate(tiny_lm, ragged_prompts):
     target = tiny_lm(0)
     ids, mask = ragged_prompts
