@@ -1,0 +1,293 @@
+"""Draft-OPD (arXiv 2605.29343): on-policy distillation of the draft on its own target-assisted speculative rollouts,
+with replay of rejected positions and an acceptance-weighted loss.
+
+Per call (one micro-batch), in order:
+  1. Rollout (no grad, draft in eval mode): the batch's prompts are decoded by real speculative decoding with the
+     current draft (onpolicy/rollout.py, the evaluator's spec/ code); every drafted position is kept with its context,
+     the target's logits there, the verifier's decision and its category. Refreshed every `rollout_every` calls.
+  2. Replay: `replay_ratio` x (fresh positions) of the worst-missed earlier positions come back from the buffer
+     (onpolicy/replay.py) with their cached target logits; the current draft re-scores them and their priority
+     (1 - alpha) is updated.
+  3. Loss (with grad): ONE draft forward over the rows holding every position's context; per position a divergence
+     D(p || q) (or a weighted mix) between the target's and the draft's next-token distributions, weighted by
+     `weighting` (onpolicy/weights.py): reach = prod_{j<i} alpha_j (detached), decay, or none. Replayed positions
+     weigh `replay_weight`. Optional: kd_weight x the same divergence on the data batch's loss tokens (off-policy mix).
+
+Positions after the first rejection of a round (off_trajectory=branch): their context contains the rejected draft,
+so it is NOT a prefix of the final trajectory. Each such round adds one "branch" row (trajectory up to the accepted
+drafts + the round's drafts); the draft runs on it with grad like on any other row, so every position is trained on
+exactly the context it was proposed in. Extra draft compute: one row per round with a rejection before its last
+draft (about rounds x context tokens). off_trajectory=drop skips those positions instead.
+
+Normalisation: the loss is a mean over positions (fresh + replayed + data tokens when kd_weight > 0). The loop must
+know that count before any backward, so the objective exposes `num_tokens(batch, models)`, which performs step 1-2
+and caches the result for __call__ (the loop's generic hook; other objectives count loss_mask tokens).
+
+EAGLE-3 heads are not supported yet (clear error): see `_check_draft`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from specdistill.losses import DIVERGENCES, acceptance_rate, divergence
+from specdistill.objectives.base import Models, StepOutput, keep_positions, masked_logits
+from specdistill.onpolicy.replay import ReplayBuffer, ReplayItem
+from specdistill.onpolicy.rollout import (CATEGORIES, DraftedPositions, TargetLogits, collect_rollout,
+                                          draft_logits_at, prompts_from_batch)
+from specdistill.onpolicy.weights import WEIGHTINGS, position_weights
+from specdistill.spec import probs_from_logits
+from specdistill.spec.kv import logits_dim, max_positions
+
+OFF_TRAJECTORY = ("branch", "drop")
+
+
+def parse_divergence(spec: str) -> list[tuple[str, float]]:
+    """'fkl' -> [('fkl', 1.0)]; a mix 'rkl:1.0,tvd:0.5' -> [('rkl', 1.0), ('tvd', 0.5)]."""
+    out = []
+    for part in str(spec).split(","):
+        name, _, w = part.strip().partition(":")
+        if name not in DIVERGENCES:
+            raise ValueError(f"objective.divergence={spec!r}: {name!r} is not one of {DIVERGENCES} (a mix is written "
+                             "'rkl:1.0,tvd:0.5')")
+        try:
+            weight = float(w) if w else 1.0
+        except ValueError:
+            raise ValueError(f"objective.divergence={spec!r}: weight {w!r} of {name} is not a number") from None
+        if weight < 0:
+            raise ValueError(f"objective.divergence={spec!r}: weights must be >= 0")
+        out.append((name, weight))
+    return out
+
+
+@dataclass
+class _Prepared:
+    fresh: DraftedPositions
+    replay: list[ReplayItem]
+    add_to_buffer: bool           # this call refreshed the rollout: its rejected positions enter the buffer
+    metrics: dict
+    num_tokens: torch.Tensor
+
+
+def _unwrap(m):
+    return getattr(m, "module", m)
+
+
+@dataclass
+class DraftOPDObjective:
+    name: str = "draft_opd"
+    # rollouts (specdistill/onpolicy/rollout.py)
+    gamma: int = 4                      # drafts per round
+    max_new_tokens: int = 64            # rollout length per prompt
+    temperature: float = 1.0            # rollout sampling temperature of draft and target (0 = greedy verification)
+    assist: bool = True                 # false: the draft decodes alone, the target scores afterwards (ablation)
+    rollout_every: int = 1              # a rollout serves this many calls (micro-batches) before it is refreshed
+    max_prompt_tokens: Optional[int] = 512  # longer prompts keep their last tokens
+    off_trajectory: str = "branch"      # branch: train positions after a rejection on their own context | drop
+    target_top_k: int = 0               # keep the target's top-k logits per position (0 = the full distribution)
+    # loss
+    divergence: str = "fkl"             # fkl | rkl | jsd | tvd | acceptance, or a mix 'rkl:1.0,tvd:0.5'
+    beta: float = 0.5                   # jsd only
+    loss_temperature: float = 1.0       # temperature of both distributions inside the divergence (and of priorities)
+    weighting: str = "reach"            # reach (prod_{j<i} alpha_j) | decay | none
+    decay: float = 0.9                  # weighting=decay: k-th position after the first rejection weighs decay^k
+    # replay (specdistill/onpolicy/replay.py)
+    replay: bool = True
+    replay_ratio: float = 0.25          # replayed positions per call = replay_ratio x fresh positions
+    replay_capacity: int = 2048         # positions kept
+    replay_max_age: Optional[int] = 50  # rollout refreshes an item may age before it is dropped (null = no limit)
+    replay_weight: float = 1.0          # loss weight of a replayed position
+    # off-policy mix
+    kd_weight: float = 0.0              # adds kd_weight x divergence on the data batch's loss tokens
+    seed: int = 0                       # rollout sampling
+
+    def __post_init__(self):
+        if self.gamma < 1:
+            raise ValueError(f"objective.gamma must be >= 1, got {self.gamma}")
+        if self.max_new_tokens < 2:
+            raise ValueError(f"objective.max_new_tokens must be >= 2 (one drafted round), got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"objective.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.loss_temperature <= 0:
+            raise ValueError(f"objective.loss_temperature must be > 0, got {self.loss_temperature}")
+        if self.rollout_every < 1:
+            raise ValueError(f"objective.rollout_every must be >= 1, got {self.rollout_every}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"objective.max_prompt_tokens must be >= 1 or null, got {self.max_prompt_tokens}")
+        if self.off_trajectory not in OFF_TRAJECTORY:
+            raise ValueError(f"objective.off_trajectory={self.off_trajectory!r}: choose one of {OFF_TRAJECTORY}")
+        if self.target_top_k < 0:
+            raise ValueError(f"objective.target_top_k must be >= 0 (0 = full), got {self.target_top_k}")
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"objective.weighting={self.weighting!r}: choose one of {WEIGHTINGS}")
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"objective.decay must be in (0, 1], got {self.decay}")
+        if not 0 <= self.replay_ratio <= 1:
+            raise ValueError(f"objective.replay_ratio must be in [0, 1], got {self.replay_ratio}")
+        if self.replay_capacity < 1:
+            raise ValueError(f"objective.replay_capacity must be >= 1, got {self.replay_capacity}")
+        if self.replay_max_age is not None and self.replay_max_age < 0:
+            raise ValueError(f"objective.replay_max_age must be >= 0 or null, got {self.replay_max_age}")
+        if self.replay_weight < 0 or self.kd_weight < 0:
+            raise ValueError("objective.replay_weight and objective.kd_weight must be >= 0")
+        if not 0 <= self.beta <= 1:
+            raise ValueError(f"objective.beta must be in [0, 1], got {self.beta}")
+        self.mix = parse_divergence(self.divergence)
+        # State (not config): lives in the instance for the whole run.
+        self.buffer = ReplayBuffer(self.replay_capacity, self.replay_max_age)
+        self.calls = 0                  # objective calls so far
+        self.refreshes = 0              # rollouts collected so far (the replay buffer's clock)
+        self.target_tokens_total = 0    # tokens the target ran forwards over in rollouts (compute accounting)
+        self._fresh: Optional[DraftedPositions] = None
+        self._prepared: dict[int, tuple[dict, _Prepared]] = {}
+        self._generator: Optional[torch.Generator] = None
+        self._checked = False
+
+    # ------------------------------------------------------------------------------------------- the loop's hooks
+    def num_tokens(self, batch: dict, models: Models) -> torch.Tensor:
+        """Loss positions this call will return (for the loop's global normalisation). Runs the rollout now."""
+        prep = self._prepare(batch, models)
+        self._prepared[id(batch)] = (batch, prep)  # the batch itself is held, so its id cannot be reused meanwhile
+        return prep.num_tokens
+
+    def __call__(self, batch: dict, models: Models) -> StepOutput:
+        held, prep = self._prepared.pop(id(batch), (None, None))
+        if held is not batch:
+            prep = self._prepare(batch, models)
+        fresh, replay = prep.fresh, prep.replay
+        P, device = len(fresh), fresh.row.device
+        pad = _pad_id(models)
+
+        # 1. One draft forward over every context row (rollout rows, branches, replayed contexts): q (P + Q, V).
+        rows = fresh.rows + [it.context.to(device) for it in replay]
+        first_replay_row = len(fresh.rows)
+        row = torch.cat([fresh.row, torch.arange(len(replay), device=device) + first_replay_row])
+        ctx = torch.cat([fresh.context_len,
+                         torch.tensor([len(it.context) for it in replay], dtype=torch.long, device=device)])
+        q_logits = draft_logits_at(models.draft, rows, row, ctx, pad)                          # (P + Q, V)
+        p_logits = TargetLogits.cat([fresh.target.to(device)] + [it.target.to(device) for it in replay]).dense()
+        loss = self._divergence(p_logits, q_logits)                                             # (P + Q,)
+
+        # 2. Weights (detached) from the current draft: alpha at the rollout temperature for reach weights,
+        #    alpha at the loss temperature (soft at any decoding temperature) for replay priorities.
+        with torch.no_grad():
+            q_det = q_logits.detach()
+            alpha_roll = _alpha(p_logits[:P], q_det[:P], self.temperature)
+            weight_fresh = position_weights(self.weighting, alpha=alpha_roll, category=fresh.category,
+                                            round_id=fresh.round_id, index=fresh.index, decay=self.decay)
+            weight = torch.cat([weight_fresh, torch.full((len(replay),), self.replay_weight, device=device)])
+            priority = 1 - acceptance_rate(p_logits, q_det, self.loss_temperature)             # (P + Q,)
+            if replay:
+                self.buffer.update([it.uid for it in replay], priority[P:])
+            if prep.add_to_buffer and self.replay:
+                missed = (~fresh.accepted).nonzero().flatten()
+                self.buffer.add(fresh.contexts(missed), fresh.target.select(missed), priority[:P][missed].cpu(),
+                                self.refreshes)
+
+        metrics = dict(prep.metrics)
+        losses, weights = [loss], [weight]
+        # 3. Off-policy mix: the same divergence on the data batch's own loss tokens (a second draft forward).
+        if self.kd_weight > 0 and bool(batch["loss_mask"].any()):
+            keep = keep_positions(batch["loss_mask"])
+            sel = batch["loss_mask"][:, keep].bool()
+            kd_p = models.target.outputs(batch, logits_to_keep=keep).logits[sel]               # (N, V)
+            kd = self._divergence(kd_p, masked_logits(models.draft, batch, keep))             # (N,)
+            losses.append(kd)
+            weights.append(torch.full_like(kd, self.kd_weight).detach())
+            metrics["kd_loss_sum"] = kd.detach().sum()
+            metrics["kd_loss_count"] = torch.tensor(float(kd.numel()), device=device)
+
+        with torch.no_grad():
+            f = lambda x: torch.as_tensor(float(x), device=device)  # noqa: E731
+            metrics["loss_sum"] = sum((l * w).sum() for l, w in zip(losses, weights)).detach()
+            metrics["onpolicy_loss_sum"], metrics["onpolicy_loss_count"] = loss[:P].detach().sum(), f(P)
+            metrics["weight_sum"], metrics["weight_count"] = weight_fresh.sum(), f(P)
+            metrics["alpha_sum"], metrics["alpha_count"] = (1 - priority[:P]).sum(), f(P)
+            for c, name in enumerate(CATEGORIES):
+                metrics[f"frac_{name}_sum"], metrics[f"frac_{name}_count"] = (fresh.category == c).sum().float(), f(P)
+            if self.replay:
+                pr = self.buffer.priorities()
+                metrics["replay_size_sum"], metrics["replay_size_count"] = f(len(self.buffer)), f(1)
+                metrics["replay_priority_sum"], metrics["replay_priority_count"] = f(pr.sum()), f(len(pr))
+                metrics["replay_used_sum"], metrics["replay_used_count"] = f(len(replay)), f(1)
+                if replay:
+                    metrics["replay_loss_sum"], metrics["replay_loss_count"] = loss[P:].detach().sum(), f(len(replay))
+        return StepOutput(torch.cat(losses), torch.cat(weights), metrics)
+
+    # ------------------------------------------------------------------------------------------- internals
+    def _divergence(self, p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+        return sum(w * divergence(name, p_logits, q_logits, beta=self.beta, temperature=self.loss_temperature)
+                   for name, w in self.mix)
+
+    def _check_draft(self, draft, target) -> None:
+        from specdistill.models.eagle3 import is_eagle3
+
+        if is_eagle3(draft):
+            raise NotImplementedError(
+                "objective=draft_opd does not train EAGLE-3 heads yet: rollouts would run through Eagle3Drafter, "
+                "but the with-grad loss forward (the head's TTT unroll at each round's pending slot, on its own "
+                "features, plus branch rows carrying the trajectory's aux hidden states) and replay of EAGLE-3 "
+                "contexts (their target features must be cached) are not implemented. Use a standalone draft "
+                "(draft=from_target / config / pretrained), e.g. warm-started from a KD checkpoint.")
+        V, Vd = logits_dim(target), logits_dim(draft)
+        if V != Vd:
+            raise ValueError(f"draft vocab size {Vd} != target vocab size {V}: on-policy distillation compares the "
+                             "two distributions token by token; use a draft with the target's tokenizer")
+
+    @torch.no_grad()
+    def _prepare(self, batch: dict, models: Models) -> _Prepared:
+        draft, target = _unwrap(models.draft), getattr(models.target, "model", models.target)
+        if not self._checked:
+            self._check_draft(draft, target)
+            self._checked = True
+        device = batch["input_ids"].device
+        self.calls += 1
+        f = lambda x: torch.as_tensor(float(x), device=device)  # noqa: E731
+        metrics: dict = {}
+        refresh = self._fresh is None or (self.calls - 1) % self.rollout_every == 0
+        if refresh:
+            self._fresh = self._rollout(batch, models, draft, target)
+            self.refreshes += 1
+            s = self._fresh.stats
+            self.target_tokens_total += s.target_tokens
+            metrics.update({"rollout_accept_rate_sum": f(s.accepted), "rollout_accept_rate_count": f(s.drafted),
+                            "rollout_tau_sum": f(s.new_tokens), "rollout_tau_count": f(s.target_forwards),
+                            "rollout_alpha_sum": f(s.alpha), "rollout_alpha_count": f(s.drafted),
+                            "rollout_target_tokens_sum": f(s.target_tokens), "rollout_target_tokens_count": f(1)})
+        fresh = self._fresh
+        replay = self.buffer.sample(round(self.replay_ratio * len(fresh)), self.refreshes) if self.replay else []
+        n = len(fresh) + len(replay)
+        if self.kd_weight > 0:
+            n += int(batch["loss_mask"].sum())
+        return _Prepared(fresh, replay, refresh, metrics, f(n))
+
+    def _rollout(self, batch, models, draft, target) -> DraftedPositions:
+        from specdistill.eval.evaluator import eos_ids
+
+        pad = _pad_id(models)
+        ids, mask = prompts_from_batch(batch, pad, self.max_prompt_tokens, context=max_positions(target),
+                                       max_new_tokens=self.max_new_tokens)
+        if self._generator is None:
+            self._generator = torch.Generator(device=ids.device).manual_seed(self.seed)
+        eos = eos_ids(models.tokenizer, target, ignore_eos=False) if models.tokenizer is not None else None
+        was_training = draft.training
+        draft.eval()
+        try:
+            return collect_rollout(target, draft, ids, mask, gamma=self.gamma, max_new_tokens=self.max_new_tokens,
+                                   temperature=self.temperature, assist=self.assist, eos_token_id=eos,
+                                   generator=self._generator, pad_id=pad, top_k=self.target_top_k,
+                                   branches=self.off_trajectory == "branch")
+        finally:
+            draft.train(was_training)
+
+
+def _pad_id(models: Models) -> int:
+    tok = models.tokenizer
+    return tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
+
+
+def _alpha(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """sum_x min(p, q) after the decoder's own processing at `temperature` (one-hot argmax match at 0). (N,)"""
+    return torch.minimum(probs_from_logits(p_logits, temperature), probs_from_logits(q_logits, temperature)).sum(-1)
