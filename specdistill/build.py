@@ -64,6 +64,9 @@ def build_eagle3_draft(draft_cfg, target, data):
     else:
         vocab = frequent_token_vocab(data.train, target.config.vocab_size, draft_cfg.draft_vocab_size)
         head = build_eagle3(target.model, vocab, target.aux_layer_ids)
+        if draft_cfg.moe.eagle3_mlp:  # MoE targets: the MLP starts as a merge of hot experts (specdistill/moe)
+            from specdistill.moe.draft import init_eagle3_from_config
+            init_eagle3_from_config(head, draft_cfg, target.model, data)
     target.set_aux_layer_ids(head.config.aux_layer_ids)
     return head.train()
 
@@ -104,7 +107,7 @@ def build(cfg: DictConfig, accelerator=None) -> Components:
     if draft_cfg.init == "eagle3":
         draft = build_eagle3_draft(draft_cfg, target, data)
     else:
-        draft = build_draft(draft_cfg, target.model)
+        draft = build_draft(draft_cfg, target.model, data)
     if draft_cfg.init == "pretrained":
         check_tokenizers_match(draft_cfg.path, tokenizer)
     if cfg.data.offline_dir:

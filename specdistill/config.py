@@ -27,12 +27,30 @@ class TargetConfig:
 
 
 @dataclass
+class MoEDraftConfig:
+    """Drafts from an MoE target's most used experts (specdistill/moe/build.py): draft.init=moe_experts, or
+    draft.init=eagle3 with eagle3_mlp=true. Hot experts come from a routing profile (scripts/profile_moe.py)."""
+    kind: str = "moe"  # moe: hot experts behind a sliced router | dense: one MLP merged from the hot experts
+    layers: Optional[list[int]] = None  # target layers the draft copies, in order; null = the first draft.num_layers
+    coverage: Optional[float] = 0.9  # keep the most used experts until their routing-weight share >= coverage
+    num_experts: Optional[int] = None  # or keep a fixed count per layer (set coverage=null)
+    top_k: Optional[int] = None  # kind=moe: experts per token in the draft; null = min(target top-k, kept)
+    merge: str = "concat"  # dense / eagle3: concat (neurons stacked, mass-weighted output mean) | average (weights)
+    profile: Optional[str] = None  # a profile.json from scripts/profile_moe.py; null = profile the training data
+    profile_batches: int = 8  # on-the-fly profiling: batches of 4 training rows
+    token_selection: str = "loss_mask"  # tokens profiled: loss_mask (trained positions) | all (non-padding)
+    eagle3_mlp: bool = False  # init=eagle3: the head's MLP merged from the hot experts of eagle3_layers
+    eagle3_layers: Optional[list[int]] = None  # null = the target's last MoE layer
+
+
+@dataclass
 class DraftConfig:
     # How the standalone draft is made:
     #   from_target: the target's embeddings, first `num_layers` decoder layers, final norm and head
     #   config:      a fresh model of the target's architecture with the sizes below (vocab from the target)
     #   pretrained:  a local HF folder or hub id at `path`
     #   eagle3:      an EAGLE-3 head (specdistill/models/eagle3.py) over target.aux_layer_ids; `path` warm-starts it
+    #   moe_experts: an MoE target's layers keeping their hot experts, or a dense merge of them (`moe` below)
     init: str = "from_target"
     num_layers: int = 2
     path: Optional[str] = None
@@ -42,6 +60,7 @@ class DraftConfig:
     num_key_value_heads: Optional[int] = None
     dtype: str = "float32"  # trained weights are kept in fp32; bf16 autocast comes from trainer.mixed_precision
     draft_vocab_size: int = 32000  # eagle3: the Vd most frequent target tokens under the training loss mask
+    moe: MoEDraftConfig = field(default_factory=MoEDraftConfig)
 
 
 @dataclass

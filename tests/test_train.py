@@ -11,7 +11,8 @@ from specdistill.train.checkpoint import list_checkpoints
 from specdistill.train.loop import fit
 from tests.conftest import compose, make_tiny_lm, make_tokenizer, tiny_overrides
 
-RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+# moe_* recipes need an MoE target: tests/moe/ trains them on tiny Mixtral and Qwen3-MoE targets.
+RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml") if not p.stem.startswith("moe"))
 
 
 def _run(recipe, tiny_target_dir, tiny_data_file, tmp_path, extra=(), name="run"):

@@ -9,10 +9,15 @@ from specdistill.config import DraftConfig
 from specdistill.models.target import load_causal_lm, load_tokenizer
 
 
-def build_draft(cfg: DraftConfig, target_model) -> torch.nn.Module:
-    """Return a trainable causal LM sharing the target's vocabulary."""
+def build_draft(cfg: DraftConfig, target_model, data=None) -> torch.nn.Module:
+    """Return a trainable causal LM sharing the target's vocabulary. `data` (TokenizedData): calibration rows for
+    drafts that profile the target (init=moe_experts without a saved profile)."""
     tcfg = target_model.config
-    if cfg.init == "pretrained":
+    if cfg.init == "moe_experts":
+        from specdistill.moe.draft import build_from_config
+
+        draft = build_from_config(cfg, target_model, data)
+    elif cfg.init == "pretrained":
         if not cfg.path:
             raise ValueError("draft.init=pretrained needs draft.path=<HF folder or hub id>")
         draft = load_causal_lm(cfg.path, cfg.dtype)
@@ -42,7 +47,7 @@ def build_draft(cfg: DraftConfig, target_model) -> torch.nn.Module:
             dcfg.head_dim = dcfg.hidden_size // dcfg.num_attention_heads
         draft = type(target_model)(dcfg)
     else:
-        raise ValueError(f"unknown draft.init {cfg.init!r}; choose from_target | config | pretrained")
+        raise ValueError(f"unknown draft.init {cfg.init!r}; choose from_target | config | pretrained | moe_experts")
     draft = draft.to(torch.float32 if cfg.dtype == "float32" else getattr(torch, cfg.dtype))
     check_vocab_compatible(draft.config, tcfg)
     draft.train()
