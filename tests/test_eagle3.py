@@ -111,3 +111,30 @@ def test_objective_is_finite_and_masks_out_of_vocab(target):
     assert torch.allclose(out.weight.unique(), torch.tensor([0.64, 0.8, 1.0]))
     out.loss.mul(out.weight).sum().backward()
     assert head.fc.weight.grad is not None and head.embed_tokens.weight.grad is None
+
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                                  {"rope_type": "linear", "factor": 4.0}])
+def test_head_rope_matches_the_targets_rotary_embedding(rope):
+    """The head rotates q/k exactly as an HF Llama with the same rope parameters (Llama-3.1 uses llama3 scaling):
+    a wrong frequency table would shift every drafted position and silently cut acceptance in serving."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from specdistill.models.eagle3 import Eagle3Config, rope_cos_sin
+
+    rp = {"rope_type": "default", "rope_theta": 5e5, **(rope or {})}
+    tcfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=512, vocab_size=50, rope_parameters=rp)
+    head = Eagle3Head(Eagle3Config.from_target(tcfg, 20, [0, 1, 1]))
+    pos = torch.tensor([[0, 5, 63, 64, 300, 511]])
+    cos, sin = rope_cos_sin(pos, head.rope_inv_freq, head.rope_attention_factor, torch.float32)
+    ref_cos, ref_sin = LlamaRotaryEmbedding(tcfg)(torch.zeros(1, 6, 16), pos)
+    torch.testing.assert_close(cos, ref_cos, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sin, ref_sin, rtol=1e-5, atol=1e-5)
+    assert (head.config.rope_scaling is None) == (rope is None)
+    with pytest.raises(ValueError, match="sequence length"):
+        Eagle3Head(Eagle3Config.from_target(LlamaConfig(
+            hidden_size=64, intermediate_size=96, num_attention_heads=4, vocab_size=50,
+            rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), 20, [0, 1, 1]))

@@ -109,12 +109,37 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin (B, T, hd) for integer positions (B, T); the Llama (rotate_half) convention, default RoPE."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float) / head_dim))
-    freqs = position_ids.float()[..., None] * inv_freq  # (B, T, hd/2)
+def rope_inv_freq(c: "Eagle3Config") -> tuple[torch.Tensor, float]:
+    """(inv_freq (hd/2,), attention_factor) for the head's RoPE, the target's scaling included (llama3, linear,
+    yarn, ...), computed by transformers' own ROPE_INIT_FUNCTIONS so the head rotates exactly as the target and
+    the serving engine do. Length-dependent types (dynamic, longrope) are refused: engines apply them per request."""
+    rp = dict(c.rope_scaling or {})
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    if kind == "default":
+        hd = c.head_dim
+        return 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd)), 1.0
+    if kind in ("dynamic", "longrope"):
+        raise ValueError(f"EAGLE-3 head: RoPE scaling {kind!r} depends on the sequence length and is not supported; "
+                         "use a target config with default, linear, llama3 or yarn RoPE")
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if kind not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"EAGLE-3 head: unknown RoPE scaling type {kind!r}; transformers knows {sorted(ROPE_INIT_FUNCTIONS)}")
+    rp.pop("type", None)
+    rp.update(rope_type=kind, rope_theta=c.rope_theta)
+    cfg = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
+                      max_position_embeddings=c.max_position_embeddings, rope_parameters=rp)
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
+    return inv_freq.float(), float(factor)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float,
+                 dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin (B, T, hd) for integer positions (B, T); the Llama (rotate_half) convention."""
+    freqs = position_ids.float()[..., None] * inv_freq.to(position_ids.device)  # (B, T, hd/2)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
 
 
 def _rotate(x, cos, sin):  # x (B, h, T, hd), cos/sin (B, T, hd)
@@ -181,6 +206,8 @@ class Eagle3Head(nn.Module):
         self.midlayer = Eagle3Layer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        # Not a buffer: .to(bf16) would round the frequencies; kept fp32 and rebuilt from the config on load.
+        self.rope_inv_freq, self.rope_attention_factor = rope_inv_freq(c)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool) if c.draft_vocab_size == c.vocab_size
                              else torch.zeros(c.vocab_size, dtype=torch.bool))
@@ -201,7 +228,7 @@ class Eagle3Head(nn.Module):
         """token_ids (B, n), g (B, n, H), positions (B, n); attend(q, k, v) -> (B, nh, n, hd). Returns out, k, v."""
         L = self.midlayer
         x = torch.cat([L.input_layernorm(self.embed_tokens(token_ids)), L.hidden_norm(g)], dim=-1)  # (B, n, 2H)
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(position_ids, self.rope_inv_freq, self.rope_attention_factor, x.dtype)
         q, k, v = L.self_attn.qkv(x, cos, sin)
         a = attend(q, k, v)  # (B, nh, n, hd)
         B, _, n, _ = a.shape
