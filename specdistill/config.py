@@ -144,6 +144,21 @@ class EvalConfig:
 
 
 @dataclass
+class HubConfig:
+    """Publishing (specdistill/hub/): push the draft after each epoch and at the end. The token is huggingface_hub's
+    own (HF_TOKEN or `hf auth login`); it never appears in a config."""
+    push: bool = False
+    repo_id: Optional[str] = None  # <user-or-org>/<name>; required when push
+    private: bool = True
+    revision: str = "main"
+    endpoint: Optional[str] = None  # null = HF_ENDPOINT or the public hub
+    every_epoch: bool = True  # false: only the final push
+    serving_formats: list[str] = field(default_factory=lambda: ["vllm", "sglang"])  # EAGLE-3 exports under serving/
+    max_retries: int = 4  # a failed push is retried this many times ...
+    backoff_s: float = 5.0  # ... waiting backoff_s * 2^k before retry k+1
+
+
+@dataclass
 class Config:
     run_name: str = "default"
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -152,6 +167,7 @@ class Config:
     objective: Any = MISSING  # validated against the chosen objective's dataclass in validate_objective
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
 
 
 def register_configs() -> None:

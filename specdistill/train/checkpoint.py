@@ -6,7 +6,8 @@ Layout of <output_dir>/checkpoints/step-0000100/:
   trainer_state.json  step, epoch, tokens seen
   metrics.json        the latest metrics (training and held-out acceptance)
   config.yaml         the fully resolved config of the run
-A folder whose name starts with "." is incomplete (a crash mid-save) and is never resumed from.
+A folder whose name starts with "." is incomplete (a crash mid-save: .step-N.tmp) or being deleted (.step-N.del) and is
+never resumed from; debris of either kind is removed by the next save.
 """
 from __future__ import annotations
 
@@ -55,8 +56,8 @@ def save_checkpoint(accelerator, draft, tokenizer, output_dir, step: int, traine
     tmp = root / f".step-{step:07d}.tmp"
     if accelerator.is_main_process:
         root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)  # debris of an interrupted save of this same step
+        for debris in [*root.glob(".step-*.tmp"), *root.glob(".step-*.del")]:
+            shutil.rmtree(debris, ignore_errors=True)  # left by a process killed mid-save or mid-delete
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp / "state"))
     state_dict = accelerator.get_state_dict(draft)  # full state dict (gathered under FSDP/ZeRO-3)
@@ -70,12 +71,12 @@ def save_checkpoint(accelerator, draft, tokenizer, output_dir, step: int, traine
         # trainer_state.json is written last: its presence marks the content complete, the rename makes it visible.
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
         _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
+        if final.exists():  # a re-save of this step: move the old copy aside first (a kill here keeps it whole)
+            _discard(final)
         os.replace(tmp, final)
         _fsync_dir(root)
         for old in list_checkpoints(output_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            _discard(old)
     accelerator.wait_for_everyone()
     return final
 
@@ -84,6 +85,16 @@ def load_checkpoint(accelerator, path: Path) -> dict:
     """Restore model, optimizer, scheduler and RNG in place; return the trainer state (step, epoch...)."""
     accelerator.load_state(str(path / "state"))
     return json.loads((path / "trainer_state.json").read_text())
+
+
+def _discard(path: Path) -> None:
+    """Delete a checkpoint so that no kill -9 leaves a half-deleted folder under a step-N name: rename to a dot-name
+    (never listed, never resumed from) first, then delete."""
+    trash = path.with_name(f".{path.name}.del")
+    if trash.exists():
+        shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _fsync_dir(path: Path) -> None:

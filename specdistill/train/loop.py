@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 import resource
+import signal
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -32,6 +34,51 @@ class FitResult:
     history: list[dict] = field(default_factory=list)  # every logged metrics dict
     heldout_before: Optional[dict] = None
     heldout_after: Optional[dict] = None
+    preempted: Optional[str] = None  # "SIGTERM" / "SIGINT" when a signal stopped the run (a resumable checkpoint exists)
+
+
+@dataclass
+class Saved:
+    """What a checkpoint hook is told: a complete checkpoint folder (renamed into place) and when it was written."""
+    path: Path
+    epoch: int
+    step: int
+    final: bool  # the end of training
+    metrics: dict
+
+
+class StopSignal:
+    """SIGTERM / SIGINT ask the loop to stop: it finishes the current optimizer step, all ranks agree (one all-reduce
+    per step), a resumable checkpoint is written and fit returns (result.preempted). A second SIGINT interrupts at
+    once. Handlers are only installed from the main thread and are restored on exit."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.requested: Optional[str] = None
+        self._old: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        return False
+
+    def _handle(self, signum, frame):
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # asked twice: stop now, without a checkpoint
+        self.requested = signal.Signals(signum).name
+
+    def agreed(self, acc) -> bool:
+        """True on every rank as soon as any rank got a signal."""
+        if acc.num_processes == 1:
+            return self.requested is not None
+        flag = torch.tensor([float(self.requested is not None)], device=acc.device)
+        return bool(acc.reduce(flag, "sum").item() > 0)
 
 
 def _to_device(batch: dict, device) -> dict:
@@ -48,7 +95,10 @@ def heldout_batches(c: Components) -> list[dict]:
     ds = c.data.heldout
     acc = c.accelerator
     n = c.cfg.trainer.micro_batch_size
-    idx = list(range(acc.process_index, len(ds), acc.num_processes))  # each rank scores its share once
+    # Each rank scores its share once, and every rank gets the same number of batches: a sharded draft (FSDP,
+    # ZeRO-3) runs collectives in its forward, and the acceptance counts are all-reduced after the last batch.
+    usable = len(ds) // acc.num_processes * acc.num_processes
+    idx = list(range(acc.process_index, usable, acc.num_processes))
     pad = c.models.tokenizer.pad_token_id
     chunks = [idx[i:i + n] for i in range(0, len(idx), n)][: c.cfg.eval.max_batches]
     return [collate([ds[i] for i in ch], pad) for ch in chunks]
@@ -65,9 +115,13 @@ def evaluate_heldout(c: Components) -> dict:
     return out
 
 
-def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], dict], ...] = ()) -> FitResult:
-    """Train until trainer.max_steps (or trainer.epochs). `epoch_end_hooks(c, epoch, step) -> metrics` run at the end
-    of every epoch (the speculative evaluator plugs in there)."""
+def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], dict], ...] = (),
+        checkpoint_hooks: tuple[Callable[[Components, Saved], None], ...] = ()) -> FitResult:
+    """Train until trainer.max_steps (or trainer.epochs), or until SIGTERM / SIGINT (then a resumable checkpoint is
+    written and result.preempted says why). `epoch_end_hooks(c, epoch, step) -> metrics` run at the end of every epoch
+    (the speculative evaluator plugs in there). `checkpoint_hooks(c, saved)` run on every rank once the checkpoint of
+    an epoch end or of the end of training is complete (the hub push plugs in there); with such hooks a checkpoint is
+    written at every epoch end."""
     cfg, acc, t = c.cfg, c.accelerator, c.cfg.trainer
     draft, objective, opt, sched = c.models.draft, c.objective, c.optimizer, c.scheduler
     out_dir = c.output_dir
@@ -83,7 +137,7 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
         acc.init_trackers(t.wandb_project, config=OmegaConf.to_container(cfg, resolve=True),
                           init_kwargs={"wandb": {"name": cfg.run_name, "dir": str(out_dir), "mode": t.wandb_mode}})
 
-    step, tokens_seen = 0, 0
+    step, tokens_seen, last_saved = 0, 0, -1
     result = FitResult(0, None)
     resume_from = resolve_resume(t.resume, out_dir)
     if resume_from is None and list_checkpoints(out_dir):
@@ -93,6 +147,7 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
     if resume_from is not None:
         state = load_checkpoint(acc, resume_from)
         step, tokens_seen = state["step"], state["tokens_seen"]
+        last_saved = step
         result.heldout_before = state.get("heldout_before")
         acc.print(f"[train] resumed from {resume_from} at step {step}")
     else:
@@ -106,78 +161,100 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
     sums: dict[str, torch.Tensor] = {}
     t_window, tok_window, steps_window = time.perf_counter(), 0, 0
     latest: dict = {}
+
+    def save() -> Path:
+        state = {"step": step, "epoch": batches.epoch_of(max(step - 1, 0)), "tokens_seen": tokens_seen,
+                 "heldout_before": result.heldout_before}
+        return save_checkpoint(acc, draft, c.models.tokenizer, out_dir, step, state, latest, config_yaml,
+                               keep=t.keep_checkpoints)
+
     bar = tqdm(total=max_steps, initial=step, desc=f"train {cfg.run_name}", disable=not acc.is_local_main_process,
                dynamic_ncols=True)
     draft.train()
-    while step < max_steps:
-        micro = [_to_device(b, acc.device) for b in batches.micro_batches(step)]
-        # Normalise by the global number of loss tokens in this optimizer step (all micro-batches, all ranks):
-        # the gradient is that of the mean over tokens, however the batch is split. DDP averages gradients over
-        # ranks, hence the factor world. An objective whose loss tokens are not the data's (on-policy positions)
-        # counts them itself with num_tokens(batch, models), called before any backward.
-        count = getattr(objective, "num_tokens", None)
-        n_local = sum(count(b, c.models) if count else b["loss_mask"].sum() for b in micro)
-        n_global = acc.reduce(n_local.detach().clone(), "sum").clamp_min(1)
-        scale = world / n_global
-        for i, b in enumerate(micro):
-            sync = nullcontext() if i == len(micro) - 1 else acc.no_sync(draft)
-            with sync, acc.autocast():
-                out = objective(b, c.models)
-                per_token = out.loss if out.weight is None else out.loss * out.weight
-                acc.backward(per_token.sum() * scale)
-            for k, v in out.metrics.items():
-                sums[k] = sums.get(k, 0) + v.detach().float()
-        sums["tokens"] = sums.get("tokens", 0) + n_local.float()
-        sums["input_tokens"] = sums.get("input_tokens", 0) + sum(b["attention_mask"].sum() for b in micro).float()
-        grad_norm = acc.clip_grad_norm_(draft.parameters(), t.max_grad_norm) if t.max_grad_norm > 0 else None
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        tokens_seen += int(n_global.item())
-        tok_window += int(n_global.item())
-        steps_window += 1
-        bar.update(1)
+    with StopSignal() as stop:
+        while step < max_steps:
+            if stop.agreed(acc):  # before any work of the step (an on-policy step starts with rollouts)
+                if step > last_saved:
+                    result.final_checkpoint = save()
+                result.preempted = stop.requested or "a signal on another rank"
+                acc.print(f"[train] {result.preempted}: stopped at step {step}, checkpoint {result.final_checkpoint}; "
+                          "continue with trainer.resume=auto")
+                break
+            micro = [_to_device(b, acc.device) for b in batches.micro_batches(step)]
+            # Normalise by the global number of loss tokens in this optimizer step (all micro-batches, all ranks):
+            # the gradient is that of the mean over tokens, however the batch is split. DDP averages gradients over
+            # ranks, hence the factor world. An objective whose loss tokens are not the data's (on-policy positions)
+            # counts them itself with num_tokens(batch, models), called before any backward.
+            count = getattr(objective, "num_tokens", None)
+            n_local = sum(count(b, c.models) if count else b["loss_mask"].sum() for b in micro)
+            n_global = acc.reduce(n_local.detach().clone(), "sum").clamp_min(1)
+            scale = world / n_global
+            for i, b in enumerate(micro):
+                last_micro = i == len(micro) - 1
+                sync = nullcontext() if last_micro else acc.no_sync(draft)
+                # DeepSpeed steps its engine inside backward when sync_gradients is set: on the last micro-batch only.
+                acc.gradient_state._set_sync_gradients(last_micro)
+                with sync, acc.autocast():
+                    out = objective(b, c.models)
+                    per_token = out.loss if out.weight is None else out.loss * out.weight
+                    acc.backward(per_token.sum() * scale)
+                for k, v in out.metrics.items():
+                    sums[k] = sums.get(k, 0) + v.detach().float()
+            sums["tokens"] = sums.get("tokens", 0) + n_local.float()
+            sums["input_tokens"] = sums.get("input_tokens", 0) + sum(b["attention_mask"].sum() for b in micro).float()
+            grad_norm = acc.clip_grad_norm_(draft.parameters(), t.max_grad_norm) if t.max_grad_norm > 0 else None
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            tokens_seen += int(n_global.item())
+            tok_window += int(n_global.item())
+            steps_window += 1
+            bar.update(1)
 
-        epoch_done = step % batches.steps_per_epoch == 0
-        last = step == max_steps
-        if step % t.log_every == 0 or last:
-            keys = sorted(sums)
-            totals = acc.reduce(torch.stack([torch.as_tensor(sums[k], device=acc.device) for k in keys]), "sum")
-            red = dict(zip(keys, totals.tolist()))
-            ntok = max(red.pop("tokens"), 1.0)
-            n_input = red.pop("input_tokens")
-            elapsed = time.perf_counter() - t_window
-            latest = ratios(red, ntok)
-            latest.update({"train/lr": sched.get_last_lr()[0], "train/tokens_per_s": tok_window / elapsed,
-                           "train/input_tokens_per_s": n_input / elapsed,
-                           "train/s_per_step": elapsed / steps_window,
-                           "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-                           "train/peak_mem_mb": peak_memory_mb(acc.device), "step": step,
-                           "epoch": batches.epoch_of(step - 1), "tokens_seen": tokens_seen})
-            bar.set_postfix(loss=f"{latest.get('train/loss', math.nan):.4f}", tok_s=f"{latest['train/tokens_per_s']:.0f}")
-            result.history.append(latest)
-            _log(acc, latest, step, metrics_file)
-            sums, t_window, tok_window, steps_window = {}, time.perf_counter(), 0, 0
-        t_pause = time.perf_counter()  # eval and checkpoint time is kept out of tokens/s and s/step
-        if (t.eval_every and step % t.eval_every == 0) or last:
-            latest.update(evaluate_heldout(c))
-            _log(acc, {k: v for k, v in latest.items() if k.startswith("heldout/")}, step, metrics_file)
-        if epoch_done or last:
-            for hook in epoch_end_hooks:
-                latest.update(hook(c, batches.epoch_of(step - 1), step))
-        if step % t.save_every == 0 or last:
-            state = {"step": step, "epoch": batches.epoch_of(step - 1), "tokens_seen": tokens_seen,
-                     "heldout_before": result.heldout_before}
-            result.final_checkpoint = save_checkpoint(acc, draft, c.models.tokenizer, out_dir, step, state, latest,
-                                                      config_yaml, keep=t.keep_checkpoints)
-        t_window += time.perf_counter() - t_pause
+            epoch_done = step % batches.steps_per_epoch == 0
+            last = step == max_steps
+            if step % t.log_every == 0 or last:
+                keys = sorted(sums)
+                totals = acc.reduce(torch.stack([torch.as_tensor(sums[k], device=acc.device) for k in keys]), "sum")
+                red = dict(zip(keys, totals.tolist()))
+                ntok = max(red.pop("tokens"), 1.0)
+                n_input = red.pop("input_tokens")
+                elapsed = time.perf_counter() - t_window
+                latest = ratios(red, ntok)
+                latest.update({"train/lr": sched.get_last_lr()[0], "train/tokens_per_s": tok_window / elapsed,
+                               "train/input_tokens_per_s": n_input / elapsed,
+                               "train/s_per_step": elapsed / steps_window,
+                               "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+                               "train/peak_mem_mb": peak_memory_mb(acc.device), "step": step,
+                               "epoch": batches.epoch_of(step - 1), "tokens_seen": tokens_seen})
+                bar.set_postfix(loss=f"{latest.get('train/loss', math.nan):.4f}",
+                                tok_s=f"{latest['train/tokens_per_s']:.0f}")
+                result.history.append(latest)
+                _log(acc, latest, step, metrics_file)
+                sums, t_window, tok_window, steps_window = {}, time.perf_counter(), 0, 0
+            t_pause = time.perf_counter()  # eval and checkpoint time is kept out of tokens/s and s/step
+            if (t.eval_every and step % t.eval_every == 0) or last:
+                latest.update(evaluate_heldout(c))
+                _log(acc, {k: v for k, v in latest.items() if k.startswith("heldout/")}, step, metrics_file)
+            if epoch_done or last:
+                for hook in epoch_end_hooks:
+                    latest.update(hook(c, batches.epoch_of(step - 1), step))
+            if step % t.save_every == 0 or last or (epoch_done and checkpoint_hooks):
+                result.final_checkpoint = save()
+                last_saved = step
+                if epoch_done or last:
+                    saved = Saved(result.final_checkpoint, batches.epoch_of(step - 1), step, last, dict(latest))
+                    for hook in checkpoint_hooks:
+                        hook(c, saved)
+            t_window += time.perf_counter() - t_pause
     bar.close()
     result.step = step
     result.heldout_after = {k: v for k, v in latest.items() if k.startswith("heldout/")} or None
     if acc.is_main_process:
         summary = {"step": step, "heldout_before": result.heldout_before, "heldout_after": result.heldout_after,
                    "final_checkpoint": str(result.final_checkpoint) if result.final_checkpoint else None,
+                   "preempted": result.preempted,
                    "last_train_metrics": {k: v for k, v in latest.items() if k.startswith("train/")}}
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     if t.wandb:

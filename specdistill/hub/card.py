@@ -1,0 +1,113 @@
+"""The model card (README.md) pushed with a draft: target, recipe, data, acceptance table, how to serve it."""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+
+def _get(cfg, dotted: str, default=None):
+    v = OmegaConf.select(cfg, dotted, default=default) if isinstance(cfg, DictConfig) else default
+    return default if v is None else v
+
+
+def _fmt(v) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def tau_table(metrics: dict, gamma: int) -> str:
+    """Markdown tables from the latest metrics: the real speculative eval (spec/*) and the held-out proxy (heldout/*)."""
+    rows = []
+    spec = {k.removeprefix("spec/"): v for k, v in metrics.items() if k.startswith("spec/")}
+    if spec:
+        rows += ["Real speculative decoding (specdistill.eval, after the latest epoch, "
+                 f"{int(spec.get('num_prompts', 0))} prompts):", "",
+                 "| metric | value |", "|---|---|"]
+        for k, label in (("mean_accept_len", "mean acceptance length tau (tokens / target forward)"),
+                         ("alpha", "acceptance rate alpha"), ("speedup", "measured speedup"),
+                         ("predicted_speedup", "predicted speedup"), ("greedy_mismatches", "greedy mismatches")):
+            if k in spec:
+                rows.append(f"| {label} | {_fmt(spec[k])} |")
+        pos = [spec[f"accept_rate_pos{i}"] for i in range(1, 64) if f"accept_rate_pos{i}" in spec]
+        if pos:
+            rows += ["", "| draft position | " + " | ".join(str(i + 1) for i in range(len(pos))) + " |",
+                     "|---|" + "---|" * len(pos), "| acceptance | " + " | ".join(f"{a:.3f}" for a in pos) + " |"]
+        rows.append("")
+    held = {k.removeprefix("heldout/"): v for k, v in metrics.items() if k.startswith("heldout/")}
+    if "mean_accept_len" in held:
+        rows += [f"Held-out simulated acceptance (teacher-forced top-1 agreement, gamma {gamma}): "
+                 f"tau {held['mean_accept_len']:.3f}", ""]
+    return "\n".join(rows) if rows else "No evaluation results yet.\n"
+
+
+def serving_section(repo_id: str, target: str, eagle3: bool, exports: list[str], gamma: int) -> str:
+    if eagle3:
+        v = "serving/vllm" if "vllm" in exports else "<export with scripts/export.py --format vllm>"
+        s = "serving/sglang" if "sglang" in exports else "<export with scripts/export.py --format sglang>"
+        return f"""This is an EAGLE-3 head. The repository root holds specdistill's own format (warm starts, evaluation);
+the serving engines read the exports in `serving/` (SGLang numbers aux layers one lower than vLLM, so use its own
+folder).
+
+```bash
+huggingface-cli download {repo_id} --local-dir draft
+# vLLM
+vllm serve {target} --speculative-config '{{"method": "eagle3", "model": "draft/{v}", "num_speculative_tokens": {gamma}}}'
+# SGLang
+python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 \\
+    --speculative-draft-model-path draft/{s} --speculative-num-steps {gamma} --speculative-eagle-topk 1 \\
+    --speculative-num-draft-tokens {gamma + 1}
+```
+"""
+    return f"""A standalone draft model (same tokenizer as the target):
+
+```bash
+# vLLM
+vllm serve {target} --speculative-config '{{"model": "{repo_id}", "num_speculative_tokens": {gamma}}}'
+# SGLang
+python -m sglang.launch_server --model-path {target} --speculative-algorithm STANDALONE \\
+    --speculative-draft-model-path {repo_id} --speculative-num-steps {gamma} --speculative-eagle-topk 1 \\
+    --speculative-num-draft-tokens {gamma + 1}
+```
+"""
+
+
+def model_card(cfg, repo_id: str, metrics: dict, step: int, epoch: int, eagle3: bool,
+               exports: Optional[list[str]] = None) -> str:
+    target = str(_get(cfg, "target.path", "?"))
+    objective = OmegaConf.to_container(cfg.objective, resolve=True) if isinstance(cfg, DictConfig) else {}
+    trainer = {k: _get(cfg, f"trainer.{k}") for k in ("lr", "max_steps", "micro_batch_size", "grad_accum", "seed")}
+    data = {k: _get(cfg, f"data.{k}") for k in ("path", "max_rows", "max_length", "packing")}
+    gamma = int(_get(cfg, "eval.gamma", 4))
+    tags = ["speculative-decoding", "draft-model", "specdistill"] + (["eagle3"] if eagle3 else [])
+    front = ["---", "library_name: transformers" if not eagle3 else "library_name: specdistill",
+             "tags:", *[f"- {t}" for t in tags]]
+    if "/" in target and not target.startswith(("/", ".", "embedded:", "~")):
+        front.append(f"base_model: {target}")  # a hub id, not a local path
+    front.append("---")
+    return "\n".join(front) + f"""
+
+# {repo_id.split('/')[-1]}
+
+A {'EAGLE-3 head' if eagle3 else 'draft model'} for speculative decoding of **{target}**, trained with
+specdistill (`recipe`: run `{_get(cfg, 'run_name', '?')}`, objective
+`{objective.get('name', '?')}`). Speculative decoding with this draft is lossless: outputs follow the target's
+distribution exactly; the draft only changes speed.
+
+Step {step}, epoch {epoch}.
+
+## Training
+
+- Target: `{target}`
+- Objective: `{json.dumps(objective)}`
+- Data: `{json.dumps(data)}`
+- Trainer: `{json.dumps(trainer)}`
+
+The full resolved config is `specdistill/config.yaml`; the latest metrics are `specdistill/metrics.json`.
+
+## Acceptance
+
+{tau_table(metrics, gamma)}
+## Serving
+
+{serving_section(repo_id, target, eagle3, exports or [], gamma)}"""
