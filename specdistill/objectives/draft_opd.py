@@ -23,7 +23,10 @@ Normalisation: the loss is a mean over positions (fresh + replayed + data tokens
 know that count before any backward, so the objective exposes `num_tokens(batch, models)`, which performs step 1-2
 and caches the result for __call__ (the loop's generic hook; other objectives count loss_mask tokens).
 
-EAGLE-3 heads are not supported yet (clear error): see `_check_draft`.
+EAGLE-3 heads (draft=eagle3): rollouts through Eagle3Drafter; the loss forward is the head's training-time-test
+unroll on its own features at each round's drafting slot, branch rows included (onpolicy/eagle3.py). Not yet for
+heads: replay (a replayed context needs the target's aux hidden states cached) and the kd_weight term; both are
+refused with a clear error.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import torch
 
 from specdistill.losses import DIVERGENCES, acceptance_rate, divergence
 from specdistill.objectives.base import Models, StepOutput, keep_positions, masked_logits
+from specdistill.onpolicy.eagle3 import check_head, eagle3_alpha, eagle3_logits_at, restrict_to_draft_vocab
 from specdistill.onpolicy.replay import ReplayBuffer, ReplayItem
 from specdistill.onpolicy.rollout import (CATEGORIES, DraftedPositions, TargetLogits, collect_rollout,
                                           draft_logits_at, prompts_from_batch)
@@ -144,6 +148,7 @@ class DraftOPDObjective:
         self._prepared: dict[int, tuple[dict, _Prepared]] = {}
         self._generator: Optional[torch.Generator] = None
         self._checked = False
+        self._eagle3 = False
 
     # ------------------------------------------------------------------------------------------- the loop's hooks
     def num_tokens(self, batch: dict, models: Models) -> torch.Tensor:
@@ -158,27 +163,14 @@ class DraftOPDObjective:
             prep = self._prepare(batch, models)
         fresh, replay = prep.fresh, prep.replay
         P, device = len(fresh), fresh.row.device
-        pad = _pad_id(models)
 
-        # 1. One draft forward over every context row (rollout rows, branches, replayed contexts): q (P + Q, V).
-        rows = fresh.rows + [it.context.to(device) for it in replay]
-        first_replay_row = len(fresh.rows)
-        row = torch.cat([fresh.row, torch.arange(len(replay), device=device) + first_replay_row])
-        ctx = torch.cat([fresh.context_len,
-                         torch.tensor([len(it.context) for it in replay], dtype=torch.long, device=device)])
-        q_logits = draft_logits_at(models.draft, rows, row, ctx, pad)                          # (P + Q, V)
-        p_logits = TargetLogits.cat([fresh.target.to(device)] + [it.target.to(device) for it in replay]).dense()
-        loss = self._divergence(p_logits, q_logits)                                             # (P + Q,)
-
-        # 2. Weights (detached) from the current draft: alpha at the rollout temperature for reach weights,
-        #    alpha at the loss temperature (soft at any decoding temperature) for replay priorities.
+        # 1-2. Per-position loss (with grad) and, detached, alpha at the rollout temperature (reach weights) and
+        #      at the loss temperature (replay priorities; soft at any decoding temperature).
+        loss, alpha_roll, priority = self._score(fresh, replay, models)                        # (P + Q,) each
         with torch.no_grad():
-            q_det = q_logits.detach()
-            alpha_roll = _alpha(p_logits[:P], q_det[:P], self.temperature)
-            weight_fresh = position_weights(self.weighting, alpha=alpha_roll, category=fresh.category,
+            weight_fresh = position_weights(self.weighting, alpha=alpha_roll[:P], category=fresh.category,
                                             round_id=fresh.round_id, index=fresh.index, decay=self.decay)
             weight = torch.cat([weight_fresh, torch.full((len(replay),), self.replay_weight, device=device)])
-            priority = 1 - acceptance_rate(p_logits, q_det, self.loss_temperature)             # (P + Q,)
             if replay:
                 self.buffer.update([it.uid for it in replay], priority[P:])
             if prep.add_to_buffer and self.replay:
@@ -217,6 +209,29 @@ class DraftOPDObjective:
         return StepOutput(torch.cat(losses), torch.cat(weights), metrics)
 
     # ------------------------------------------------------------------------------------------- internals
+    def _score(self, fresh: DraftedPositions, replay: list[ReplayItem], models: Models):
+        """ONE draft forward over every context row (rollout rows, branches, replayed contexts) -> per-position
+        loss (P + Q,) with grad, and detached alpha at the rollout temperature and 1 - alpha at the loss one."""
+        device, pad = fresh.row.device, _pad_id(models)
+        p_full = TargetLogits.cat([fresh.target.to(device)] + [it.target.to(device) for it in replay]).dense()
+        if self._eagle3:  # no replay here (check_head): the fresh positions only
+            t2d = _unwrap(models.draft).t2d
+            q_logits = eagle3_logits_at(models.draft, fresh.rows, fresh.aux.to(device), fresh.row,
+                                        fresh.context_len, fresh.index, pad)                 # (P, Vd)
+            p_logits, in_vocab = restrict_to_draft_vocab(p_full, t2d)                         # (P, Vd), (P,)
+            loss = self._divergence(p_logits, q_logits) * in_vocab
+            q_det = q_logits.detach()
+            return (loss, eagle3_alpha(p_full, q_det, t2d, self.temperature),
+                    1 - eagle3_alpha(p_full, q_det, t2d, self.loss_temperature))
+        rows = fresh.rows + [it.context.to(device) for it in replay]
+        row = torch.cat([fresh.row, torch.arange(len(replay), device=device) + len(fresh.rows)])
+        ctx = torch.cat([fresh.context_len,
+                         torch.tensor([len(it.context) for it in replay], dtype=torch.long, device=device)])
+        q_logits = draft_logits_at(models.draft, rows, row, ctx, pad)                           # (P + Q, V)
+        loss = self._divergence(p_full, q_logits)
+        q_det = q_logits.detach()
+        return loss, _alpha(p_full, q_det, self.temperature), 1 - acceptance_rate(p_full, q_det, self.loss_temperature)
+
     def _divergence(self, p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
         return sum(w * divergence(name, p_logits, q_logits, beta=self.beta, temperature=self.loss_temperature)
                    for name, w in self.mix)
@@ -224,13 +239,10 @@ class DraftOPDObjective:
     def _check_draft(self, draft, target) -> None:
         from specdistill.models.eagle3 import is_eagle3
 
-        if is_eagle3(draft):
-            raise NotImplementedError(
-                "objective=draft_opd does not train EAGLE-3 heads yet: rollouts would run through Eagle3Drafter, "
-                "but the with-grad loss forward (the head's TTT unroll at each round's pending slot, on its own "
-                "features, plus branch rows carrying the trajectory's aux hidden states) and replay of EAGLE-3 "
-                "contexts (their target features must be cached) are not implemented. Use a standalone draft "
-                "(draft=from_target / config / pretrained), e.g. warm-started from a KD checkpoint.")
+        self._eagle3 = is_eagle3(draft)
+        if self._eagle3:
+            check_head(draft, target, self.replay, self.kd_weight)
+            return
         V, Vd = logits_dim(target), logits_dim(draft)
         if V != Vd:
             raise ValueError(f"draft vocab size {Vd} != target vocab size {V}: on-policy distillation compares the "

@@ -106,6 +106,8 @@ class DraftedPositions:
     index: torch.Tensor          # (P,) 0-based draft position within the round
     alpha: torch.Tensor          # (P,) sum_x min(p, q) at the rollout's temperature (0/1 at temperature 0)
     stats: RolloutStats = field(default_factory=RolloutStats)
+    source: Optional[list[int]] = None   # R: the trajectory each row comes from (a branch: its round's row)
+    aux: Optional[torch.Tensor] = None   # EAGLE-3 heads: (R, L, n_aux * Ht) the target's aux hidden states per row
 
     def __len__(self) -> int:
         return self.row.shape[0]
@@ -152,12 +154,12 @@ def _trajectories(prompt_ids, prompt_mask, sequences, num_new) -> list[torch.Ten
 
 
 # ----------------------------------------------------------------------------------------------- assisted
-def _from_rounds(prompt_ids, prompt_mask, rollout, top_k: int, branches: bool) -> DraftedPositions:
+def positions_from_rounds(prompt_ids, prompt_mask, rollout, top_k: int, branches: bool) -> DraftedPositions:
     """Turn the RoundRecords of a recorded speculative rollout into drafted positions."""
     B = prompt_ids.shape[0]
     device = prompt_ids.device
     trajs = _trajectories(prompt_ids, prompt_mask, rollout.sequences.to(device), rollout.num_new_tokens.to(device))
-    rows = list(trajs)
+    rows, source = list(trajs), list(range(B))
     plen = prompt_mask.long().sum(1)                                         # (B,)
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("row", "ctx", "tok", "cat", "acc", "rid", "idx", "alpha")}
     targets: list[TargetLogits] = []
@@ -189,6 +191,7 @@ def _from_rounds(prompt_ids, prompt_mask, rollout, top_k: int, branches: bool) -
             nb, start = int(n[b]), int(base[b])
             row[b, nb + 1:] = len(rows)
             rows.append(torch.cat([trajs[b][: start + nb], drafts[b, nb: K - 1]]))
+            source.append(b)
         sel = keep.nonzero(as_tuple=True)                                    # row-major: rounds contiguous, by index
         parts["row"].append(row[sel])
         parts["ctx"].append((base[:, None] + i)[sel])
@@ -200,7 +203,9 @@ def _from_rounds(prompt_ids, prompt_mask, rollout, top_k: int, branches: bool) -
         parts["alpha"].append(rnd.alpha.to(device).float()[sel])
         targets.append(TargetLogits.from_logits(rnd.target_logits[:, :K].to(device)[sel], top_k))
         rid += B
-    return _assemble(rows, parts, targets, stats)
+    out = _assemble(rows, parts, targets, stats)
+    out.source = source
+    return out
 
 
 def _assemble(rows, parts, targets, stats) -> DraftedPositions:
@@ -283,7 +288,9 @@ def _free_rollout(target_model, draft_model, prompt_ids, prompt_mask, *, gamma, 
             stats.accepted += n
             stats.alpha += float(verdict.alpha[0, : n + 1].sum())
             rid += 1
-    return _assemble(trajs, parts, targets, stats)
+    out = _assemble(trajs, parts, targets, stats)
+    out.source = list(range(B))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- entry
@@ -298,16 +305,29 @@ def collect_rollout(target_model, draft_model, prompt_ids: torch.Tensor, prompt_
     (the evaluator's decoder); assist=False lets the draft decode alone (ablation). branches=False drops the
     positions after a rejection (their context is off the final trajectory).
     """
+    from specdistill.models.eagle3 import is_eagle3
+
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1 for on-policy rollouts, got {gamma}")
-    V, Vd = logits_dim(target_model), logits_dim(draft_model)
+    eagle3 = is_eagle3(draft_model)
+    V = logits_dim(target_model)
+    Vd = draft_model.config.vocab_size if eagle3 else logits_dim(draft_model)  # EAGLE-3: q is over the target's V
     if V != Vd:
         raise ValueError(f"draft vocab size {Vd} != target vocab size {V}: on-policy distillation compares the two "
                          "distributions token by token; use a draft with the target's tokenizer and output size")
-    limit = max_positions(draft_model)
+    limit = draft_model.config.max_position_embeddings if eagle3 else max_positions(draft_model)
     if limit is not None and int(prompt_mask.sum(1).max()) + max_new_tokens > limit:
         raise ValueError(f"prompt + max_new_tokens exceeds the draft's max_position_embeddings={limit}: lower "
                          "objective.max_new_tokens or objective.max_prompt_tokens")
+    if eagle3:
+        from specdistill.onpolicy.eagle3 import eagle3_rollout
+
+        if not assist:
+            raise ValueError("objective.assist=false is not available for EAGLE-3 heads: a head cannot decode alone "
+                             "(every token it conditions on needs the target's hidden states)")
+        return eagle3_rollout(target_model, draft_model, prompt_ids, prompt_mask, gamma=gamma,
+                              max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos_token_id,
+                              generator=generator, pad_id=pad_id, top_k=top_k, branches=branches)
     if not assist:
         return _free_rollout(target_model, draft_model, prompt_ids, prompt_mask, gamma=gamma,
                              max_new_tokens=max_new_tokens, temperature=temperature, eos=eos_token_id,
@@ -315,7 +335,7 @@ def collect_rollout(target_model, draft_model, prompt_ids: torch.Tensor, prompt_
     rollout = speculative_generate(target_model, LMDrafter(draft_model), prompt_ids, prompt_mask, gamma=gamma,
                                    max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos_token_id,
                                    generator=generator, record=True)
-    return _from_rounds(prompt_ids, prompt_mask, rollout, top_k, branches)
+    return positions_from_rounds(prompt_ids, prompt_mask, rollout, top_k, branches)
 
 
 # ----------------------------------------------------------------------------------------------- loss forward

@@ -1,0 +1,32 @@
+"""Fixtures for the on-policy tests: seeded tiny Llama target/draft pairs built from configs, ragged prompts."""
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests.conftest import single_thread
+
+one_thread = pytest.fixture(autouse=True, scope="module")(single_thread)
+
+
+def tiny_lm(seed: int = 0, vocab: int = 48, layers: int = 2, init_std: float = 0.2) -> LlamaForCausalLM:
+    # init_std 0.2 makes distributions peaked and two seeds disagree often: every category shows up.
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256,
+                         initializer_range=init_std, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_lm(0), tiny_lm(1, layers=1)
+
+
+@pytest.fixture
+def ragged_prompts():
+    """Left-padded (3, 7) prompts of lengths 7, 3, 5 (pad id 0), seeded."""
+    g = torch.Generator().manual_seed(7)
+    lengths = torch.tensor([7, 3, 5])
+    ids = torch.randint(3, 48, (3, 7), generator=g)
+    mask = (torch.arange(7) >= 7 - lengths[:, None]).long()
+    return ids * mask, mask

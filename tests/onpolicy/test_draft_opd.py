@@ -1,0 +1,161 @@
+"""The draft_opd objective: weights from the verifier's alphas, its own token count, replay re-scoring with cached
+target logits, config errors, and the recipe (with each ablation switch) training through the one loop."""
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from specdistill.config import validate_objective
+from specdistill.losses import divergence
+from specdistill.models.target import Target
+from specdistill.objectives import Models
+from specdistill.objectives.draft_opd import DraftOPDObjective
+from specdistill.onpolicy.weights import reach_weights
+from tests.conftest import compose, tiny_overrides
+from tests.onpolicy.conftest import tiny_lm
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 48, (3, 10), generator=g)
+    am = torch.ones_like(ids)
+    am[1, 7:] = 0
+    lm = torch.zeros_like(ids)
+    lm[0, 4:9], lm[1, 2:6], lm[2, 6:9] = 1, 1, 1   # prompts of 5, 3 and 7 tokens
+    return {"input_ids": ids * am, "attention_mask": am, "loss_mask": lm}
+
+
+class CountingTarget(Target):
+    def __init__(self, model):
+        super().__init__(model)
+        self.calls = 0
+        model.register_forward_hook(lambda *a: setattr(self, "calls", self.calls + 1))
+
+
+def _models(seed_draft=1):
+    return Models(tiny_lm(seed_draft, layers=1).train(), CountingTarget(tiny_lm(0)))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_weights_are_products_of_the_verifiers_alphas(temperature):
+    models = _models()
+    obj = DraftOPDObjective(gamma=3, max_new_tokens=10, temperature=temperature, replay=False, weighting="reach")
+    batch = _batch()
+    n = obj.num_tokens(batch, models)
+    out = obj(batch, models)
+    fresh = obj._fresh
+    assert obj.refreshes == 1 and int(n) == len(out.loss) == len(fresh)  # the loop's count is what __call__ returns
+    # fresh rollout, unchanged draft: the current alphas are the ones the verifier used
+    expected = reach_weights(fresh.alpha, fresh.round_id, fresh.index)
+    assert torch.allclose(out.weight, expected, atol=1e-5)
+    assert out.loss.requires_grad and not out.weight.requires_grad
+    if temperature == 0:  # greedy: a position is reached iff every earlier draft of its round was accepted
+        assert set(out.weight.tolist()) <= {0.0, 1.0}
+    out.loss.mul(out.weight).sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in models.draft.parameters())
+
+
+def test_replayed_positions_are_rescored_by_the_current_draft_from_cached_target_logits():
+    models = _models()
+    obj = DraftOPDObjective(gamma=3, max_new_tokens=10, temperature=1.0, replay=True, replay_ratio=0.5,
+                            replay_weight=0.3, divergence="rkl:1.0,tvd:0.5")
+    obj(_batch(), models)
+    missed = int((~obj._fresh.accepted).sum())
+    assert len(obj.buffer) == missed > 0
+    with torch.no_grad():  # the draft changes between the two calls
+        for p in models.draft.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    b2 = _batch()
+    obj.num_tokens(b2, models)
+    calls_before = models.target.calls
+    items = list(obj._prepared.values())[0][1].replay
+    out = obj(b2, models)
+    assert models.target.calls == calls_before  # nothing recomputed on the target for replayed positions
+    P, Q = len(obj._fresh), len(items)
+    assert Q == min(round(0.5 * P), missed) and len(out.loss) == P + Q
+    assert torch.allclose(out.weight[P:], torch.full((Q,), 0.3))
+    with torch.no_grad():
+        for k, it in enumerate(items):
+            q = models.draft(it.context[None]).logits[:, -1]
+            p = it.target.dense()
+            want = divergence("rkl", p, q) + 0.5 * divergence("tvd", p, q)
+            assert torch.allclose(out.loss[P + k], want[0], atol=1e-4)
+            if it.uid in obj.buffer.items:  # priority refreshed to 1 - alpha under the current draft
+                alpha = torch.minimum(p.softmax(-1), q.softmax(-1)).sum()
+                assert obj.buffer.items[it.uid].priority == pytest.approx(1 - float(alpha), abs=1e-5)
+    assert float(out.metrics["replay_used_sum"]) == Q
+
+
+def test_rollouts_refresh_every_n_calls():
+    models = _models()
+    obj = DraftOPDObjective(gamma=2, max_new_tokens=6, temperature=1.0, rollout_every=2, replay=False)
+    for _ in range(4):
+        out = obj(_batch(), models)
+    assert obj.calls == 4 and obj.refreshes == 2
+    assert "rollout_tau_sum" not in out.metrics  # the 4th call reused the 3rd call's rollout
+
+
+def _cfg(**kw):
+    return OmegaConf.create({"objective": {"name": "draft_opd", **kw}})
+
+
+@pytest.mark.parametrize("bad, match", [({"gamma": 0}, "gamma"), ({"replay_ratio": 1.5}, "replay_ratio"),
+                                        ({"divergence": "kl"}, "divergence"), ({"weighting": "x"}, "weighting"),
+                                        ({"max_new_tokens": 1}, "max_new_tokens"), ({"gamam": 3}, "gamam")])
+def test_bad_config_fails_before_loading_anything(bad, match):
+    with pytest.raises(ValueError, match=match):
+        validate_objective(_cfg(**bad))
+
+
+def test_bad_models_fail_at_the_first_call():
+    obj = DraftOPDObjective(gamma=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match="vocab"):
+        obj(_batch(), Models(tiny_lm(1, vocab=40), Target(tiny_lm(0))))
+    batch = _batch()
+    batch["attention_mask"][0] = 0
+    with pytest.raises(ValueError, match="no tokens"):
+        DraftOPDObjective(gamma=2, max_new_tokens=4)(batch, _models())
+
+
+ABLATIONS = [[], ["objective.assist=false", "objective.temperature=0"],
+             ["objective.replay=false", "objective.weighting=none", "objective.off_trajectory=drop",
+              "objective.kd_weight=0.5", "objective.target_top_k=16"],
+             ["draft=eagle3", "objective.replay=false", "objective.weighting=decay"]]
+
+
+@pytest.mark.parametrize("switches", ABLATIONS, ids=["full", "no_assist", "no_replay_no_weighting_kd", "eagle3"])
+def test_recipe_trains_with_each_switch(switches, tiny_target_dir, tiny_data_file, tmp_path):
+    from specdistill.build import build
+    from specdistill.train.loop import fit
+
+    cfg = compose("draft_opd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "o", tmp_path / "cache")
+                  + ["trainer.max_steps=2", "objective.max_new_tokens=8", "objective.gamma=3"] + switches)
+    c = build(cfg)
+    before = {k: v.clone() for k, v in c.models.draft.state_dict().items()}
+    res = fit(c)
+    last = res.history[-1]
+    assert res.step == 2 and torch.isfinite(torch.tensor(last["train/loss"]))
+    assert 0 <= last["train/rollout_accept_rate"] <= 1 and 1 <= last["train/rollout_tau"] <= 4
+    assert ("train/replay_size" in last) == ("objective.replay=false" not in switches)
+    assert ("train/kd_loss" in last) == ("objective.kd_weight=0.5" in switches)
+    assert any(not torch.equal(v, before[k]) for k, v in c.models.draft.state_dict().items())
+    lines = [json.loads(x) for x in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    assert any("train/rollout_target_tokens" in x for x in lines)
+    assert c.objective.target_tokens_total > 0
+
+
+def test_warm_start_from_a_kd_checkpoint(tiny_target_dir, tiny_data_file, tmp_path):
+    from specdistill.build import build
+    from specdistill.train.loop import fit
+
+    base = tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "kd", tmp_path / "cache")
+    kd = fit(build(compose("kd", base + ["trainer.max_steps=1"])))
+    path = kd.final_checkpoint / "draft"
+    cfg = compose("draft_opd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "opd", tmp_path / "cache")
+                  + ["trainer.max_steps=1", "objective.max_new_tokens=6", "draft=pretrained", f"draft.path={path}"])
+    c = build(cfg)
+    from specdistill.models.draft import load_trained_draft
+    warm = load_trained_draft(path).state_dict()
+    assert all(torch.equal(v, warm[k]) for k, v in c.models.draft.state_dict().items())
+    assert fit(c).step == 1
