@@ -26,18 +26,19 @@ def make_launch_accelerator(cfg: DictConfig):
     from specdistill.build import make_accelerator
 
     if launched_world_size() > 1 and not torch.cuda.is_available():
-        if not _env_true("ACCELERATE_USE_DEEPSPEED"):
-            os.environ.setdefault("ACCELERATE_USE_CPU", "true")  # accelerate's MULTI_CPU (DDP over gloo)
-        PartialState(backend="gloo")  # the shared state every Accelerator created after this reuses
+        # The shared state every Accelerator created after this reuses: DDP over gloo (accelerate's MULTI_CPU), or
+        # DeepSpeed over gloo. Without cpu=True accelerate would see 2 ranks and run them as DistributedType.NO.
+        PartialState(cpu=not _env_true("ACCELERATE_USE_DEEPSPEED"), backend="gloo")
     acc = make_accelerator(cfg)
     check_world(acc)
     configure_deepspeed(acc, cfg)
+    acc.print(f"[train] {acc.num_processes} process(es), {acc.distributed_type}, device {acc.device}")
     return acc
 
 
 def check_world(acc) -> None:
     world = launched_world_size()
-    if acc.num_processes != world:
+    if acc.num_processes != world or (world > 1 and str(acc.distributed_type).endswith(".NO")):
         raise RuntimeError(f"the launcher started {world} processes but accelerate sees {acc.num_processes} "
                            f"(distributed_type={acc.distributed_type}): every rank would train alone. On CPU use "
                            "`ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N ...` or torchrun "
@@ -60,8 +61,37 @@ def configure_deepspeed(acc, cfg: DictConfig) -> None:
               train_batch_size=t.micro_batch_size * acc.num_processes, gradient_clipping=float(t.max_grad_norm))
 
 
-def is_deepspeed(acc) -> bool:
-    return "DEEPSPEED" in str(getattr(acc, "distributed_type", ""))
+def is_sharded(acc) -> bool:
+    """Parameters split across ranks (FSDP, DeepSpeed ZeRO-3): no rank holds the whole draft."""
+    kind = str(getattr(acc, "distributed_type", ""))
+    if "FSDP" in kind:
+        return True
+    plugin = getattr(acc.state, "deepspeed_plugin", None) if "DEEPSPEED" in kind else None
+    return plugin is not None and plugin.zero_stage == 3
+
+
+@torch.no_grad()
+def replica_fingerprints(model) -> torch.Tensor:
+    """(n_params, 2) float64: sum and sum of squares of each parameter tensor, to compare replicas across ranks."""
+    rows = [torch.stack([p.sum(dtype=torch.float64), p.double().square().sum()]) for p in model.parameters()]
+    return torch.stack(rows).cpu()
+
+
+def check_replicas(acc, model) -> bool:
+    """True when every rank holds bit-identical draft parameters (DDP, ZeRO-1/2). Returns True without checking where
+    the parameters are sharded, raises RuntimeError when replicas differ (ranks trained apart)."""
+    if acc.num_processes == 1 or is_sharded(acc):
+        return True
+    from accelerate.utils import gather_object
+
+    mine = replica_fingerprints(acc.unwrap_model(model))
+    every = gather_object([mine])
+    bad = [r for r, f in enumerate(every) if not torch.equal(f, every[0])]
+    if bad:
+        raise RuntimeError(f"draft parameters differ between rank 0 and ranks {bad}: the ranks did not train as one "
+                           "data-parallel job")
+    acc.print(f"[train] the draft's parameters are identical on all {acc.num_processes} ranks")
+    return True
 
 
 def _env_true(name: str) -> bool:

@@ -254,7 +254,8 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
     if acc.is_main_process:
         summary = {"step": step, "heldout_before": result.heldout_before, "heldout_after": result.heldout_after,
                    "final_checkpoint": str(result.final_checkpoint) if result.final_checkpoint else None,
-                   "preempted": result.preempted,
+                   "preempted": result.preempted, "num_processes": acc.num_processes,
+                   "distributed_type": str(acc.distributed_type),
                    "last_train_metrics": {k: v for k, v in latest.items() if k.startswith("train/")}}
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     if t.wandb:

@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 from specdistill.build import build
 from specdistill.eval.in_training import spec_eval_hook
 from specdistill.hub.push import HubPusher, check_hub_config
-from specdistill.train.distributed import make_launch_accelerator
+from specdistill.train.distributed import check_replicas, make_launch_accelerator
 from specdistill.train.loop import FitResult, fit
 
 
@@ -18,6 +18,7 @@ def run(cfg: DictConfig) -> FitResult:
     pusher = HubPusher(cfg, c.output_dir, is_main=acc.is_main_process, log=acc.print)
     result = fit(c, epoch_end_hooks=(spec_eval_hook,), checkpoint_hooks=(pusher,) if cfg.hub.push else ())
     pusher.finish(wait=result.preempted is None)
+    check_replicas(acc, c.models.draft)
     if result.preempted:
         acc.print(f"[train] stopped by {result.preempted} at step {result.step}; resumable checkpoint: "
                   f"{result.final_checkpoint}")
