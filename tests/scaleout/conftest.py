@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -38,3 +39,37 @@ def assert_weights_close(a: dict, b: dict, atol: float, rtol: float = 1e-4) -> N
     assert set(a) == set(b)
     for k in a:
         assert torch.allclose(a[k], b[k], atol=atol, rtol=rtol), (k, (a[k] - b[k]).abs().max().item())
+
+
+# Every multi-process run is compared with this one-process run of the same global batch: 1 x 4 x 2 (grad_accum x
+# micro-batch) == 2 ranks x 2 x 2, and StepBatches gives step s the same examples in both layouts.
+STEPS = ["trainer.max_steps=3", "trainer.lr=1e-2", "trainer.max_grad_norm=1.0", "trainer.warmup_steps=0"]
+
+
+def losses(out_dir: Path) -> list[float]:
+    import json
+
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["train/loss"] for r in rows if "train/loss" in r]
+
+
+@pytest.fixture(scope="session")
+def one_process_reference(tiny_target_dir, tiny_data_file, tmp_path_factory) -> Path:
+    from specdistill.build import build
+    from specdistill.train.loop import fit
+    from tests.conftest import compose, tiny_overrides
+
+    root = tmp_path_factory.mktemp("reference")
+    cfg = compose("kd", tiny_overrides(tiny_target_dir, tiny_data_file, root / "out", root / "cache") + STEPS
+                  + ["trainer.grad_accum=4"])
+    fit(build(cfg))
+    return root / "out"
+
+
+def assert_matches_reference(out_dir: Path, reference: Path, atol: float = 2e-5) -> None:
+    l1, l2 = losses(reference), losses(out_dir)
+    assert len(l1) == len(l2) == 3
+    for a, b in zip(l1, l2):
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (l1, l2)
+    final = "checkpoints/step-0000003"
+    assert_weights_close(draft_weights(reference / final), draft_weights(out_dir / final), atol=atol)
