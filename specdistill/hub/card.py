@@ -89,10 +89,9 @@ def model_card(cfg, repo_id: str, metrics: dict, step: int, epoch: int, eagle3: 
 
 # {repo_id.split('/')[-1]}
 
-A {'EAGLE-3 head' if eagle3 else 'draft model'} for speculative decoding of **{target}**, trained with
-specdistill (`recipe`: run `{_get(cfg, 'run_name', '?')}`, objective
-`{objective.get('name', '?')}`). Speculative decoding with this draft is lossless: outputs follow the target's
-distribution exactly; the draft only changes speed.
+{'An EAGLE-3 head' if eagle3 else 'A draft model'} for speculative decoding of **{target}**, trained with specdistill
+(run `{_get(cfg, 'run_name', '?')}`, objective `{objective.get('name', '?')}`). Speculative decoding with this draft is
+lossless: outputs follow the target's distribution exactly; the draft only changes speed.
 
 Step {step}, epoch {epoch}.
 
