@@ -218,7 +218,7 @@ def write_outputs(args, results: dict, budget: dict) -> dict[str, Path]:
         taus = [results[n]["eval"][f"T={T:g}"]["mean_accept_len"] for n in names]
         ax.bar([i + k * width for i in range(len(names))], taus, width, label=f"T={T:g}")
     ax.set_xticks([i + width * (len(temps) - 1) / 2 for i in range(len(names))], names, rotation=30, ha="right")
-    ax.set_ylabel(f"tau (tokens / target forward), gamma {args.gamma}")
+    ax.set_ylabel(f"tau, gamma {args.gamma}")
     ax.set_title(f"{budget['unit']} budget: {budget['description'][:60]}", fontsize=8)
     ax.legend()
     fig.tight_layout()

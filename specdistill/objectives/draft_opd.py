@@ -89,6 +89,11 @@ class DraftOPDObjective:
     assist: bool = True                 # false: the draft decodes alone, the target scores afterwards (ablation)
     rollout_every: int = 1              # a rollout serves this many calls (micro-batches) before it is refreshed
     max_prompt_tokens: Optional[int] = 512  # longer prompts keep their last tokens
+    # null: each data row's own prompt (up to its first assistant turn; a row without one is all prompt). Else a
+    # prompt-only source, as eval.prompts: a .json/.jsonl/.parquet file or hub dataset of prompt / messages /
+    # conversations / turns rows, embedded:sharegpt, ...; read once (prompts over max_prompt_tokens skipped), cycled
+    # in order, one prompt per batch row. The data batches then only pace the loop (and feed kd_weight).
+    prompts: Optional[str] = None
     off_trajectory: str = "branch"      # branch: train positions after a rejection on their own context | drop
     target_top_k: int = 0               # keep the target's top-k logits per position (0 = the full distribution)
     # loss
@@ -149,6 +154,8 @@ class DraftOPDObjective:
         self._generator: Optional[torch.Generator] = None
         self._checked = False
         self._eagle3 = False
+        self._prompt_ids: Optional[list[torch.Tensor]] = None
+        self._prompt_pos = 0
 
     # ------------------------------------------------------------------------------------------- the loop's hooks
     def num_tokens(self, batch: dict, models: Models) -> torch.Tensor:
@@ -279,8 +286,12 @@ class DraftOPDObjective:
         from specdistill.eval.evaluator import eos_ids
 
         pad = _pad_id(models)
-        ids, mask = prompts_from_batch(batch, pad, self.max_prompt_tokens, context=max_positions(target),
-                                       max_new_tokens=self.max_new_tokens)
+        if self.prompts:
+            ids, mask = self._next_prompts(batch["input_ids"].shape[0], models, target, pad)
+            ids, mask = ids.to(batch["input_ids"].device), mask.to(batch["input_ids"].device)
+        else:
+            ids, mask = prompts_from_batch(batch, pad, self.max_prompt_tokens, context=max_positions(target),
+                                           max_new_tokens=self.max_new_tokens)
         if self._generator is None:
             self._generator = torch.Generator(device=ids.device).manual_seed(self.seed)
         eos = eos_ids(models.tokenizer, target, ignore_eos=False) if models.tokenizer is not None else None
@@ -293,6 +304,27 @@ class DraftOPDObjective:
                                    branches=self.off_trajectory == "branch")
         finally:
             draft.train(was_training)
+
+
+    def _next_prompts(self, n: int, models: Models, target, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next n prompts of `self.prompts` (cycled), left-padded (n, T)."""
+        from specdistill.eval.prompts import load_prompts
+        from specdistill.onpolicy.rollout import left_pad
+
+        if self._prompt_ids is None:
+            if models.tokenizer is None:
+                raise ValueError("objective.prompts needs the target's tokenizer (its chat template) in Models")
+            context = max_positions(target)
+            limit = None if context is None else context - self.max_new_tokens
+            if self.max_prompt_tokens is not None:
+                limit = self.max_prompt_tokens if limit is None else min(limit, self.max_prompt_tokens)
+            ps = load_prompts(self.prompts, models.tokenizer, num_prompts=None, max_new_tokens=self.max_new_tokens,
+                              context=context, max_prompt_tokens=limit)
+            self._prompt_ids = [torch.tensor(p, dtype=torch.long) for p in ps.ids]
+        picked = [self._prompt_ids[(self._prompt_pos + k) % len(self._prompt_ids)] for k in range(n)]
+        self._prompt_pos = (self._prompt_pos + n) % len(self._prompt_ids)
+        ids, mask, _ = left_pad(picked, pad)
+        return ids, mask
 
 
 def _pad_id(models: Models) -> int:

@@ -222,7 +222,7 @@ def _assemble(rows, parts, targets, stats) -> DraftedPositions:
 
 
 # ----------------------------------------------------------------------------------------------- draft only
-def _left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """R rows -> ids (R, L) left-padded, mask (R, L), position ids (R, L)."""
     L = max(len(r) for r in rows)
     device = rows[0].device
@@ -237,7 +237,7 @@ def _left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torc
 @torch.no_grad()
 def _full_logits(model, rows: list[torch.Tensor], pad_id: int) -> list[torch.Tensor]:
     """Each row's logits (L_r, V) from one batched forward."""
-    ids, mask, pos = _left_pad(rows, pad_id)
+    ids, mask, pos = left_pad(rows, pad_id)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits   # (R, L, V)
     L = ids.shape[1]
     return [logits[k, L - len(r):] for k, r in enumerate(rows)]
@@ -345,7 +345,7 @@ def draft_logits_at(model, rows: list[torch.Tensor], row: torch.Tensor, context_
     model's own __call__ (so a DDP/FSDP wrapper syncs gradients). Rows are left-padded (explicit position ids) so
     that each ends in the last column; the head runs only on the union of the needed columns (logits_to_keep),
     about max_new_tokens of them for rollout rows."""
-    ids, mask, pos = _left_pad(rows, pad_id)
+    ids, mask, pos = left_pad(rows, pad_id)
     L = ids.shape[1]
     lengths = torch.tensor([len(r) for r in rows], device=ids.device)
     col = L - lengths[row] + context_len - 1                                  # (P,) column of each position's logits

@@ -159,3 +159,23 @@ def test_warm_start_from_a_kd_checkpoint(tiny_target_dir, tiny_data_file, tmp_pa
     warm = load_trained_draft(path).state_dict()
     assert all(torch.equal(v, warm[k]) for k, v in c.models.draft.state_dict().items())
     assert fit(c).step == 1
+
+
+def test_prompt_only_source_feeds_the_rollouts(tmp_path):
+    from specdistill.data.chat import prompt_ids
+    from tests.conftest import make_tiny_lm, make_tokenizer
+
+    tok = make_tokenizer()
+    texts = ["tell me about the cat", "what is one two three", "hello"]
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": t}) for t in texts))  # prompts only: no completion anywhere
+    target, draft = make_tiny_lm(len(tok), layers=2, seed=0), make_tiny_lm(len(tok), layers=1, seed=1)
+    models = Models(draft, Target(target), tok)
+    obj = DraftOPDObjective(gamma=2, max_new_tokens=6, prompts=str(f), replay=False)
+    batch = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4, dtype=torch.long),
+             "loss_mask": torch.zeros(2, 4, dtype=torch.long)}
+    want = [prompt_ids(tok, [{"role": "user", "content": t}]) for t in texts + texts]
+    for call in range(3):  # 2 rows per call, cycling through the 3 prompts
+        obj(batch, models)
+        for b in range(2):
+            assert obj._fresh.rows[b][: len(want[2 * call + b])].tolist() == want[2 * call + b]
