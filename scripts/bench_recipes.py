@@ -67,6 +67,8 @@ def parse_args(argv=None):
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--out", default="outputs/bench_recipes")
     a.add_argument("--overwrite", action="store_true", help="delete <out>/runs/<variant> from an earlier run")
+    a.add_argument("--append", action="store_true",
+                   help="keep the variants already in <out>/results.json (same knobs) and run only the missing ones")
     a.add_argument("--override", nargs="*", default=[], help="extra Hydra overrides for every training run")
     args = a.parse_args(argv)
     if args.steps < 1 or args.num_prompts < 1 or args.max_new_tokens < 1 or args.gamma < 1:
@@ -181,13 +183,18 @@ def evaluate_draft(args, c, draft, prompts, temperature: float, log=print) -> di
             "new_tokens": r.new_tokens, "predicted_speedup": r.predicted_speedup}
 
 
-def write_outputs(args, results: dict, budget: dict) -> dict[str, Path]:
+def size_knobs(args) -> dict:
+    """What makes two benchmark runs comparable (checked by --append)."""
+    keys = ("target", "data", "max_rows", "max_length", "steps", "budget", "micro_batch_size", "grad_accum", "lr",
+            "rollout_tokens", "opd_warm_start", "prompts", "num_prompts", "max_new_tokens", "gamma", "temperatures",
+            "seed", "override")
+    return {k: getattr(args, k) for k in keys}
+
+
+def write_outputs(args, results: dict, budget: dict, knobs: dict) -> dict[str, Path]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"target": args.target, "data": args.data, "prompts": args.prompts, "num_prompts": args.num_prompts,
-            "max_new_tokens": args.max_new_tokens, "gamma": args.gamma, "temperatures": args.temperatures,
-            "budget": budget, "micro_batch_size": args.micro_batch_size, "grad_accum": args.grad_accum,
-            "rollout_tokens": args.rollout_tokens, "seed": args.seed, "argv": sys.argv[1:]}
+    meta = {"knobs": knobs, "budget": budget, "argv": sys.argv[1:]}
     (out / "results.json").write_text(json.dumps({"meta": meta, "variants": results}, indent=1))
     temps = args.temperatures
     head = ["variant", "steps", "target-fwd tokens", "trained positions", "train s"]
@@ -240,6 +247,15 @@ def main(argv=None) -> dict:
     log = print
     results: dict = {}
     prompts = None
+    knobs = size_knobs(args)
+    previous = Path(args.out) / "results.json"
+    if args.append and previous.exists():
+        old = json.loads(previous.read_text())
+        if old["meta"].get("knobs") != knobs:
+            raise ValueError(f"--append: {previous} was made with other settings ({old['meta'].get('knobs')} vs "
+                             f"{knobs}); use another --out")
+        results.update(old["variants"])
+        log(f"[bench] --append: keeping {sorted(results)} from {previous}")
 
     def eval_all(c, draft) -> dict:
         nonlocal prompts
@@ -252,15 +268,30 @@ def main(argv=None) -> dict:
             log(f"[bench] T={T:g}: tau {e['mean_accept_len']:.3f}, alpha {e['alpha']:.3f}, speedup {e['speedup']:.3f}x")
         return out
 
-    if "init" in args.variants:  # the untrained from_target draft the standalone variants start from
+    def budget_now() -> dict:
+        if args.budget == "steps":
+            return {"unit": "optimizer steps", "steps": args.steps,
+                    "description": f"{args.steps} optimizer steps of {args.micro_batch_size} x {args.grad_accum} "
+                                   "conversations/prompts each, same data order; target-forward tokens recorded"}
+        return {"unit": "target-forward tokens", "target_forward_tokens": budget_tokens,
+                "description": f"{budget_tokens} tokens through the target (draft_opd's {args.steps} steps); "
+                               "steps per variant recorded"}
+
+    def save() -> dict[str, Path]:  # after every variant: an interrupted benchmark keeps what it measured
+        return write_outputs(args, {n: results[n] for n in args.variants if n in results}, budget_now(), knobs)
+
+    budget_tokens = results.get("draft_opd", {}).get("target_forward_tokens") if args.budget == "target_tokens" \
+        else None
+    if "init" in args.variants and "init" not in results:  # the untrained from_target draft every standalone
+        # variant starts from
         c0 = build(compose("kd", common_overrides(args, "init", 1)))
         results["init"] = {"steps": 0, "target_forward_tokens": 0, "trained_positions": 0, "train_seconds": 0.0,
                            "eval": eval_all(c0, c0.accelerator.unwrap_model(c0.models.draft))}
         del c0
+        save()
     # target_tokens: draft_opd first, its target-forward tokens are the budget of the others
-    order = [v for v in args.variants if v != "init"]
-    budget_tokens = None
-    if args.budget == "target_tokens":
+    order = [v for v in args.variants if v != "init" and v not in results]
+    if args.budget == "target_tokens" and budget_tokens is None:
         if "draft_opd" not in order:
             raise ValueError("--budget target_tokens measures the budget on the draft_opd variant: include it")
         order = ["draft_opd"] + [v for v in order if v != "draft_opd"]
@@ -277,19 +308,11 @@ def main(argv=None) -> dict:
         run["eval"] = eval_all(c, c.accelerator.unwrap_model(c.models.draft))
         results[name] = run
         del c
-    if args.budget == "steps":
-        budget = {"unit": "optimizer steps", "steps": args.steps,
-                  "description": f"{args.steps} optimizer steps of {args.micro_batch_size} x {args.grad_accum} "
-                                 "conversations/prompts each, same data order; target-forward tokens recorded"}
-    else:
-        budget = {"unit": "target-forward tokens", "target_forward_tokens": budget_tokens,
-                  "description": f"{budget_tokens} tokens through the target (draft_opd's {args.steps} steps); "
-                                 "steps per variant recorded"}
-    ordered = {n: results[n] for n in args.variants if n in results}
-    paths = write_outputs(args, ordered, budget)
+        save()
+    paths = save()
     log(f"[bench] wrote {', '.join(str(p) for p in paths.values())}")
     log(paths["md"].read_text())
-    return ordered
+    return {n: results[n] for n in args.variants if n in results}
 
 
 if __name__ == "__main__":
