@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import sys
 import time
@@ -69,6 +68,8 @@ def parse_args(argv=None):
     a.add_argument("--overwrite", action="store_true", help="delete <out>/runs/<variant> from an earlier run")
     a.add_argument("--append", action="store_true",
                    help="keep the variants already in <out>/results.json (same knobs) and run only the missing ones")
+    a.add_argument("--only", nargs="+", default=None, choices=sorted(VARIANTS),
+                   help="run just these of --variants now (with --append: one short invocation per variant)")
     a.add_argument("--override", nargs="*", default=[], help="extra Hydra overrides for every training run")
     args = a.parse_args(argv)
     if args.steps < 1 or args.num_prompts < 1 or args.max_new_tokens < 1 or args.gamma < 1:
@@ -282,7 +283,8 @@ def main(argv=None) -> dict:
 
     budget_tokens = results.get("draft_opd", {}).get("target_forward_tokens") if args.budget == "target_tokens" \
         else None
-    if "init" in args.variants and "init" not in results:  # the untrained from_target draft every standalone
+    todo = [v for v in args.variants if v not in results and (args.only is None or v in args.only)]
+    if "init" in todo:  # the untrained from_target draft every standalone
         # variant starts from
         c0 = build(compose("kd", common_overrides(args, "init", 1)))
         results["init"] = {"steps": 0, "target_forward_tokens": 0, "trained_positions": 0, "train_seconds": 0.0,
@@ -290,7 +292,7 @@ def main(argv=None) -> dict:
         del c0
         save()
     # target_tokens: draft_opd first, its target-forward tokens are the budget of the others
-    order = [v for v in args.variants if v != "init" and v not in results]
+    order = [v for v in todo if v != "init"]
     if args.budget == "target_tokens" and budget_tokens is None:
         if "draft_opd" not in order:
             raise ValueError("--budget target_tokens measures the budget on the draft_opd variant: include it")

@@ -179,3 +179,13 @@ def test_prompt_only_source_feeds_the_rollouts(tmp_path):
         obj(batch, models)
         for b in range(2):
             assert obj._fresh.rows[b][: len(want[2 * call + b])].tolist() == want[2 * call + b]
+
+
+def test_yaml_mirrors_the_dataclass():
+    import dataclasses
+
+    from specdistill.config import CONF_DIR
+
+    yaml = OmegaConf.load(CONF_DIR / "objective" / "draft_opd.yaml")
+    fields = {f.name: f.default for f in dataclasses.fields(DraftOPDObjective)}
+    assert dict(yaml) == fields
