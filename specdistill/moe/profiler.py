@@ -193,7 +193,7 @@ def plot_heatmap(profile: RoutingProfile, path, coverage: float = 0.9) -> Path:
     w = torch.tensor(profile.weight_mass, dtype=torch.float64)
     share = (w / w.sum(1, keepdim=True).clamp_min(1e-12)).numpy()
     L, E = share.shape
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * E + 2), max(3.0, 0.25 * L + 1.5)))
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.35 * E + 2), max(3.0, 0.25 * L + 1.5)))
     im = ax.imshow(share, aspect="auto", cmap="viridis", interpolation="nearest")
     for r, layer in enumerate(profile.layers):
         for e in profile.hot_experts(layer, coverage=coverage):
@@ -202,8 +202,8 @@ def plot_heatmap(profile: RoutingProfile, path, coverage: float = 0.9) -> Path:
     ax.set_ylabel("layer")
     step = max(1, L // 16)
     ax.set_yticks(range(0, L, step), [str(profile.layers[i]) for i in range(0, L, step)])
-    ax.set_title(f"{profile.model_type}: routing-weight share per layer ({profile.tokens} {profile.token_selection} "
-                 f"tokens, top-{profile.top_k}; red = hot experts to {coverage:.0%})", fontsize=8)
+    ax.set_title(f"{profile.model_type}: routing-weight share per layer\n{profile.tokens} {profile.token_selection} "
+                 f"tokens, top-{profile.top_k}; red = hot experts to {coverage:.0%}", fontsize=8)
     fig.colorbar(im, ax=ax, label="share of layer's routing weight")
     fig.tight_layout()
     path = Path(path)

@@ -90,6 +90,13 @@ def ensure_upcycled(out: Path | str = DEFAULT_DIR, source: str = SOURCE, num_exp
     return str(out)
 
 
+def ensure_default_target(path: str, log=print) -> None:
+    """Scripts call this with target.path: the default upcycled folder is created when missing (other paths are
+    left to the loader, which explains a missing folder itself)."""
+    if Path(path).expanduser() == DEFAULT_DIR.expanduser():
+        ensure_upcycled(DEFAULT_DIR, log=log)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(DEFAULT_DIR))
@@ -102,3 +109,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+

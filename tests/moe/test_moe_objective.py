@@ -112,3 +112,30 @@ def test_saved_profile_drives_the_draft_and_eagle3_mlp(tiny_moe_dirs, tiny_data_
     head = c.accelerator.unwrap_model(c.models.draft)
     assert head.config.intermediate_size == 3 * I
     assert RoutingProfile.load(path).layers == [0, 1, 2]
+
+
+@pytest.mark.parametrize("name", ["moe_kd", "moe_opd"])
+def test_objective_yaml_mirrors_the_dataclass(name):
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from specdistill.config import CONF_DIR
+    from specdistill.objectives import OBJECTIVES
+
+    yaml = OmegaConf.load(CONF_DIR / "objective" / f"{name}.yaml")
+    assert dict(yaml) == {f.name: f.default for f in dataclasses.fields(OBJECTIVES[name])}
+
+
+def test_moe_opd_recipe_trains_on_a_tiny_moe_target(tiny_moe_dirs, tiny_data_file, tmp_path):
+    out = tmp_path / "opd"
+    cfg = compose("moe_opd", tiny_overrides(tiny_moe_dirs["mixtral"], tiny_data_file, out, tmp_path / "cache")
+                  + ["draft.num_layers=2", "draft.moe.num_experts=2", "draft.moe.coverage=null",
+                     "draft.moe.profile_batches=2", "objective.max_new_tokens=6", "objective.gamma=2",
+                     "trainer.max_steps=2", "trainer.grad_accum=1"])
+    c = build(cfg)
+    res = fit(c)
+    assert res.step == 2
+    h = res.history[-1]
+    assert torch.isfinite(torch.tensor(h["train/loss"])) and h["train/expert"] >= 0
+    assert "train/onpolicy_loss" in h and 0 < h["train/kept_routing_share"] <= 1
