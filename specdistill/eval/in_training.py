@@ -13,13 +13,9 @@ _warned: set[str] = set()
 
 
 def _sharded(acc) -> bool:
-    kind = str(getattr(acc, "distributed_type", ""))
-    if "FSDP" in kind:
-        return True
-    if "DEEPSPEED" in kind:
-        plugin = getattr(acc.state, "deepspeed_plugin", None)
-        return getattr(plugin, "zero_stage", 0) == 3
-    return False
+    from specdistill.train.distributed import is_sharded  # FSDP, ZeRO-3, and FSDP2 on CPU (fully_shard over gloo)
+
+    return is_sharded(acc)
 
 
 def spec_eval_hook(c, epoch: int, step: int) -> dict:

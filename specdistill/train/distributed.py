@@ -7,6 +7,7 @@ combinations start processes that never form a group, so `check_world` compares 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -25,14 +26,25 @@ def make_launch_accelerator(cfg: DictConfig):
 
     from specdistill.build import make_accelerator
 
+    cpu_fsdp2 = False
     if launched_world_size() > 1 and not torch.cuda.is_available():
+        # accelerate's FSDP route needs CUDA: on CPU the draft is sharded with torch's fully_shard here instead.
+        if _env_true("ACCELERATE_USE_FSDP"):
+            if os.environ.get("FSDP_VERSION", "2") != "2":
+                raise ValueError("on CPU only FSDP2 runs (FSDP_VERSION=2 / fsdp_version: 2)")
+            cpu_fsdp2 = True
+            for k in [k for k in os.environ if k.startswith("FSDP_") or k == "ACCELERATE_USE_FSDP"]:
+                os.environ.pop(k)  # or accelerate would build its (CUDA-only) FSDP plugin
         # The shared state every Accelerator created after this reuses: DDP over gloo (accelerate's MULTI_CPU), or
         # DeepSpeed over gloo. Without cpu=True accelerate would see 2 ranks and run them as DistributedType.NO.
         PartialState(cpu=not _env_true("ACCELERATE_USE_DEEPSPEED"), backend="gloo")
     acc = make_accelerator(cfg)
+    if cpu_fsdp2:
+        acc.__class__ = CpuFsdp2Accelerator  # keeps make_accelerator's settings; changes how the draft is prepared
     check_world(acc)
     configure_deepspeed(acc, cfg)
-    acc.print(f"[train] {acc.num_processes} process(es), {acc.distributed_type}, device {acc.device}")
+    kind = "FSDP2 (fully_shard over gloo)" if cpu_fsdp2 else acc.distributed_type
+    acc.print(f"[train] {acc.num_processes} process(es), {kind}, device {acc.device}")
     return acc
 
 
@@ -51,6 +63,14 @@ def configure_deepspeed(acc, cfg: DictConfig) -> None:
     plugin = getattr(acc.state, "deepspeed_plugin", None)
     if plugin is None:
         return
+    if plugin.zero_stage == 3:
+        # With zero3_init, transformers builds every model under deepspeed.zero.Init: the frozen target would be
+        # partitioned too, and rank 0 loading it inside main_process_first (others at the barrier) deadlocks on
+        # zero.Init's broadcasts. The draft is partitioned by deepspeed.initialize in prepare() instead.
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        plugin.zero3_init_flag = False
     t = cfg.trainer
     ds = plugin.deepspeed_config
     gas = ds.get("gradient_accumulation_steps", "auto")
@@ -64,7 +84,7 @@ def configure_deepspeed(acc, cfg: DictConfig) -> None:
 def is_sharded(acc) -> bool:
     """Parameters split across ranks (FSDP, DeepSpeed ZeRO-3): no rank holds the whole draft."""
     kind = str(getattr(acc, "distributed_type", ""))
-    if "FSDP" in kind:
+    if "FSDP" in kind or isinstance(acc, CpuFsdp2Accelerator):
         return True
     plugin = getattr(acc.state, "deepspeed_plugin", None) if "DEEPSPEED" in kind else None
     return plugin is not None and plugin.zero_stage == 3
@@ -96,3 +116,92 @@ def check_replicas(acc, model) -> bool:
 
 def _env_true(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+def _accelerator_base():
+    from accelerate import Accelerator
+
+    return Accelerator
+
+
+class CpuFsdp2Accelerator(_accelerator_base()):
+    """FSDP2 on machines without CUDA, where accelerate's FSDP route does not run: the draft's decoder layers and then
+    the whole draft are `fully_shard`-ed over the gloo group (parameters, gradients and optimizer state split across
+    ranks, reduce-scatter averaging like DDP). Everything else is accelerate's MULTI_CPU. Checkpoints: state/ holds the
+    sharded model and optimizer through torch.distributed.checkpoint (resumable on the same world size) plus
+    accelerate's scheduler and RNG files; get_state_dict gathers the full state dict on rank 0 for the HF draft/.
+    Selected by ACCELERATE_USE_FSDP=true (what `accelerate launch --config_file conf/accelerate/fsdp.yaml` sets, or by
+    hand under torchrun) on a machine without CUDA."""
+
+    def prepare(self, *objects):
+        from torch.distributed.fsdp import fully_shard
+
+        model = next(o for o in objects if isinstance(o, torch.nn.Module))
+        optimizer = next((o for o in objects if isinstance(o, torch.optim.Optimizer)), None)
+        before = list(model.parameters())
+        blocks = set(getattr(model, "_no_split_modules", None) or ())
+        for m in model.modules():
+            if type(m).__name__ in blocks:
+                fully_shard(m)
+        fully_shard(model)
+        if optimizer is not None:  # fully_shard replaced the parameters (DTensors): point the optimizer at them
+            new = dict(zip(map(id, before), model.parameters()))
+            for group in optimizer.param_groups:
+                group["params"] = [new[id(p)] for p in group["params"]]
+            self._optimizers.append(optimizer)
+        self._models.append(model)
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+        total = sum(p.numel() for p in model.parameters())
+        self.print(f"[train] FSDP2: rank 0 holds {local} of the draft's {total} parameters")
+        return tuple(objects)
+
+    @contextlib.contextmanager
+    def no_sync(self, model):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def get_state_dict(self, model, unwrap=True):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def _sharded_state(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self._models[0], self._optimizers[0])
+        return {"model": model_sd, "optim": optim_sd}
+
+    @contextlib.contextmanager
+    def _without_model_and_optimizer(self):
+        saved = self._models, self._optimizers
+        self._models, self._optimizers = [], []
+        try:
+            yield
+        finally:
+            self._models, self._optimizers = saved
+
+    def save_state(self, output_dir=None, **kwargs):
+        import torch.distributed.checkpoint as dcp
+
+        with self._without_model_and_optimizer():  # scheduler, RNG of every rank
+            out = super().save_state(output_dir, **kwargs)
+        dcp.save(self._sharded_state(), checkpoint_id=os.path.join(output_dir, "fsdp2"))
+        return out
+
+    def load_state(self, input_dir=None, **kwargs):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        with self._without_model_and_optimizer():
+            super().load_state(input_dir, **kwargs)
+        state = self._sharded_state()
+        dcp.load(state, checkpoint_id=os.path.join(input_dir, "fsdp2"))
+        set_state_dict(self._models[0], self._optimizers[0], model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
