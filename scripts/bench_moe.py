@@ -100,7 +100,7 @@ def bench(overrides: list[str], out: Path) -> dict:
             "accept_rate_per_pos_real": [spec.get(f"spec/accept_rate_pos{k + 1}") for k in range(cfg.eval.gamma)],
             "cost_c": spec.get("spec/cost_c"), "speedup_real": spec.get("spec/speedup"),
             "greedy_mismatches": spec.get("spec/greedy_mismatches"),
-            "seconds": round(time.perf_counter() - ta, 1),
+            "seconds": round(time.perf_counter() - ta),
         }
         print(f"[bench] {kind}: {json.dumps(arms[kind])}", flush=True)
         del c, draft
@@ -108,7 +108,7 @@ def bench(overrides: list[str], out: Path) -> dict:
     result = {"config": {"overrides": base[3:], "target": str(cfg.target.path), "eval_prompts": cfg.eval.prompts,
                          "num_prompts": cfg.eval.num_prompts, "max_new_tokens": cfg.eval.max_new_tokens,
                          "gamma": cfg.eval.gamma},
-              "profile_summary": prof.summary(0.9), "arms": arms, "seconds": round(time.perf_counter() - t0, 1)}
+              "profile_summary": prof.summary(0.9), "arms": arms, "seconds": round(time.perf_counter() - t0)}
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     (out / "bench.md").write_text(markdown(result))
     print(markdown(result))

@@ -121,7 +121,7 @@ def test_dense_concat_draft_has_the_moe_drafts_parameter_count(tiny_moe):
     assert draft_param_count(moe) - draft_param_count(dense) == 2 * (3 - 1) * H  # only the router rows differ
 
 
-def test_eagle3_mlp_from_hot_experts(tiny_moe):
+def test_eagle3_mlp_from_hot_experts(tiny_moe, tmp_path):
     from specdistill.models.eagle3 import Eagle3Head, build_eagle3
 
     target = _identical_experts(tiny_moe)
@@ -136,6 +136,10 @@ def test_eagle3_mlp_from_hot_experts(tiny_moe):
     with torch.no_grad():  # identical experts, weights summing to 1: the merged MLP is the expert
         assert torch.allclose(head.midlayer.mlp(x), expert_forward(target.model.layers[L - 1].mlp.experts, 0, x),
                               atol=1e-5)
+    head.save_pretrained(tmp_path / "head")  # the merged size travels in config.json
+    again = Eagle3Head.from_pretrained(tmp_path / "head")
+    assert again.config.intermediate_size == 2 * I
+    assert torch.equal(again.midlayer.mlp.down_proj.weight, head.midlayer.mlp.down_proj.weight)
 
 
 def test_bad_selections_fail_clearly(tiny_moe):
