@@ -246,6 +246,10 @@ class DraftOPDObjective:
     def _check_draft(self, draft, target) -> None:
         from specdistill.models.eagle3 import is_eagle3
 
+        if _sharded(draft):
+            raise ValueError("objective=draft_opd needs the whole draft on every rank (one process or DDP): rollouts "
+                             "run a data-dependent number of draft forwards per rank, which a sharded draft (FSDP / "
+                             "DeepSpeed ZeRO-3, whose forwards are collectives) cannot do without ranks hanging")
         self._eagle3 = is_eagle3(draft)
         if self._eagle3:
             check_head(draft, target, self.replay, self.kd_weight)
@@ -325,6 +329,16 @@ class DraftOPDObjective:
         self._prompt_pos = (self._prompt_pos + n) % len(self._prompt_ids)
         ids, mask, _ = left_pad(picked, pad)
         return ids, mask
+
+
+def _sharded(model) -> bool:
+    """FSDP (either wrapper) or ZeRO-3 parameters: the module's forward gathers shards from the other ranks."""
+    if "FullyShardedDataParallel" in type(model).__name__:
+        return True
+    for p in model.parameters():
+        if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor" or hasattr(p, "ds_id"):
+            return True
+    return False
 
 
 def _pad_id(models: Models) -> int:

@@ -112,6 +112,10 @@ def test_bad_models_fail_at_the_first_call():
     obj = DraftOPDObjective(gamma=2, max_new_tokens=4)
     with pytest.raises(ValueError, match="vocab"):
         obj(_batch(), Models(tiny_lm(1, vocab=40), Target(tiny_lm(0))))
+    sharded = tiny_lm(1, layers=1)
+    next(sharded.parameters()).ds_id = 0  # how DeepSpeed ZeRO-3 marks its partitioned parameters
+    with pytest.raises(ValueError, match="whole draft"):
+        DraftOPDObjective(gamma=2, max_new_tokens=4)(_batch(), Models(sharded, Target(tiny_lm(0))))
     batch = _batch()
     batch["attention_mask"][0] = 0
     with pytest.raises(ValueError, match="no tokens"):
