@@ -11,6 +11,7 @@ import contextlib
 import os
 
 import torch
+from accelerate import Accelerator
 from omegaconf import DictConfig
 
 
@@ -118,13 +119,7 @@ def _env_true(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
 
 
-def _accelerator_base():
-    from accelerate import Accelerator
-
-    return Accelerator
-
-
-class CpuFsdp2Accelerator(_accelerator_base()):
+class CpuFsdp2Accelerator(Accelerator):
     """FSDP2 on machines without CUDA, where accelerate's FSDP route does not run: the draft's decoder layers and then
     the whole draft are `fully_shard`-ed over the gloo group (parameters, gradients and optimizer state split across
     ranks, reduce-scatter averaging like DDP). Everything else is accelerate's MULTI_CPU. Checkpoints: state/ holds the
