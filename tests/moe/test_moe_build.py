@@ -149,3 +149,26 @@ def test_bad_selections_fail_clearly(tiny_moe):
         build_moe_draft(tiny_moe, [7], {7: [0]})
     with pytest.raises(ValueError, match="routing profile"):
         build_moe_draft(tiny_moe, [0], {0: [0, 1]}, kind="dense")
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+def test_other_families_profile_and_reproduce(family):
+    """Qwen2-MoE (shared expert) and OLMoE: the same router/experts layout, so the same code paths hold."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  num_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
+    if family == "qwen2_moe":
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=16,
+                                                   shared_expert_intermediate_size=24, **common)).eval()
+    else:
+        model = OlmoeForCausalLM(OlmoeConfig(intermediate_size=16, **common)).eval()
+    b = random_batch(64)
+    prof = profile_routing(model, [b], "all")
+    n = int(b["attention_mask"].sum())
+    assert all(sum(c) == 2 * n for c in prof.counts)
+    draft = build_moe_draft(model, [1], {1: [0, 1, 2, 3]})
+    x = _x(model)[None]
+    with torch.no_grad():
+        assert torch.equal(draft.model.layers[0].mlp(x), model.model.layers[1].mlp(x))
