@@ -8,7 +8,6 @@ Reads draft.moe: profile (where to write the JSON; null = outputs/profile_moe/pr
 (batches of 4 training rows), token_selection (loss_mask | all) and coverage (hot-expert threshold for the
 summary and heatmap). Writes profile.json and heatmap.png side by side.
 """
-import json
 import sys
 from pathlib import Path
 

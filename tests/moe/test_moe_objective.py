@@ -1,6 +1,5 @@
 """moe_kd: the expert-level loss is zero when draft experts equal their sources, positive otherwise, and trains
 only expert weights; the recipe trains a few steps on tiny Mixtral and Qwen3-MoE targets."""
-import json
 
 import pytest
 import torch

@@ -2,7 +2,6 @@
 import json
 
 import pytest
-import torch
 
 from specdistill.moe.profiler import RoutingProfile, plot_heatmap, profile_routing
 from tests.moe.conftest import random_batch
