@@ -215,6 +215,24 @@ class DraftOPDObjective:
                     metrics["replay_loss_sum"], metrics["replay_loss_count"] = loss[P:].detach().sum(), f(len(replay))
         return StepOutput(torch.cat(losses), torch.cat(weights), metrics)
 
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue exactly as an uninterrupted one: the replay buffer, the cached
+        rollout (rollout_every > 1), the counters, the rollout RNG and the prompt cursor. Saved per rank by
+        train/checkpoint.py (pickled; tensors as they are, moved back to the batch's device on use)."""
+        return {"buffer": self.buffer, "calls": self.calls, "refreshes": self.refreshes,
+                "target_tokens_total": self.target_tokens_total, "fresh": self._fresh,
+                "generator": None if self._generator is None else self._generator.get_state(),
+                "prompt_pos": self._prompt_pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer = state["buffer"]
+        self.calls, self.refreshes = state["calls"], state["refreshes"]
+        self.target_tokens_total, self._prompt_pos = state["target_tokens_total"], state["prompt_pos"]
+        self._fresh = state["fresh"]
+        self._generator_state = state["generator"]  # applied when the generator is made on the rollout's device
+        self._generator = None
+
     # ------------------------------------------------------------------------------------------- internals
     def _score(self, fresh: DraftedPositions, replay: list[ReplayItem], models: Models):
         """ONE draft forward over every context row (rollout rows, branches, replayed contexts) -> per-position
@@ -279,6 +297,8 @@ class DraftOPDObjective:
                             "rollout_tau_sum": f(s.new_tokens), "rollout_tau_count": f(s.target_forwards),
                             "rollout_alpha_sum": f(s.alpha), "rollout_alpha_count": f(s.drafted),
                             "rollout_target_tokens_sum": f(s.target_tokens), "rollout_target_tokens_count": f(1)})
+        if self._fresh.row.device != device:  # a cached rollout restored from a checkpoint (loaded on CPU)
+            self._fresh = _positions_to(self._fresh, device)
         fresh = self._fresh
         replay = self.buffer.sample(round(self.replay_ratio * len(fresh)), self.refreshes) if self.replay else []
         n = len(fresh) + len(replay)
@@ -298,6 +318,9 @@ class DraftOPDObjective:
                                            max_new_tokens=self.max_new_tokens)
         if self._generator is None:
             self._generator = torch.Generator(device=ids.device).manual_seed(self.seed)
+            if getattr(self, "_generator_state", None) is not None:  # resumed: continue the saved stream
+                self._generator.set_state(self._generator_state)
+                self._generator_state = None
         eos = eos_ids(models.tokenizer, target, ignore_eos=False) if models.tokenizer is not None else None
         was_training = draft.training
         draft.eval()
@@ -329,6 +352,22 @@ class DraftOPDObjective:
         self._prompt_pos = (self._prompt_pos + n) % len(self._prompt_ids)
         ids, mask, _ = left_pad(picked, pad)
         return ids, mask
+
+
+def _positions_to(p: DraftedPositions, device) -> DraftedPositions:
+    """A DraftedPositions with every tensor on `device`."""
+    from dataclasses import fields, replace
+
+    moved = {}
+    for f in fields(p):
+        v = getattr(p, f.name)
+        if isinstance(v, torch.Tensor):
+            moved[f.name] = v.to(device)
+        elif isinstance(v, TargetLogits):
+            moved[f.name] = v.to(device)
+        elif isinstance(v, list) and v and isinstance(v[0], torch.Tensor):
+            moved[f.name] = [t.to(device) for t in v]
+    return replace(p, **moved)
 
 
 def _sharded(model) -> bool:

@@ -2,7 +2,9 @@
 
 Layout of <output_dir>/checkpoints/step-0000100/:
   draft/              the draft in HF format (safetensors, config.json, tokenizer)
-  state/              accelerate.save_state: model, optimizer, scheduler, RNG of every rank
+  state/              accelerate.save_state: model, optimizer, scheduler, RNG of every rank; objective_<rank>.pt:
+                      the objective's own state on every rank when it has one (Draft-OPD: replay buffer, cached
+                      rollout, rollout RNG), so an on-policy run resumes exactly
   trainer_state.json  step, epoch, tokens seen
   metrics.json        the latest metrics (training and held-out acceptance)
   config.yaml         the fully resolved config of the run
@@ -49,8 +51,10 @@ def resolve_resume(resume: Optional[str], output_dir: str | Path) -> Optional[Pa
 
 
 def save_checkpoint(accelerator, draft, tokenizer, output_dir, step: int, trainer_state: dict, metrics: dict,
-                    config_yaml: str, keep: int = 2) -> Path:
-    """Every rank must call this (accelerate gathers state); only the main process writes shared files."""
+                    config_yaml: str, keep: int = 2, objective=None) -> Path:
+    """Every rank must call this (accelerate gathers state); only the main process writes shared files.
+    `objective`: saved per rank when it has a state_dict() (not accelerate's register_for_checkpointing, which
+    keeps rank 0's copy only; on-policy state such as a replay buffer differs per rank)."""
     root = checkpoint_dir(output_dir)
     final = root / f"step-{step:07d}"
     tmp = root / f".step-{step:07d}.tmp"
@@ -60,6 +64,12 @@ def save_checkpoint(accelerator, draft, tokenizer, output_dir, step: int, traine
             shutil.rmtree(debris, ignore_errors=True)  # left by a process killed mid-save or mid-delete
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp / "state"))
+    if callable(getattr(objective, "state_dict", None)):
+        import torch
+
+        (tmp / "state").mkdir(parents=True, exist_ok=True)
+        torch.save(objective.state_dict(), tmp / "state" / f"objective_{accelerator.process_index}.pt")
+    accelerator.wait_for_everyone()  # every rank's files are in place before the main process renames
     state_dict = accelerator.get_state_dict(draft)  # full state dict (gathered under FSDP/ZeRO-3)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(draft)
@@ -81,9 +91,19 @@ def save_checkpoint(accelerator, draft, tokenizer, output_dir, step: int, traine
     return final
 
 
-def load_checkpoint(accelerator, path: Path) -> dict:
-    """Restore model, optimizer, scheduler and RNG in place; return the trainer state (step, epoch...)."""
+def load_checkpoint(accelerator, path: Path, objective=None) -> dict:
+    """Restore model, optimizer, scheduler and RNG (and the objective's own state) in place; return the trainer
+    state (step, epoch...)."""
     accelerator.load_state(str(path / "state"))
+    if callable(getattr(objective, "load_state_dict", None)):
+        import torch
+
+        f = path / "state" / f"objective_{accelerator.process_index}.pt"
+        if f.exists():
+            objective.load_state_dict(torch.load(f, map_location="cpu", weights_only=False))
+        else:
+            print(f"[train] warning: {f} is missing (a checkpoint from another objective or number of processes): "
+                  f"the objective {type(objective).__name__} starts with fresh state, so this resume is not exact")
     return json.loads((path / "trainer_state.json").read_text())
 
 

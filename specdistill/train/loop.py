@@ -145,7 +145,7 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
                               ": continue it with trainer.resume=auto, or start fresh in another trainer.output_dir "
                               "(nothing is overwritten)")
     if resume_from is not None:
-        state = load_checkpoint(acc, resume_from)
+        state = load_checkpoint(acc, resume_from, objective)
         step, tokens_seen = state["step"], state["tokens_seen"]
         last_saved = step
         result.heldout_before = state.get("heldout_before")
@@ -166,7 +166,7 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
         state = {"step": step, "epoch": batches.epoch_of(max(step - 1, 0)), "tokens_seen": tokens_seen,
                  "heldout_before": result.heldout_before}
         return save_checkpoint(acc, draft, c.models.tokenizer, out_dir, step, state, latest, config_yaml,
-                               keep=t.keep_checkpoints)
+                               keep=t.keep_checkpoints, objective=objective)
 
     bar = tqdm(total=max_steps, initial=step, desc=f"train {cfg.run_name}", disable=not acc.is_local_main_process,
                dynamic_ncols=True)
