@@ -20,7 +20,8 @@ def test_eagle3_head_in_the_evaluator_is_lossless(tmp_path):
     loaded = load_trained_draft(tmp_path / "h")
     assert isinstance(loaded, Eagle3Head)
     cfg = EvalConfig(gamma=3, max_new_tokens=12, batch_size=2, batch_sizes=[2], warmup_prompts=0, ignore_eos=True,
-                     measure_cost=False)
+                     measure_cost=True)  # the cost timing starts the head from the target's features too
     r = evaluate(target, tok, loaded, PROMPTS, cfg, progress=False)
     assert r.greedy_mismatches == 0
+    assert r.cost is not None and r.cost.draft_token_ms > 0 and r.cost.c > 0
     assert 1.0 <= r.mean_accept_len <= 4.0 and len(r.accept_rate_per_pos) == 3

@@ -130,3 +130,16 @@ def test_train_entry_runs_real_speculative_eval_at_epoch_end(tiny_target_dir, ti
     metrics = json.loads((res.final_checkpoint / "metrics.json").read_text())
     assert 1.0 <= metrics["spec/mean_accept_len"] <= 1 + cfg.eval.gamma
     assert (out / "eval" / "epoch-0" / "results.json").exists()
+
+
+def test_a_failing_epoch_end_hook_still_leaves_the_trained_checkpoint(tiny_target_dir, tiny_data_file, tmp_path):
+    """An evaluation bug at the end of a long run must not cost the run: the checkpoint is written, then the error
+    is raised."""
+    def broken_eval(c, epoch, step):
+        raise RuntimeError("evaluator exploded")
+
+    c = build(compose("kd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "o", tmp_path / "cache")
+                      + ["trainer.max_steps=2", "trainer.save_every=100"]))
+    with pytest.raises(RuntimeError, match="exploded"):
+        fit(c, epoch_end_hooks=(broken_eval,))
+    assert [p.name for p in list_checkpoints(tmp_path / "o")] == ["step-0000002"]

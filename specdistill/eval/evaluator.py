@@ -245,7 +245,9 @@ def measure_cost(target_model, drafter: Drafter, batch: _Batch, gamma: int, samp
     ids, mask = batch.input_ids, batch.attention_mask
     B = ids.shape[0]
     kv = BatchKV(target_model)
-    kv.prefill(ids[:, :-1], mask[:, :-1])
+    hidden = {"output_hidden_states": True} if drafter.needs_hidden_states else {}
+    prefill = kv.prefill(ids[:, :-1], mask[:, :-1], **hidden)
+    target_hidden = getattr(prefill, "hidden_states", None)  # EAGLE-3 heads start from the target's features
     pending = ids[:, -1:]
 
     def target_step(width: int):
@@ -256,7 +258,7 @@ def measure_cost(target_model, drafter: Drafter, batch: _Batch, gamma: int, samp
     verify_ms = _median_ms(device, lambda: target_step(gamma + 1), reps)
     times = []
     for i in range(reps + 1):
-        drafter.start(ids, mask)
+        drafter.start(ids, mask, target_hidden=target_hidden)
         _, t = _timed(device, lambda: drafter.propose(gamma, sampler))
         if i:  # the first is a warm-up
             times.append(t)

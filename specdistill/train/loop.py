@@ -237,16 +237,29 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
             if (t.eval_every and step % t.eval_every == 0) or last:
                 latest.update(evaluate_heldout(c))
                 _log(acc, {k: v for k, v in latest.items() if k.startswith("heldout/")}, step, metrics_file)
+            hook_error = None
             if epoch_done or last:
                 for hook in epoch_end_hooks:
-                    latest.update(hook(c, batches.epoch_of(step - 1), step))
-            if step % t.save_every == 0 or last or (epoch_done and checkpoint_hooks):
+                    try:
+                        latest.update(hook(c, batches.epoch_of(step - 1), step))
+                    except Exception as e:  # noqa: BLE001 - re-raised below, once the trained weights are saved
+                        hook_error = hook_error or e
+                        acc.print(f"[train] epoch-end hook {getattr(hook, '__name__', hook)} failed at step {step}: "
+                                  f"{e!r}; saving a checkpoint before stopping")
+                # every rank learns whether any rank failed, so all of them take part in the save
+                failed = acc.reduce(torch.tensor(float(hook_error is not None), device=acc.device), "sum").item() > 0
+            else:
+                failed = False
+            if step % t.save_every == 0 or last or (epoch_done and checkpoint_hooks) or failed:
                 result.final_checkpoint = save()
                 last_saved = step
                 if epoch_done or last:
                     saved = Saved(result.final_checkpoint, batches.epoch_of(step - 1), step, last, dict(latest))
                     for hook in checkpoint_hooks:
                         hook(c, saved)
+            if failed:
+                raise hook_error if hook_error is not None else RuntimeError(
+                    f"an epoch-end hook failed on another rank at step {step}; checkpoint {result.final_checkpoint}")
             t_window += time.perf_counter() - t_pause
     bar.close()
     result.step = step
