@@ -64,14 +64,20 @@ def _convert_gguf(src_dir: Path, gguf_file: str, out: Path) -> None:
     model = type(gguf_model)(config)
     model.load_state_dict(gguf_model.state_dict())
     model.tie_weights()
+    save_model_folder(model, tok, out)
+
+
+def save_model_folder(model, tokenizer, out: Path) -> None:
+    """save_pretrained model + tokenizer into `out` atomically: written to a temp folder beside it, then renamed, so
+    a half-written folder is never taken for a cached model."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
         model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
         if out.exists():
             shutil.rmtree(out)
-        os.replace(tmp, out)  # atomic: a half-written folder is never taken for the cached model
+        os.replace(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

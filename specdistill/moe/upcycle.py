@@ -10,15 +10,12 @@ routing quality, and hot-expert selection cannot carry information on it.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from specdistill.assets import CACHE_ROOT
+from specdistill.assets import CACHE_ROOT, save_model_folder
 
 SOURCE = "embedded:smollm2-135m-instruct"
 DEFAULT_DIR = CACHE_ROOT / "models" / "smollm2-135m-moe4"  # conf/target/smollm2_moe.yaml points here
@@ -76,17 +73,7 @@ def ensure_upcycled(out: Path | str = DEFAULT_DIR, source: str = SOURCE, num_exp
     log(f"[specdistill] upcycling {source} into a {num_experts}-expert top-{top_k} MoE at {out} (once)")
     dense, tok = load_causal_lm(source, "float32"), load_tokenizer(source)
     moe = upcycle_llama(dense, num_experts, top_k, seed)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
-        moe.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    save_model_folder(moe, tok, out)
     return str(out)
 
 
