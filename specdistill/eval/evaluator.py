@@ -171,11 +171,11 @@ def make_drafter(spec: Union[str, Drafter, torch.nn.Module], target_model, cfg: 
     if is_eagle3(spec):
         return Eagle3Drafter(spec), "eagle3"
     if isinstance(spec, torch.nn.Module):
-        return LMDrafter(spec), "draft"
+        return LMDrafter(spec, confidence=cfg.draft_confidence), "draft"
     if spec == "ngram":
         return NGramDrafter(max_ngram=cfg.ngram_max, min_ngram=cfg.ngram_min), "ngram"
     if spec == "target":
-        return LMDrafter(target_model), "target"
+        return LMDrafter(target_model, confidence=cfg.draft_confidence), "target"
     raise ValueError(f"unknown drafter {spec!r}: pass a draft model, a Drafter, or one of 'ngram', 'target' "
                      f"(eval.drafter is one of {DRAFTERS}; 'draft' needs a model)")
 

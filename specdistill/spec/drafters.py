@@ -50,11 +50,16 @@ class LMDrafter(Drafter):
     """Any HF causal LM sharing the target's vocabulary, drafting autoregressively from its own KV cache.
 
     Positions past the draft's max_position_embeddings are clamped: poor drafts there, output still lossless.
+    confidence > 0: stop drafting early once every row's latest draft has probability below it (that draft is still
+    proposed), as HF assisted generation's assistant_confidence_threshold: a weak draft stops wasting verify width.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, confidence: float = 0.0):
+        if not 0.0 <= confidence < 1.0:
+            raise ValueError(f"draft confidence threshold must be in [0, 1), got {confidence}")
         self.model = model
         self.vocab_size = logits_dim(model)
+        self.confidence = confidence
 
     def start(self, input_ids, attention_mask, target_hidden=None) -> None:
         limit = max_positions(self.model)
@@ -80,13 +85,19 @@ class LMDrafter(Drafter):
             token, q = sampler.draw(logits)                                  # (B,), (B, V) | None
             tokens.append(token)
             probs.append(q)
-            if i < k - 1:
-                logits = self.kv.step(token[:, None]).logits[:, -1]         # (B, V)
-        self.tokens = torch.stack(tokens, 1) if k else self.pending.new_zeros(B, 0)  # (B, k)
+            if i == k - 1 or (self.confidence > 0 and self._unsure(logits, token, q)):
+                break
+            logits = self.kv.step(token[:, None]).logits[:, -1]             # (B, V)
+        self.tokens = torch.stack(tokens, 1) if k else self.pending.new_zeros(B, 0)  # (B, k') with k' <= k
         if sampler.greedy:
             return Proposal(self.tokens, None)
         q = torch.stack(probs, 1) if k else logits.new_zeros(B, 0, logits.shape[-1]).float()  # (B, k, V)
         return Proposal(self.tokens, q)
+
+    def _unsure(self, logits, token, q) -> bool:
+        """Every row's draft has probability < confidence (q: the sampler's processed probs; greedy: softmax)."""
+        probs = q if q is not None else logits.float().softmax(-1)
+        return bool((probs.gather(1, token[:, None]) < self.confidence).all())  # one host sync per draft step
 
     @torch.no_grad()
     def commit(self, num_accepted, next_token, active, target_hidden=None) -> None:

@@ -73,3 +73,31 @@ def test_lm_drafter_greedy_proposal_is_the_models_argmax_chain(tiny_lm, ragged_p
             assert int(model(torch.tensor([seq])).logits[0, -1].argmax()) == int(proposal.tokens[b, k])
             seq.append(int(proposal.tokens[b, k]))
     assert drafter.vocab_size == 48
+
+
+def test_lm_drafter_confidence_stops_once_every_row_is_unsure(tiny_lm, ragged_prompts):
+    """The round stops after the first draft step at which every row's draft probability is below the threshold;
+    that draft is still proposed, and the drafted prefix is the unthresholded chain's."""
+    model = tiny_lm(1)
+    ids, mask = ragged_prompts
+    full = LMDrafter(model)
+    full.start(ids, mask)
+    chain = full.propose(6, GREEDY).tokens
+    # the greedy draft's own probability at each step, per row
+    conf = []
+    for b in range(len(ids)):
+        seq = ids[b][mask[b].bool()].tolist()
+        row = []
+        for k in range(6):
+            row.append(model(torch.tensor([seq])).logits[0, -1].float().softmax(-1).max().item())
+            seq.append(int(chain[b, k]))
+        conf.append(row)
+    conf = torch.tensor(conf)                                               # (B, 6)
+    threshold = float(conf.max(0).values.median())
+    expect = next((k + 1 for k in range(6) if bool((conf[:, k] < threshold).all())), 6)
+    d = LMDrafter(model, confidence=threshold)
+    d.start(ids, mask)
+    got = d.propose(6, GREEDY).tokens
+    assert got.shape[1] == expect and torch.equal(got, chain[:, :expect])
+    with pytest.raises(ValueError, match="confidence"):
+        LMDrafter(model, confidence=1.0)

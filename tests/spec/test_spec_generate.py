@@ -41,6 +41,25 @@ def test_greedy_is_token_identical_to_target_only(kind, tiny_lm, ragged_prompts)
                 assert r.target_forwards.tolist() == [-(-MAX_NEW // (gamma + 1))] * len(ids)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_confidence_stopped_drafts_stay_lossless(tiny_lm, ragged_prompts, temperature):
+    """Variable-width rounds from the confidence stop (a rule on the draft's own probabilities, so verification stays
+    exact): greedy output is the target's; at T=1 every row still gets its full budget."""
+    target = tiny_lm(0)
+    ids, mask = ragged_prompts
+    reference = target_generate(target, ids, mask, max_new_tokens=MAX_NEW)
+    g = torch.Generator().manual_seed(0)
+    r = speculative_generate(target, LMDrafter(tiny_lm(1), confidence=0.2), ids, mask, gamma=6,
+                             max_new_tokens=MAX_NEW, temperature=temperature, generator=g)
+    widths = {rnd.gamma for rnd in r.rounds}
+    assert len(widths) > 1  # the stop really varied the width
+    if temperature == 0:
+        assert torch.equal(r.sequences, reference.sequences)
+    for rnd in r.rounds:
+        assert bool((rnd.num_accepted <= rnd.gamma).all())
+    assert r.num_new_tokens.tolist() == [MAX_NEW] * len(ids)
+
+
 def test_zero_width_rounds_are_plain_target_steps(tiny_lm):
     """A prompt of distinct tokens gives the n-gram drafter nothing to match at first: those rounds propose 0 drafts,
     cost one forward each and emit one token, and the output is still the target's."""
