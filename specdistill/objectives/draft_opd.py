@@ -152,6 +152,7 @@ class DraftOPDObjective:
         self._fresh: Optional[DraftedPositions] = None
         self._prepared: dict[int, tuple[dict, _Prepared]] = {}
         self._generator: Optional[torch.Generator] = None
+        self._generator_state: Optional[torch.Tensor] = None  # from a checkpoint, applied at the next rollout
         self._checked = False
         self._eagle3 = False
         self._prompt_ids: Optional[list[torch.Tensor]] = None
@@ -318,7 +319,7 @@ class DraftOPDObjective:
                                            max_new_tokens=self.max_new_tokens)
         if self._generator is None:
             self._generator = torch.Generator(device=ids.device).manual_seed(self.seed)
-            if getattr(self, "_generator_state", None) is not None:  # resumed: continue the saved stream
+            if self._generator_state is not None:  # resumed: continue the saved stream
                 self._generator.set_state(self._generator_state)
                 self._generator_state = None
         eos = eos_ids(models.tokenizer, target, ignore_eos=False) if models.tokenizer is not None else None
