@@ -7,7 +7,9 @@ the real speculative evaluator (specdistill.eval) on MT-bench at gamma 4, temper
 
 Variants: kd, eagle3, draft_opd and its ablations (no_replay: objective.replay=false, no_weighting:
 objective.weighting=none, no_assist: objective.assist=false), optionally draft_opd_eagle3 (an EAGLE-3 head trained
-on-policy) and `init` (the untrained from_target draft every standalone variant starts from).
+on-policy), `init` (the untrained from_target draft every standalone variant starts from) and `init_eagle3` (the
+head eagle3 and draft_opd_eagle3 start from). A warm start for all of them: --override draft.path=... (and
+--opd-warm-start for a standalone draft when the EAGLE-3 variants run alongside).
 
 Compute budget (--budget, recorded per run in results.json):
   steps          (default) every variant makes the same number of optimizer steps on the same micro-batches (same
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 VARIANTS = {
     "init": None,  # the untrained from_target draft (no training)
+    "init_eagle3": None,  # the untrained EAGLE-3 head of the eagle3 recipe (no training)
     "kd": ("kd", []),
     "eagle3": ("eagle3", []),
     "draft_opd": ("draft_opd", []),
@@ -39,6 +42,7 @@ VARIANTS = {
     "draft_opd_no_assist": ("draft_opd", ["objective.assist=false"]),
     "draft_opd_eagle3": ("draft_opd", ["draft=eagle3", "objective.replay=false"]),
 }
+INIT_RECIPES = {"init": "kd", "init_eagle3": "eagle3"}  # whose draft group builds each untrained baseline
 DEFAULT = ["init", "kd", "eagle3", "draft_opd", "draft_opd_no_replay", "draft_opd_no_weighting", "draft_opd_no_assist"]
 
 
@@ -61,6 +65,8 @@ def parse_args(argv=None):
     a.add_argument("--max-new-tokens", type=int, default=128, help="evaluation tokens per prompt")
     a.add_argument("--gamma", type=int, default=4)
     a.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    a.add_argument("--eval-batch-size", type=int, default=1,
+                   help="prompts decoded together in the evaluation (tau does not depend on it; tok/s does)")
     a.add_argument("--no-cost", action="store_true", help="skip the evaluator's draft/target cost timing")
     a.add_argument("--threads", type=int, default=None)
     a.add_argument("--seed", type=int, default=0)
@@ -72,8 +78,8 @@ def parse_args(argv=None):
                    help="run just these of --variants now (with --append: one short invocation per variant)")
     a.add_argument("--override", nargs="*", default=[], help="extra Hydra overrides for every training run")
     args = a.parse_args(argv)
-    if args.steps < 1 or args.num_prompts < 1 or args.max_new_tokens < 1 or args.gamma < 1:
-        a.error("--steps, --num-prompts, --max-new-tokens and --gamma must be >= 1")
+    if min(args.steps, args.num_prompts, args.max_new_tokens, args.gamma, args.eval_batch_size) < 1:
+        a.error("--steps, --num-prompts, --max-new-tokens, --gamma and --eval-batch-size must be >= 1")
     return args
 
 
@@ -137,6 +143,8 @@ def train(args, name: str, steps: int, log=print) -> dict:
         extra = extra + ["draft=pretrained", f"draft.path={args.opd_warm_start}"]
     if recipe == "draft_opd":
         extra = extra + [f"objective.max_new_tokens={args.rollout_tokens}", f"objective.gamma={args.gamma}"]
+    if recipe == "eagle3":  # the training-time-test unroll covers the gamma drafts the evaluation makes
+        extra = extra + [f"objective.steps={args.gamma}"]
     run_dir = Path(args.out) / "runs" / name
     if run_dir.exists():
         if not args.overwrite:
@@ -169,8 +177,9 @@ def evaluate_draft(args, c, draft, prompts, temperature: float, log=print) -> di
 
     target = c.models.target.model
     ecfg = EvalConfig(gamma=args.gamma, prompts=args.prompts, num_prompts=args.num_prompts,
-                      max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed, batch_size=1,
-                      batch_sizes=[1], sweep_prompts=1, warmup_prompts=min(1, args.num_prompts),
+                      max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed,
+                      batch_size=args.eval_batch_size, batch_sizes=[args.eval_batch_size],
+                      sweep_prompts=args.num_prompts, warmup_prompts=min(1, args.num_prompts),
                       measure_cost=not args.no_cost, output_dir=str(Path(args.out) / "eval"))
     was = draft.training
     draft.eval()
@@ -188,6 +197,7 @@ def size_knobs(args) -> dict:
     """What makes two benchmark runs comparable (checked by --append)."""
     keys = ("target", "data", "max_rows", "max_length", "steps", "budget", "micro_batch_size", "grad_accum", "lr",
             "rollout_tokens", "opd_warm_start", "prompts", "num_prompts", "max_new_tokens", "gamma", "temperatures",
+            "eval_batch_size",
             "seed", "override")
     return {k: getattr(args, k) for k in keys}
 
@@ -284,15 +294,15 @@ def main(argv=None) -> dict:
     budget_tokens = results.get("draft_opd", {}).get("target_forward_tokens") if args.budget == "target_tokens" \
         else None
     todo = [v for v in args.variants if v not in results and (args.only is None or v in args.only)]
-    if "init" in todo:  # the untrained from_target draft every standalone
-        # variant starts from
-        c0 = build(compose("kd", common_overrides(args, "init", 1)))
-        results["init"] = {"steps": 0, "target_forward_tokens": 0, "trained_positions": 0, "train_seconds": 0.0,
-                           "eval": eval_all(c0, c0.accelerator.unwrap_model(c0.models.draft))}
-        del c0
-        save()
+    for name, recipe in INIT_RECIPES.items():  # the drafts the trained variants start from, untrained
+        if name in todo:
+            c0 = build(compose(recipe, common_overrides(args, name, 1)))
+            results[name] = {"steps": 0, "target_forward_tokens": 0, "trained_positions": 0, "train_seconds": 0.0,
+                             "eval": eval_all(c0, c0.accelerator.unwrap_model(c0.models.draft))}
+            del c0
+            save()
     # target_tokens: draft_opd first, its target-forward tokens are the budget of the others
-    order = [v for v in todo if v != "init"]
+    order = [v for v in todo if v not in INIT_RECIPES]
     if args.budget == "target_tokens" and budget_tokens is None:
         if "draft_opd" not in order:
             raise ValueError("--budget target_tokens measures the budget on the draft_opd variant: include it")

@@ -7,7 +7,7 @@ Per call (one micro-batch), in order:
      the target's logits there, the verifier's decision and its category. Refreshed every `rollout_every` calls.
   2. Replay: `replay_ratio` x (fresh positions) of the worst-missed earlier positions come back from the buffer
      (onpolicy/replay.py) with their cached target logits; the current draft re-scores them and their priority
-     (1 - alpha) is updated.
+     (1 - alpha) is updated. Replayed contexts that are prefixes of one another share one row (pack_prefixes).
   3. Loss (with grad): ONE draft forward over the rows holding every position's context; per position a divergence
      D(p || q) (or a weighted mix) between the target's and the draft's next-token distributions, weighted by
      `weighting` (onpolicy/weights.py): reach = prod_{j<i} alpha_j (detached), decay, or none. Replayed positions
@@ -38,7 +38,7 @@ import torch
 from specdistill.losses import DIVERGENCES, acceptance_rate, divergence
 from specdistill.objectives.base import Models, StepOutput, keep_positions, masked_logits
 from specdistill.onpolicy.eagle3 import check_head, eagle3_alpha, eagle3_logits_at, restrict_to_draft_vocab
-from specdistill.onpolicy.replay import ReplayBuffer, ReplayItem
+from specdistill.onpolicy.replay import ReplayBuffer, ReplayItem, pack_prefixes
 from specdistill.onpolicy.rollout import (CATEGORIES, DraftedPositions, TargetLogits, collect_rollout,
                                           draft_logits_at, prompts_from_batch)
 from specdistill.onpolicy.weights import WEIGHTINGS, position_weights
@@ -249,8 +249,9 @@ class DraftOPDObjective:
             q_det = q_logits.detach()
             return (loss, eagle3_alpha(p_full, q_det, t2d, self.temperature),
                     1 - eagle3_alpha(p_full, q_det, t2d, self.loss_temperature))
-        rows = fresh.rows + [it.context.to(device) for it in replay]
-        row = torch.cat([fresh.row, torch.arange(len(replay), device=device) + len(fresh.rows)])
+        replay_rows, row_of = pack_prefixes([it.context.to(device) for it in replay])  # shared prefixes: one row
+        rows = fresh.rows + replay_rows
+        row = torch.cat([fresh.row, torch.tensor(row_of, dtype=torch.long, device=device) + len(fresh.rows)])
         ctx = torch.cat([fresh.context_len,
                          torch.tensor([len(it.context) for it in replay], dtype=torch.long, device=device)])
         q_logits = draft_logits_at(models.draft, rows, row, ctx, pad)                           # (P + Q, V)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from specdistill.onpolicy.replay import ReplayBuffer
+from specdistill.onpolicy.replay import ReplayBuffer, pack_prefixes
 from specdistill.onpolicy.rollout import ACCEPTED, AFTER_REJECTION, FIRST_REJECTED, TargetLogits
 from specdistill.onpolicy.weights import decay_weights, position_weights, reach_weights
 
@@ -70,3 +70,18 @@ def test_replay_staleness():
     assert [int(it.context) for it in got] == [1] and buf.expired == 1
     with pytest.raises(ValueError, match="capacity"):
         ReplayBuffer(capacity=0)
+
+
+def test_pack_prefixes_covers_every_context_with_the_fewest_rows_for_chains():
+    traj = torch.arange(10, 30)
+    branch = torch.cat([traj[:8], torch.tensor([99, 98])])
+    other = torch.arange(40, 52)
+    contexts = [traj[:5], branch, traj[:12], other[:3], traj[:20], other, branch[:9]]
+    rows, row_of = pack_prefixes(contexts)
+    assert len(row_of) == len(contexts)
+    for c, r in zip(contexts, row_of):  # each context is a prefix of its row
+        assert len(rows[r]) >= len(c) and torch.equal(rows[r][: len(c)], c)
+    # three chains: the trajectory, the branch off it (not a prefix of the trajectory), the other prompt
+    assert len(rows) == 3
+    assert row_of[0] == row_of[2] == row_of[4] and row_of[1] == row_of[6] and row_of[3] == row_of[5]
+    assert pack_prefixes([]) == ([], [])
