@@ -77,6 +77,8 @@ def parse_args(argv=None):
     a.add_argument("--only", nargs="+", default=None, choices=sorted(VARIANTS),
                    help="run just these of --variants now (with --append: one short invocation per variant)")
     a.add_argument("--override", nargs="*", default=[], help="extra Hydra overrides for every training run")
+    a.add_argument("--merge", nargs="*", default=[], metavar="DIR",
+                   help="other --out folders of the same benchmark (run in parallel): their variants join this table")
     args = a.parse_args(argv)
     if min(args.steps, args.num_prompts, args.max_new_tokens, args.gamma, args.eval_batch_size) < 1:
         a.error("--steps, --num-prompts, --max-new-tokens, --gamma and --eval-batch-size must be >= 1")
@@ -194,7 +196,7 @@ def evaluate_draft(args, c, draft, prompts, temperature: float, log=print) -> di
 
 
 def size_knobs(args) -> dict:
-    """What makes two benchmark runs comparable (checked by --append)."""
+    """What makes two benchmark runs comparable (checked by --append and --merge)."""
     keys = ("target", "data", "max_rows", "max_length", "steps", "budget", "micro_batch_size", "grad_accum", "lr",
             "rollout_tokens", "opd_warm_start", "prompts", "num_prompts", "max_new_tokens", "gamma", "temperatures",
             "eval_batch_size",
@@ -260,13 +262,17 @@ def main(argv=None) -> dict:
     prompts = None
     knobs = size_knobs(args)
     previous = Path(args.out) / "results.json"
-    if args.append and previous.exists():
-        old = json.loads(previous.read_text())
+    sources = [previous] if args.append and previous.exists() else []
+    sources += [Path(d) / "results.json" for d in args.merge]
+    for src in sources:  # earlier runs of the same benchmark: their variants are kept, not rerun
+        if not src.exists():
+            raise FileNotFoundError(f"--merge: {src} does not exist (a benchmark --out folder holds results.json)")
+        old = json.loads(src.read_text())
         if old["meta"].get("knobs") != knobs:
-            raise ValueError(f"--append: {previous} was made with other settings ({old['meta'].get('knobs')} vs "
-                             f"{knobs}); use another --out")
-        results.update(old["variants"])
-        log(f"[bench] --append: keeping {sorted(results)} from {previous}")
+            raise ValueError(f"{src} was made with other settings ({old['meta'].get('knobs')} vs {knobs}): only "
+                             "runs of the same benchmark can share a table; use another --out")
+        results.update({k: v for k, v in old["variants"].items() if k not in results})
+        log(f"[bench] keeping {sorted(old['variants'])} from {src}")
 
     def eval_all(c, draft) -> dict:
         nonlocal prompts

@@ -24,9 +24,9 @@ know that count before any backward, so the objective exposes `num_tokens(batch,
 and caches the result for __call__ (the loop's generic hook; other objectives count loss_mask tokens).
 
 EAGLE-3 heads (draft=eagle3): rollouts through Eagle3Drafter; the loss forward is the head's training-time-test
-unroll on its own features at each round's drafting slot, branch rows included (onpolicy/eagle3.py). Not yet for
-heads: replay (a replayed context needs the target's aux hidden states cached) and the kd_weight term; both are
-refused with a clear error.
+unroll on its own features at each round's drafting slot, branch rows and replayed positions included
+(onpolicy/eagle3.py; a replayed position carries its trajectory's cached target features). Not yet for heads: the
+kd_weight term (refused with a clear error).
 """
 from __future__ import annotations
 
@@ -183,8 +183,13 @@ class DraftOPDObjective:
                 self.buffer.update([it.uid for it in replay], priority[P:])
             if prep.add_to_buffer and self.replay:
                 missed = (~fresh.accepted).nonzero().flatten()
+                head = {}
+                if self._eagle3:  # the target's features, once per trajectory (a branch reads its trajectory's)
+                    src = [fresh.source[r] for r in fresh.row[missed].tolist()]
+                    traj = {s: fresh.aux[s, : len(fresh.rows[s])].clone() for s in set(src)}
+                    head = {"aux": [traj[s] for s in src], "index": fresh.index[missed].tolist()}
                 self.buffer.add(fresh.contexts(missed), fresh.target.select(missed), priority[:P][missed].cpu(),
-                                self.refreshes)
+                                self.refreshes, **head)
 
         metrics = dict(prep.metrics)
         losses, weights = [loss], [weight]
@@ -240,20 +245,25 @@ class DraftOPDObjective:
         loss (P + Q,) with grad, and detached alpha at the rollout temperature and 1 - alpha at the loss one."""
         device, pad = fresh.row.device, _pad_id(models)
         p_full = TargetLogits.cat([fresh.target.to(device)] + [it.target.to(device) for it in replay]).dense()
-        if self._eagle3:  # no replay here (check_head): the fresh positions only
-            t2d = _unwrap(models.draft).t2d
-            q_logits = eagle3_logits_at(models.draft, fresh.rows, fresh.aux.to(device), fresh.row,
-                                        fresh.context_len, fresh.index, pad)                 # (P, Vd)
-            p_logits, in_vocab = restrict_to_draft_vocab(p_full, t2d)                         # (P, Vd), (P,)
-            loss = self._divergence(p_logits, q_logits) * in_vocab
-            q_det = q_logits.detach()
-            return (loss, eagle3_alpha(p_full, q_det, t2d, self.temperature),
-                    1 - eagle3_alpha(p_full, q_det, t2d, self.loss_temperature))
-        replay_rows, row_of = pack_prefixes([it.context.to(device) for it in replay])  # shared prefixes: one row
+        keys = [id(it.aux) for it in replay] if self._eagle3 else None  # EAGLE-3: one trajectory's features per row
+        replay_rows, row_of = pack_prefixes([it.context.to(device) for it in replay], keys)  # shared prefixes: one row
         rows = fresh.rows + replay_rows
         row = torch.cat([fresh.row, torch.tensor(row_of, dtype=torch.long, device=device) + len(fresh.rows)])
         ctx = torch.cat([fresh.context_len,
                          torch.tensor([len(it.context) for it in replay], dtype=torch.long, device=device)])
+        if self._eagle3:
+            t2d = _unwrap(models.draft).t2d
+            index = torch.cat([fresh.index, torch.tensor([it.index for it in replay], dtype=torch.long,
+                                                         device=device)])
+            row_aux = {r: replay[k].aux for k, r in enumerate(row_of)}  # a replayed row's trajectory features
+            aux = _stack_aux(fresh.aux.to(device), [row_aux[r] for r in range(len(replay_rows))],
+                             max(len(r) for r in rows))                                          # (R, L, D)
+            q_logits = eagle3_logits_at(models.draft, rows, aux, row, ctx, index, pad)            # (P + Q, Vd)
+            p_logits, in_vocab = restrict_to_draft_vocab(p_full, t2d)                         # (P + Q, Vd), (P + Q,)
+            loss = self._divergence(p_logits, q_logits) * in_vocab
+            q_det = q_logits.detach()
+            return (loss, eagle3_alpha(p_full, q_det, t2d, self.temperature),
+                    1 - eagle3_alpha(p_full, q_det, t2d, self.loss_temperature))
         q_logits = draft_logits_at(models.draft, rows, row, ctx, pad)                           # (P + Q, V)
         loss = self._divergence(p_full, q_logits)
         q_det = q_logits.detach()
@@ -272,7 +282,7 @@ class DraftOPDObjective:
                              "DeepSpeed ZeRO-3, whose forwards are collectives) cannot do without ranks hanging")
         self._eagle3 = is_eagle3(draft)
         if self._eagle3:
-            check_head(draft, target, self.replay, self.kd_weight)
+            check_head(draft, target, self.kd_weight)
             return
         V, Vd = logits_dim(target), logits_dim(draft)
         if V != Vd:
@@ -370,6 +380,18 @@ def _positions_to(p: DraftedPositions, device) -> DraftedPositions:
         elif isinstance(v, list) and v and isinstance(v[0], torch.Tensor):
             moved[f.name] = [t.to(device) for t in v]
     return replace(p, **moved)
+
+
+def _stack_aux(fresh: torch.Tensor, replayed: list[torch.Tensor], length: int) -> torch.Tensor:
+    """(R + Rq, length, D) zero-padded: the rollout rows' features, then each replayed row's trajectory features
+    (slots past a trajectory's end are never read: a position reads slots <= its round's start - 1)."""
+    R, Lf, D = fresh.shape
+    out = fresh.new_zeros(R + len(replayed), max(length, Lf), D)
+    out[:R, :Lf] = fresh
+    for k, a in enumerate(replayed):
+        n = min(len(a), out.shape[1])
+        out[R + k, :n] = a[:n].to(out.device)
+    return out
 
 
 def _sharded(model) -> bool:

@@ -125,7 +125,7 @@ def test_bad_models_fail_at_the_first_call():
 ABLATIONS = [[], ["objective.assist=false", "objective.temperature=0"],
              ["objective.replay=false", "objective.weighting=none", "objective.off_trajectory=drop",
               "objective.kd_weight=0.5", "objective.target_top_k=16"],
-             ["draft=eagle3", "objective.replay=false", "objective.weighting=decay"]]
+             ["draft=eagle3", "objective.weighting=decay"]]
 
 
 @pytest.mark.parametrize("switches", ABLATIONS, ids=["full", "no_assist", "no_replay_no_weighting_kd", "eagle3"])
@@ -195,9 +195,16 @@ def test_yaml_mirrors_the_dataclass():
     assert dict(yaml) == fields
 
 
-def test_resume_equals_uninterrupted_with_replay_and_a_cached_rollout(tiny_target_dir, tiny_data_file, tmp_path):
-    """The replay buffer, the rollout RNG and a rollout cached across the checkpoint (rollout_every=3 with 2 calls per
-    step) are saved per rank: the resumed run ends with the uninterrupted run's weights and buffer."""
+SMALL_LM = ["draft=small_lm", "draft.hidden_size=16", "draft.intermediate_size=32", "draft.num_attention_heads=2",
+            "draft.num_key_value_heads=1"]
+
+
+@pytest.mark.parametrize("draft", [SMALL_LM, ["draft=eagle3"]], ids=["lm", "eagle3"])
+def test_resume_equals_uninterrupted_with_replay_and_a_cached_rollout(draft, tiny_target_dir, tiny_data_file,
+                                                                       tmp_path):
+    """The replay buffer (EAGLE-3: with its cached target features), the rollout RNG and a rollout cached across the
+    checkpoint (rollout_every=3 with 2 calls per step) are saved per rank: the resumed run ends with the
+    uninterrupted run's weights and buffer."""
     from specdistill.build import build
     from specdistill.train.checkpoint import list_checkpoints
     from specdistill.train.loop import fit
@@ -206,9 +213,9 @@ def test_resume_equals_uninterrupted_with_replay_and_a_cached_rollout(tiny_targe
         cfg = compose("draft_opd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / name, tmp_path / "cache")
                       + ["trainer.max_steps=4", "trainer.save_every=2", "trainer.keep_checkpoints=5",
                          "trainer.grad_accum=2", "trainer.micro_batch_size=1", "objective.max_new_tokens=6",
-                         "objective.gamma=3", "objective.rollout_every=3", "objective.replay_ratio=0.5", "objective.temperature=0",
-                         "trainer.lr=5e-3", "draft=small_lm", "draft.hidden_size=16", "draft.intermediate_size=32",
-                         "draft.num_attention_heads=2", "draft.num_key_value_heads=1"] + list(extra))
+                         "objective.gamma=3", "objective.rollout_every=3", "objective.replay_ratio=0.5",
+                         "objective.temperature=0",
+                         "trainer.lr=5e-3"] + draft + list(extra))
         c = build(cfg)
         return c, fit(c)
 
@@ -224,3 +231,7 @@ def test_resume_equals_uninterrupted_with_replay_and_a_cached_rollout(tiny_targe
     assert resumed.objective.calls == full.objective.calls and resumed.objective.refreshes == full.objective.refreshes
     assert sorted(full.objective.buffer.items) == sorted(resumed.objective.buffer.items)
     torch.testing.assert_close(resumed.objective.buffer.priorities(), full.objective.buffer.priorities())
+    for u, it in full.objective.buffer.items.items():
+        back = resumed.objective.buffer.items[u]
+        assert torch.equal(back.context, it.context) and back.index == it.index
+        assert (back.aux is None) == (it.aux is None) and (it.aux is None or torch.equal(back.aux, it.aux))

@@ -6,6 +6,7 @@ import torch
 from specdistill.models.eagle3 import build_eagle3
 from specdistill.models.target import Target
 from specdistill.objectives import Models
+from specdistill.losses import divergence
 from specdistill.objectives.draft_opd import DraftOPDObjective
 from specdistill.onpolicy.eagle3 import eagle3_alpha, eagle3_logits_at
 from specdistill.onpolicy.rollout import AFTER_REJECTION, collect_rollout
@@ -76,5 +77,77 @@ def test_objective_trains_a_head(target):
     assert torch.allclose(out.weight, reach_weights(fresh.alpha, fresh.round_id, fresh.index), atol=1e-4)
     out.loss.mul(out.weight).sum().backward()
     assert head.fc.weight.grad.abs().sum() > 0 and head.midlayer.self_attn.q_proj.weight.grad.abs().sum() > 0
-    with pytest.raises(ValueError, match="replay"):
-        DraftOPDObjective(gamma=3, max_new_tokens=6)(batch, models)
+    with pytest.raises(ValueError, match="kd_weight"):
+        DraftOPDObjective(gamma=3, max_new_tokens=6, kd_weight=0.5)(batch, models)
+
+
+def _batch():
+    ids, mask = _prompts()
+    lm = torch.zeros_like(ids)
+    batch = {"input_ids": torch.cat([ids, ids], 1), "attention_mask": torch.cat([mask, mask], 1),
+             "loss_mask": torch.cat([lm, lm + 1], 1)}
+    return {k: torch.stack([torch.cat([r[m.bool()], r[~m.bool()]]) for r, m in zip(v, batch["attention_mask"])])
+            for k, v in batch.items()}  # right-padded, as collate makes them
+
+
+class CountingTarget(Target):
+    def __init__(self, model):
+        super().__init__(model)
+        self.calls = 0
+        self._hook = model.register_forward_hook(lambda *a: setattr(self, "calls", self.calls + 1))
+
+
+def test_head_replay_rescores_from_cached_target_features(target):
+    head = _head(target, 40, seed=2).train()
+    models = Models(head, CountingTarget(target))
+    try:
+        obj = DraftOPDObjective(gamma=3, max_new_tokens=10, temperature=1.0, replay=True, replay_ratio=0.5,
+                                replay_weight=0.3, divergence="fkl", rollout_every=2)
+        obj(_batch(), models)
+        fresh = obj._fresh
+        missed = int((~fresh.accepted).sum())
+        assert len(obj.buffer) == missed > 0
+        items = list(obj.buffer.items.values())
+        # one feature tensor per trajectory, shared by its items (not one copy per position)
+        assert len({id(it.aux) for it in items}) <= len(fresh.rows) - sum(s != r for r, s in enumerate(fresh.source))
+        # Same rollout, same head: a replayed position scores exactly as the fresh position it came from (its
+        # context, slot, step and target features all recovered from the buffer alone).
+        missed_at = (~fresh.accepted).nonzero().flatten().tolist()
+        b1 = _batch()
+        obj.num_tokens(b1, models)
+        replayed0 = list(obj._prepared.values())[0][1].replay
+        same = obj(b1, models)
+        P0 = len(fresh)
+        assert obj.refreshes == 1 and len(same.loss) == P0 + len(replayed0) and replayed0
+        for k, it in enumerate(replayed0):
+            assert torch.allclose(same.loss[P0 + k], same.loss[missed_at[it.uid]], atol=1e-5)
+        with torch.no_grad():  # the head changes between the two calls
+            for p in head.parameters():
+                if p.requires_grad:
+                    p.add_(0.05 * torch.randn_like(p))
+        b2 = _batch()
+        obj.num_tokens(b2, models)
+        calls = models.target.calls
+        replayed = list(obj._prepared.values())[0][1].replay
+        out = obj(b2, models)
+        assert models.target.calls == calls  # replay ran no target forward
+        P, Q = len(obj._fresh), len(replayed)
+        assert Q == min(round(0.5 * P), missed) and len(out.loss) == P + Q
+        assert torch.allclose(out.weight[P:], torch.full((Q,), 0.3))
+        out.loss[P:].sum().backward()
+        assert head.fc.weight.grad.abs().sum() > 0
+        with torch.no_grad():  # each replayed position scored alone on its own context and its trajectory's features
+            for k, it in enumerate(replayed):
+                n = len(it.context)
+                aux = torch.zeros(1, n, it.aux.shape[-1])
+                aux[0, : min(n, len(it.aux))] = it.aux[:n]
+                q = eagle3_logits_at(head, [it.context], aux, torch.tensor([0]), torch.tensor([n]),
+                                     torch.tensor([it.index]), pad_id=0)
+                p, in_vocab = it.target.dense()[:, head.t2d], head.t2d[it.target.dense().argmax(-1)]
+                want = divergence("fkl", p, q) * in_vocab
+                assert torch.allclose(out.loss[P + k], want[0], atol=1e-4)
+                if it.uid in obj.buffer.items:  # priority refreshed to 1 - alpha under the current head
+                    alpha = eagle3_alpha(it.target.dense(), q, head.t2d, 1.0)
+                    assert obj.buffer.items[it.uid].priority == pytest.approx(1 - float(alpha), abs=1e-5)
+    finally:
+        models.target._hook.remove()
