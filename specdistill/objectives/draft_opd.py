@@ -25,8 +25,8 @@ and caches the result for __call__ (the loop's generic hook; other objectives co
 
 EAGLE-3 heads (draft=eagle3): rollouts through Eagle3Drafter; the loss forward is the head's training-time-test
 unroll on its own features at each round's drafting slot, branch rows and replayed positions included
-(onpolicy/eagle3.py; a replayed position carries its trajectory's cached target features). Not yet for heads: the
-kd_weight term (refused with a clear error).
+(onpolicy/eagle3.py; a replayed position carries its trajectory's cached target features). For a head the kd_weight
+term is recipe eagle3's own loss on the data batch (objectives/eagle3.py: the TTT unroll over gamma steps).
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from specdistill.losses import DIVERGENCES, acceptance_rate, divergence
+from specdistill.objectives.eagle3 import Eagle3Objective
 from specdistill.objectives.base import Models, StepOutput, keep_positions, masked_logits
 from specdistill.onpolicy.eagle3 import check_head, eagle3_alpha, eagle3_logits_at, restrict_to_draft_vocab
 from specdistill.onpolicy.replay import ReplayBuffer, ReplayItem, pack_prefixes
@@ -109,7 +110,7 @@ class DraftOPDObjective:
     replay_max_age: Optional[int] = 50  # rollout refreshes an item may age before it is dropped (null = no limit)
     replay_weight: float = 1.0          # loss weight of a replayed position
     # off-policy mix
-    kd_weight: float = 0.0              # adds kd_weight x divergence on the data batch's loss tokens
+    kd_weight: float = 0.0              # + kd_weight x divergence on the data batch's loss tokens (heads: eagle3's loss)
     seed: int = 0                       # rollout sampling
 
     def __post_init__(self):
@@ -195,12 +196,17 @@ class DraftOPDObjective:
         losses, weights = [loss], [weight]
         # 3. Off-policy mix: the same divergence on the data batch's own loss tokens (a second draft forward).
         if self.kd_weight > 0 and bool(batch["loss_mask"].any()):
-            keep = keep_positions(batch["loss_mask"])
-            sel = batch["loss_mask"][:, keep].bool()
-            kd_p = models.target.outputs(batch, logits_to_keep=keep).logits[sel]               # (N, V)
-            kd = self._divergence(kd_p, masked_logits(models.draft, batch, keep))             # (N,)
+            if self._eagle3:  # a head's off-policy loss is recipe eagle3's: the TTT unroll over gamma steps
+                off = Eagle3Objective(steps=self.gamma)(batch, models)
+                kd, kd_w = off.loss, off.weight * self.kd_weight                                  # (N,) each
+            else:
+                keep = keep_positions(batch["loss_mask"])
+                sel = batch["loss_mask"][:, keep].bool()
+                kd_p = models.target.outputs(batch, logits_to_keep=keep).logits[sel]           # (N, V)
+                kd = self._divergence(kd_p, masked_logits(models.draft, batch, keep))         # (N,)
+                kd_w = torch.full_like(kd, self.kd_weight)
             losses.append(kd)
-            weights.append(torch.full_like(kd, self.kd_weight).detach())
+            weights.append(kd_w.detach())
             metrics["kd_loss_sum"] = kd.detach().sum()
             metrics["kd_loss_count"] = torch.tensor(float(kd.numel()), device=device)
 
@@ -282,7 +288,7 @@ class DraftOPDObjective:
                              "DeepSpeed ZeRO-3, whose forwards are collectives) cannot do without ranks hanging")
         self._eagle3 = is_eagle3(draft)
         if self._eagle3:
-            check_head(draft, target, self.kd_weight)
+            check_head(draft, target)
             return
         V, Vd = logits_dim(target), logits_dim(draft)
         if V != Vd:
@@ -314,8 +320,9 @@ class DraftOPDObjective:
         fresh = self._fresh
         replay = self.buffer.sample(round(self.replay_ratio * len(fresh)), self.refreshes) if self.replay else []
         n = len(fresh) + len(replay)
-        if self.kd_weight > 0:
-            n += int(batch["loss_mask"].sum())
+        if self.kd_weight > 0:  # the data batch's loss positions (a head: one per unroll step reaching one)
+            lm = batch["loss_mask"].bool()
+            n += sum(int(lm[:, 1 + j:].sum()) for j in range(self.gamma)) if self._eagle3 else int(lm.sum())
         return _Prepared(fresh, replay, refresh, metrics, f(n))
 
     def _rollout(self, batch, models, draft, target) -> DraftedPositions:

@@ -89,11 +89,8 @@ def eagle3_alpha(p_logits: torch.Tensor, q_logits: torch.Tensor, t2d: torch.Tens
     return torch.minimum(p, q).sum(-1)
 
 
-def check_head(head, target_model, kd_weight: float) -> None:
+def check_head(head, target_model) -> None:
     V = target_model.config.vocab_size
     if head.config.vocab_size != V:
         raise ValueError(f"EAGLE-3 head vocab {head.config.vocab_size} != target vocab {V}: warm-start only from a "
                          "head trained for this target")
-    if kd_weight > 0:
-        raise ValueError("objective.kd_weight > 0 is not available for EAGLE-3 heads (the data-batch KD term is a "
-                         "standalone-LM forward); use recipe=eagle3 for off-policy training, or kd_weight=0")

@@ -125,7 +125,7 @@ def test_bad_models_fail_at_the_first_call():
 ABLATIONS = [[], ["objective.assist=false", "objective.temperature=0"],
              ["objective.replay=false", "objective.weighting=none", "objective.off_trajectory=drop",
               "objective.kd_weight=0.5", "objective.target_top_k=16"],
-             ["draft=eagle3", "objective.weighting=decay"]]
+             ["draft=eagle3", "objective.weighting=decay", "objective.kd_weight=0.5"]]
 
 
 @pytest.mark.parametrize("switches", ABLATIONS, ids=["full", "no_assist", "no_replay_no_weighting_kd", "eagle3"])

@@ -8,6 +8,7 @@ from specdistill.models.target import Target
 from specdistill.objectives import Models
 from specdistill.losses import divergence
 from specdistill.objectives.draft_opd import DraftOPDObjective
+from specdistill.objectives.eagle3 import Eagle3Objective
 from specdistill.onpolicy.eagle3 import eagle3_alpha, eagle3_logits_at
 from specdistill.onpolicy.rollout import AFTER_REJECTION, collect_rollout
 from specdistill.onpolicy.weights import reach_weights
@@ -77,8 +78,22 @@ def test_objective_trains_a_head(target):
     assert torch.allclose(out.weight, reach_weights(fresh.alpha, fresh.round_id, fresh.index), atol=1e-4)
     out.loss.mul(out.weight).sum().backward()
     assert head.fc.weight.grad.abs().sum() > 0 and head.midlayer.self_attn.q_proj.weight.grad.abs().sum() > 0
-    with pytest.raises(ValueError, match="kd_weight"):
-        DraftOPDObjective(gamma=3, max_new_tokens=6, kd_weight=0.5)(batch, models)
+
+
+def test_head_off_policy_mix_is_the_eagle3_loss_on_the_data_batch(target):
+    head = _head(target, 40, seed=3).train()
+    models = Models(head, Target(target))
+    models.target.set_aux_layer_ids(head.config.aux_layer_ids)  # as build does for draft=eagle3
+    obj = DraftOPDObjective(gamma=3, max_new_tokens=6, temperature=1.0, replay=False, kd_weight=0.5)
+    batch = _batch()
+    n = obj.num_tokens(batch, models)
+    out = obj(batch, models)
+    P = len(obj._fresh)
+    off = Eagle3Objective(steps=3)(batch, models)
+    assert int(n) == len(out.loss) == P + len(off.loss) and len(off.loss) > 0
+    assert torch.allclose(out.loss[P:], off.loss, atol=1e-5)
+    assert torch.allclose(out.weight[P:], 0.5 * off.weight)
+    assert float(out.metrics["kd_loss_count"]) == len(off.loss)
 
 
 def _batch():
