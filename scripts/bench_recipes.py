@@ -6,10 +6,12 @@ the real speculative evaluator (specdistill.eval) on MT-bench at gamma 4, temper
       --rollout-tokens 8 --max-length 128 --max-rows 64 --no-cost --out outputs/bench_smoke      # CPU smoke
 
 Variants: kd, eagle3, draft_opd and its ablations (no_replay: objective.replay=false, no_weighting:
-objective.weighting=none, no_assist: objective.assist=false), optionally draft_opd_eagle3 (an EAGLE-3 head trained
-on-policy), `init` (the untrained from_target draft every standalone variant starts from) and `init_eagle3` (the
-head eagle3 and draft_opd_eagle3 start from). A warm start for all of them: --override draft.path=... (and
---opd-warm-start for a standalone draft when the EAGLE-3 variants run alongside).
+objective.weighting=none, no_assist: objective.assist=false), optionally draft_opd_kd_mix (objective.kd_weight=1:
+on-policy plus KD on the data batch) and draft_opd_eagle3 (an EAGLE-3 head trained on-policy), `init` (the
+untrained from_target draft every standalone variant starts from) and `init_eagle3` (the head eagle3 and
+draft_opd_eagle3 start from). A warm start for all of them: --override draft.path=... (and --opd-warm-start for a
+standalone draft when the EAGLE-3 variants run alongside). Variants can run in parallel processes with separate
+--out folders and the same knobs; --merge then joins them into one table.
 
 Compute budget (--budget, recorded per run in results.json):
   steps          (default) every variant makes the same number of optimizer steps on the same micro-batches (same
@@ -40,6 +42,7 @@ VARIANTS = {
     "draft_opd_no_replay": ("draft_opd", ["objective.replay=false"]),
     "draft_opd_no_weighting": ("draft_opd", ["objective.weighting=none"]),
     "draft_opd_no_assist": ("draft_opd", ["objective.assist=false"]),
+    "draft_opd_kd_mix": ("draft_opd", ["objective.kd_weight=1.0"]),
     "draft_opd_eagle3": ("draft_opd", ["draft=eagle3", "objective.replay=false"]),
 }
 INIT_RECIPES = {"init": "kd", "init_eagle3": "eagle3"}  # whose draft group builds each untrained baseline
