@@ -38,6 +38,9 @@ def test_counts_are_consistent_with_a_random_draft(target, draft, tok, prompts):
     hist = torch.tensor(r.accept_len_hist, dtype=torch.float64)
     forwards = hist.sum().item()
     assert forwards == r.target_forwards and r.mean_accept_len == r.new_tokens / forwards
+    # per-prompt counts (for confidence intervals over prompts) add up to the totals
+    assert sum(x["target_forwards"] for x in r.samples) == forwards and len(r.samples) == len(prompts)
+    assert sum(x["new_tokens"] for x in r.samples) == r.new_tokens
     # batch 1, no EOS: no round is cut, so tau = 1 + mean accepted drafts per round, from the histogram alike
     assert r.mean_accept_len == pytest.approx(1 + (hist * torch.arange(len(hist))).sum().item() / forwards)
     assert all(0 <= a <= 1 for a in r.accept_rate_per_pos + r.reach_rate_per_pos)
