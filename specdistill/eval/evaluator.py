@@ -596,7 +596,8 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
         for row, i in enumerate(b.index):
             samples.append({"prompt": i, "prompt_tokens": int(b.attention_mask[row].sum()),
                             "new_tokens": len(rs.tokens[row]),
-                            "target_forwards": int(rs.rollout.target_forwards[row]) if rs.rollout is not None else 0, "identical": rs.tokens[row] == rt.tokens[row],
+                            "target_forwards": 0 if rs.rollout is None else int(rs.rollout.target_forwards[row]),
+                            "identical": rs.tokens[row] == rt.tokens[row],
                             "text": tokenizer.decode(rs.tokens[row], skip_special_tokens=False)})
 
     # 4. HF side by side at batch 1 (inline above when batch_size == 1, else its own batch-1 pass with ours).
