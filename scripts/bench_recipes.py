@@ -80,6 +80,9 @@ def parse_args(argv=None):
     a.add_argument("--only", nargs="+", default=None, choices=sorted(VARIANTS),
                    help="run just these of --variants now (with --append: one short invocation per variant)")
     a.add_argument("--override", nargs="*", default=[], help="extra Hydra overrides for every training run")
+    a.add_argument("--reeval", action="store_true",
+                   help="with --append: evaluate the --only variants again from their saved final checkpoints, "
+                        "no training (adds per-prompt counts and tau intervals to an older results.json)")
     a.add_argument("--merge", nargs="*", default=[], metavar="DIR",
                    help="other --out folders of the same benchmark (run in parallel): their variants join this table")
     args = a.parse_args(argv)
@@ -168,6 +171,17 @@ def train(args, name: str, steps: int, log=print) -> dict:
     return {"components": c, "steps": res.step, "target_forward_tokens": fwd, "trained_positions": trained,
             "train_seconds": seconds, "checkpoint": str(res.final_checkpoint), "config": run_config(cfg),
             "last_train_metrics": {k: v for k, v in res.history[-1].items() if k.startswith("train/")}}
+
+
+def reeval_recipe(args, name: str, run: dict) -> tuple[str, list[str]]:
+    """(recipe, overrides) that build the models with a saved variant's final draft (init variants: as built)."""
+    if name in INIT_RECIPES:
+        return INIT_RECIPES[name], common_overrides(args, name + "_reeval", 1)
+    recipe, extra = VARIANTS[name]
+    head = recipe == "eagle3" or "draft=eagle3" in extra
+    path = f"draft.path={Path(run['checkpoint']) / 'draft'}"
+    return ("eagle3" if head else "kd",
+            common_overrides(args, name + "_reeval", 1) + ([path] if head else ["draft=pretrained", path]))
 
 
 def run_config(cfg) -> dict:
@@ -330,6 +344,16 @@ def main(argv=None) -> dict:
 
     budget_tokens = results.get("draft_opd", {}).get("target_forward_tokens") if args.budget == "target_tokens" \
         else None
+    if args.reeval:
+        if not args.append or not args.only:
+            raise ValueError("--reeval re-scores saved variants: pass --append and --only <variants>")
+        for name in args.only:
+            if name not in results:
+                raise ValueError(f"--reeval: {name} is not in {previous}; run it first")
+            c = build(compose(*reeval_recipe(args, name, results[name])))
+            results[name]["eval"] = eval_all(c, c.accelerator.unwrap_model(c.models.draft))
+            del c
+            save()
     todo = [v for v in args.variants if v not in results and (args.only is None or v in args.only)]
     for name, recipe in INIT_RECIPES.items():  # the drafts the trained variants start from, untrained
         if name in todo:
