@@ -228,6 +228,21 @@ def tau_interval(per_prompt: list[list[int]], seed: int, n: int = 2000) -> list[
     return [lo, hi]
 
 
+def ratio_interval(a: dict, b: dict, seed: int, n: int = 2000) -> list[float] | None:
+    """95% paired bootstrap interval of tau_a / tau_b: the same resampled prompts for both evaluations (they ran
+    the same prompts in the same order). None unless both recorded per-prompt counts."""
+    import torch
+
+    pa, pb = a.get("per_prompt_tokens_forwards"), b.get("per_prompt_tokens_forwards")
+    if not pa or not pb or len(pa) != len(pb) or len(pa) < 2:
+        return None
+    ca, cb = (torch.tensor(x, dtype=torch.float64) for x in (pa, pb))
+    idx = torch.randint(len(ca), (n, len(ca)), generator=torch.Generator().manual_seed(seed))
+    tau = lambda c: c[idx, 0].sum(1) / c[idx, 1].sum(1).clamp(min=1)  # noqa: E731
+    lo, hi = torch.quantile(tau(ca) / tau(cb), torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return [lo, hi]
+
+
 def size_knobs(args) -> dict:
     """What makes two benchmark runs comparable (checked by --append and --merge)."""
     keys = ("target", "data", "max_rows", "max_length", "steps", "budget", "micro_batch_size", "grad_accum", "lr",
@@ -267,8 +282,12 @@ def write_outputs(args, results: dict, budget: dict, knobs: dict) -> dict[str, P
         for T in temps:
             tau = lambda n: results[n]["eval"][f"T={T:g}"]["mean_accept_len"]  # noqa: E731
             best = max(off, key=tau)
-            lines.append(f"T={T:g}: tau / best off-policy ({best}, {tau(best):.3f}): " +
-                         ", ".join(f"{n} {tau(n) / tau(best):.3f}x" for n in on))
+            parts = []
+            for n in on:
+                ci = ratio_interval(results[n]["eval"][f"T={T:g}"], results[best]["eval"][f"T={T:g}"], args.seed)
+                parts.append(f"{n} {tau(n) / tau(best):.3f}x" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""))
+            lines.append(f"T={T:g}: tau / best off-policy ({best}, {tau(best):.3f}): " + ", ".join(parts))
+        lines.append("[paired 95% bootstrap interval over prompts, where both runs recorded per-prompt counts]")
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
     import matplotlib
