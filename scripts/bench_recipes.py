@@ -192,6 +192,7 @@ def run_config(cfg) -> dict:
 
 def evaluate_draft(args, c, draft, prompts, temperature: float, log=print) -> dict:
     from specdistill.config import EvalConfig
+    from specdistill.eval.stats import tau_interval
     from specdistill.eval.evaluator import evaluate
 
     target = c.models.target.model
@@ -214,35 +215,6 @@ def evaluate_draft(args, c, draft, prompts, temperature: float, log=print) -> di
             "new_tokens": r.new_tokens, "predicted_speedup": r.predicted_speedup}
 
 
-def tau_interval(per_prompt: list[list[int]], seed: int, n: int = 2000) -> list[float] | None:
-    """95% bootstrap interval of tau (sum tokens / sum target forwards) over prompts: how much of a difference
-    between two variants the prompt sample alone could make. None without per-prompt counts."""
-    import torch
-
-    c = torch.tensor(per_prompt, dtype=torch.float64).reshape(-1, 2)
-    if len(c) < 2 or c[:, 1].sum() <= 0:
-        return None
-    idx = torch.randint(len(c), (n, len(c)), generator=torch.Generator().manual_seed(seed))
-    taus = c[idx, 0].sum(1) / c[idx, 1].sum(1).clamp(min=1)
-    lo, hi = torch.quantile(taus, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return [lo, hi]
-
-
-def ratio_interval(a: dict, b: dict, seed: int, n: int = 2000) -> list[float] | None:
-    """95% paired bootstrap interval of tau_a / tau_b: the same resampled prompts for both evaluations (they ran
-    the same prompts in the same order). None unless both recorded per-prompt counts."""
-    import torch
-
-    pa, pb = a.get("per_prompt_tokens_forwards"), b.get("per_prompt_tokens_forwards")
-    if not pa or not pb or len(pa) != len(pb) or len(pa) < 2:
-        return None
-    ca, cb = (torch.tensor(x, dtype=torch.float64) for x in (pa, pb))
-    idx = torch.randint(len(ca), (n, len(ca)), generator=torch.Generator().manual_seed(seed))
-    tau = lambda c: c[idx, 0].sum(1) / c[idx, 1].sum(1).clamp(min=1)  # noqa: E731
-    lo, hi = torch.quantile(tau(ca) / tau(cb), torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return [lo, hi]
-
-
 def size_knobs(args) -> dict:
     """What makes two benchmark runs comparable (checked by --append and --merge)."""
     keys = ("target", "data", "max_rows", "max_length", "steps", "budget", "micro_batch_size", "grad_accum", "lr",
@@ -253,6 +225,8 @@ def size_knobs(args) -> dict:
 
 
 def write_outputs(args, results: dict, budget: dict, knobs: dict) -> dict[str, Path]:
+    from specdistill.eval.stats import ratio_interval
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"knobs": knobs, "budget": budget, "argv": sys.argv[1:]}
@@ -284,7 +258,9 @@ def write_outputs(args, results: dict, budget: dict, knobs: dict) -> dict[str, P
             best = max(off, key=tau)
             parts = []
             for n in on:
-                ci = ratio_interval(results[n]["eval"][f"T={T:g}"], results[best]["eval"][f"T={T:g}"], args.seed)
+                ci = ratio_interval(results[n]["eval"][f"T={T:g}"].get("per_prompt_tokens_forwards") or [],
+                                    results[best]["eval"][f"T={T:g}"].get("per_prompt_tokens_forwards") or [],
+                                    args.seed)
                 parts.append(f"{n} {tau(n) / tau(best):.3f}x" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""))
             lines.append(f"T={T:g}: tau / best off-policy ({best}, {tau(best):.3f}): " + ", ".join(parts))
         lines.append("[paired 95% bootstrap interval over prompts, where both runs recorded per-prompt counts]")

@@ -1,0 +1,64 @@
+"""Bootstrap intervals of tau over prompts, and scripts/compare_evals.py's paired comparison of evaluator runs."""
+import json
+
+import pytest
+import torch
+
+from specdistill.eval.stats import ratio_interval, tau_interval
+
+
+def _counts(n=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    forwards = torch.randint(20, 60, (n,), generator=g)
+    tokens = forwards + torch.randint(0, 30, (n,), generator=g)
+    return torch.stack([tokens, forwards], 1).tolist()
+
+
+def test_tau_interval_brackets_the_estimate_and_narrows_with_more_prompts():
+    c = _counts(24)
+    tau = sum(x[0] for x in c) / sum(x[1] for x in c)
+    lo, hi = tau_interval(c)
+    assert lo < tau < hi
+    wide = tau_interval(c[:6])
+    assert wide[1] - wide[0] > hi - lo
+    assert tau_interval(c[:1]) is None and tau_interval([]) is None
+
+
+def test_paired_ratio_removes_the_spread_both_runs_share():
+    a = _counts(24)
+    assert ratio_interval(a, a) == [1.0, 1.0]
+    b = [[round(t * 1.25), f] for t, f in a]          # every prompt 25% more tokens per forward
+    lo, hi = ratio_interval(b, a)
+    assert 1.24 < lo <= hi < 1.26                     # prompt difficulty cancels: an interval of rounding only
+    assert ratio_interval(a, a[:-1]) is None          # not the same prompts: no paired interval
+
+
+def _eval_dir(path, tau_scale, prompts=(0, 1, 2, 3), temperature=0.0):
+    path.mkdir()
+    rows = [{"prompt": p, "new_tokens": round(30 * tau_scale) + p, "target_forwards": 30} for p in prompts]
+    (path / "outputs.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    tau = sum(r["new_tokens"] for r in rows) / sum(r["target_forwards"] for r in rows)
+    (path / "results.json").write_text(json.dumps({"mean_accept_len": tau, "config": {
+        "temperature": temperature, "gamma": 4, "draft_path": str(path)}}))
+    return str(path)
+
+
+def test_compare_evals_writes_paired_ratios_and_refuses_other_prompts(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from compare_evals import main
+
+    base, better = _eval_dir(tmp_path / "kd", 1.2), _eval_dir(tmp_path / "opd", 1.5)
+    table = main([base, better, "--out", str(tmp_path / "cmp")])
+    assert table[better]["ratio_to_baseline"] == pytest.approx(table[better]["tau"] / table[base]["tau"])
+    assert table[base]["ratio_ci95"] == [1.0, 1.0]
+    assert (tmp_path / "cmp" / "compare.md").read_text().count("|") > 8
+    assert json.loads((tmp_path / "cmp" / "compare.json").read_text())["meta"]["baseline"] == base
+    other = _eval_dir(tmp_path / "other", 1.3, prompts=(0, 1, 2, 5))
+    with pytest.raises(ValueError, match="same eval.prompts"):
+        main([base, other, "--out", str(tmp_path / "cmp2")])
+    hot = _eval_dir(tmp_path / "hot", 1.3, temperature=1.0)
+    with pytest.raises(ValueError, match="temperature"):
+        main([base, hot, "--out", str(tmp_path / "cmp3")])
