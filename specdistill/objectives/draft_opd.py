@@ -5,7 +5,8 @@ Per call (one micro-batch), in order:
   1. Rollout (no grad, draft in eval mode): the batch's prompts are decoded by real speculative decoding with the
      current draft (onpolicy/rollout.py, the evaluator's spec/ code); every drafted position is kept with its context,
      the target's logits there, the verifier's decision and its category. Refreshed every `rollout_every` calls.
-  2. Replay: `replay_ratio` x (fresh positions) of the worst-missed earlier positions come back from the buffer
+  2. Replay: `replay_ratio` x (fresh positions) of the worst-missed earlier rejections (each round's first rejected
+     draft; the drafts after it were never verified) come back from the buffer
      (onpolicy/replay.py) with their cached target logits; the current draft re-scores them and their priority
      (1 - alpha) is updated. Replayed contexts that are prefixes of one another share one row (pack_prefixes).
   3. Loss (with grad): ONE draft forward over the rows holding every position's context; per position a divergence
@@ -40,8 +41,8 @@ from specdistill.objectives.eagle3 import Eagle3Objective
 from specdistill.objectives.base import Models, StepOutput, keep_positions, masked_logits
 from specdistill.onpolicy.eagle3 import check_head, eagle3_alpha, eagle3_logits_at, restrict_to_draft_vocab
 from specdistill.onpolicy.replay import ReplayBuffer, ReplayItem, pack_prefixes
-from specdistill.onpolicy.rollout import (CATEGORIES, DraftedPositions, TargetLogits, collect_rollout,
-                                          draft_logits_at, prompts_from_batch)
+from specdistill.onpolicy.rollout import (CATEGORIES, FIRST_REJECTED, DraftedPositions, TargetLogits,
+                                          collect_rollout, draft_logits_at, prompts_from_batch)
 from specdistill.onpolicy.weights import WEIGHTINGS, position_weights
 from specdistill.spec import probs_from_logits
 from specdistill.spec.kv import logits_dim, max_positions
@@ -183,7 +184,10 @@ class DraftOPDObjective:
             if replay:
                 self.buffer.update([it.uid for it in replay], priority[P:])
             if prep.add_to_buffer and self.replay:
-                missed = (~fresh.accepted).nonzero().flatten()
+                # The positions verification rejected: each round's first rejected draft. Later drafts of the round
+                # were discarded unverified (their context holds the rejected token, off the trajectory, and their
+                # reach weight is ~0); replaying them at replay_weight would undo the acceptance weighting.
+                missed = (fresh.category == FIRST_REJECTED).nonzero().flatten()
                 head = {}
                 if self._eagle3:  # the target's features, once per trajectory (a branch reads its trajectory's)
                     src = [fresh.source[r] for r in fresh.row[missed].tolist()]

@@ -11,6 +11,7 @@ from specdistill.losses import divergence
 from specdistill.models.target import Target
 from specdistill.objectives import Models
 from specdistill.objectives.draft_opd import DraftOPDObjective
+from specdistill.onpolicy.rollout import FIRST_REJECTED
 from specdistill.onpolicy.weights import reach_weights
 from tests.conftest import compose, tiny_overrides
 from tests.onpolicy.conftest import tiny_lm
@@ -61,8 +62,10 @@ def test_replayed_positions_are_rescored_by_the_current_draft_from_cached_target
     obj = DraftOPDObjective(gamma=3, max_new_tokens=10, temperature=1.0, replay=True, replay_ratio=0.5,
                             replay_weight=0.3, divergence="rkl:1.0,tvd:0.5")
     obj(_batch(), models)
-    missed = int((~obj._fresh.accepted).sum())
+    missed = int((obj._fresh.category == FIRST_REJECTED).sum())  # replay keeps the verifier's rejections
     assert len(obj.buffer) == missed > 0
+    assert all(any(torch.equal(r[: len(it.context)], it.context) for r in obj._fresh.rows[:3])  # trajectory prefixes
+               for it in obj.buffer.items.values())
     with torch.no_grad():  # the draft changes between the two calls
         for p in models.draft.parameters():
             p.add_(0.05 * torch.randn_like(p))

@@ -10,7 +10,7 @@ from specdistill.losses import divergence
 from specdistill.objectives.draft_opd import DraftOPDObjective
 from specdistill.objectives.eagle3 import Eagle3Objective
 from specdistill.onpolicy.eagle3 import eagle3_alpha, eagle3_logits_at
-from specdistill.onpolicy.rollout import AFTER_REJECTION, collect_rollout
+from specdistill.onpolicy.rollout import AFTER_REJECTION, FIRST_REJECTED, collect_rollout
 from specdistill.onpolicy.weights import reach_weights
 from specdistill.spec import Eagle3Drafter, speculative_generate
 from tests.conftest import make_tiny_lm
@@ -120,14 +120,14 @@ def test_head_replay_rescores_from_cached_target_features(target):
                                 replay_weight=0.3, divergence="fkl", rollout_every=2)
         obj(_batch(), models)
         fresh = obj._fresh
-        missed = int((~fresh.accepted).sum())
+        missed = int((fresh.category == FIRST_REJECTED).sum())
         assert len(obj.buffer) == missed > 0
         items = list(obj.buffer.items.values())
         # one feature tensor per trajectory, shared by its items (not one copy per position)
         assert len({id(it.aux) for it in items}) <= len(fresh.rows) - sum(s != r for r, s in enumerate(fresh.source))
         # Same rollout, same head: a replayed position scores exactly as the fresh position it came from (its
         # context, slot, step and target features all recovered from the buffer alone).
-        missed_at = (~fresh.accepted).nonzero().flatten().tolist()
+        missed_at = (fresh.category == FIRST_REJECTED).nonzero().flatten().tolist()
         b1 = _batch()
         obj.num_tokens(b1, models)
         replayed0 = list(obj._prepared.values())[0][1].replay
