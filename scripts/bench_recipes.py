@@ -7,7 +7,7 @@ the real speculative evaluator (specdistill.eval) on MT-bench at gamma 4, temper
 
 Variants: kd, eagle3, draft_opd and its ablations (no_replay: objective.replay=false, no_weighting:
 objective.weighting=none, no_assist: objective.assist=false), optionally draft_opd_kd_mix (objective.kd_weight=1:
-on-policy plus KD on the data batch) and draft_opd_eagle3 (an EAGLE-3 head trained on-policy), `init` (the
+on-policy plus KD on the data batch) and draft_opd_eagle3 (an EAGLE-3 head trained on-policy, no replay), `init` (the
 untrained from_target draft every standalone variant starts from) and `init_eagle3` (the head eagle3 and
 draft_opd_eagle3 start from). A warm start for all of them: --override draft.path=... (and --opd-warm-start for a
 standalone draft when the EAGLE-3 variants run alongside). Variants can run in parallel processes with separate
