@@ -3,6 +3,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specdistill.models.target import Target
+
 from tests.conftest import single_thread
 
 one_thread = pytest.fixture(autouse=True, scope="module")(single_thread)
@@ -30,3 +32,23 @@ def ragged_prompts():
     ids = torch.randint(3, 48, (3, 7), generator=g)
     mask = (torch.arange(7) >= 7 - lengths[:, None]).long()
     return ids * mask, mask
+
+
+class CountingTarget(Target):
+    """A Target that counts the forwards of its model (replay must never run the target again)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.calls = 0
+        self._hook = model.register_forward_hook(lambda *a: setattr(self, "calls", self.calls + 1))
+
+    def detach_counter(self) -> None:
+        self._hook.remove()
+
+
+def perturb(module: torch.nn.Module, scale: float = 0.05) -> None:
+    """Move every trainable parameter a little (the draft changes between two calls)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.requires_grad:
+                p.add_(scale * torch.randn_like(p))

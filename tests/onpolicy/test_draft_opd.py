@@ -14,7 +14,7 @@ from specdistill.objectives.draft_opd import DraftOPDObjective
 from specdistill.onpolicy.rollout import FIRST_REJECTED
 from specdistill.onpolicy.weights import reach_weights
 from tests.conftest import compose, tiny_overrides
-from tests.onpolicy.conftest import tiny_lm
+from tests.onpolicy.conftest import CountingTarget, perturb, tiny_lm
 
 
 def _batch():
@@ -25,13 +25,6 @@ def _batch():
     lm = torch.zeros_like(ids)
     lm[0, 4:9], lm[1, 2:6], lm[2, 6:9] = 1, 1, 1   # prompts of 5, 3 and 7 tokens
     return {"input_ids": ids * am, "attention_mask": am, "loss_mask": lm}
-
-
-class CountingTarget(Target):
-    def __init__(self, model):
-        super().__init__(model)
-        self.calls = 0
-        model.register_forward_hook(lambda *a: setattr(self, "calls", self.calls + 1))
 
 
 def _models(seed_draft=1):
@@ -66,9 +59,7 @@ def test_replayed_positions_are_rescored_by_the_current_draft_from_cached_target
     assert len(obj.buffer) == missed > 0
     assert all(any(torch.equal(r[: len(it.context)], it.context) for r in obj._fresh.rows[:3])  # trajectory prefixes
                for it in obj.buffer.items.values())
-    with torch.no_grad():  # the draft changes between the two calls
-        for p in models.draft.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    perturb(models.draft)  # the draft changes between the two calls
     b2 = _batch()
     obj.num_tokens(b2, models)
     calls_before = models.target.calls

@@ -14,6 +14,7 @@ from specdistill.onpolicy.rollout import AFTER_REJECTION, FIRST_REJECTED, collec
 from specdistill.onpolicy.weights import reach_weights
 from specdistill.spec import Eagle3Drafter, speculative_generate
 from tests.conftest import make_tiny_lm
+from tests.onpolicy.conftest import CountingTarget, perturb
 
 V = 48
 
@@ -105,13 +106,6 @@ def _batch():
             for k, v in batch.items()}  # right-padded, as collate makes them
 
 
-class CountingTarget(Target):
-    def __init__(self, model):
-        super().__init__(model)
-        self.calls = 0
-        self._hook = model.register_forward_hook(lambda *a: setattr(self, "calls", self.calls + 1))
-
-
 def test_head_replay_rescores_from_cached_target_features(target):
     head = _head(target, 40, seed=2).train()
     models = Models(head, CountingTarget(target))
@@ -136,10 +130,7 @@ def test_head_replay_rescores_from_cached_target_features(target):
         assert obj.refreshes == 1 and len(same.loss) == P0 + len(replayed0) and replayed0
         for k, it in enumerate(replayed0):
             assert torch.allclose(same.loss[P0 + k], same.loss[missed_at[it.uid]], atol=1e-5)
-        with torch.no_grad():  # the head changes between the two calls
-            for p in head.parameters():
-                if p.requires_grad:
-                    p.add_(0.05 * torch.randn_like(p))
+        perturb(head)  # the head changes between the two calls
         b2 = _batch()
         obj.num_tokens(b2, models)
         calls = models.target.calls
@@ -165,4 +156,4 @@ def test_head_replay_rescores_from_cached_target_features(target):
                     alpha = eagle3_alpha(it.target.dense(), q, head.t2d, 1.0)
                     assert obj.buffer.items[it.uid].priority == pytest.approx(1 - float(alpha), abs=1e-5)
     finally:
-        models.target._hook.remove()
+        models.target.detach_counter()
