@@ -316,7 +316,7 @@ class DraftOPDObjective:
             s = self._fresh.stats
             self.target_tokens_total += s.target_tokens
             metrics.update({"rollout_accept_rate_sum": f(s.accepted), "rollout_accept_rate_count": f(s.drafted),
-                            "rollout_tau_sum": f(s.new_tokens), "rollout_tau_count": f(s.target_forwards),
+                            "rollout_tau_sum": f(s.emitted), "rollout_tau_count": f(s.target_forwards),
                             "rollout_alpha_sum": f(s.alpha), "rollout_alpha_count": f(s.drafted),
                             "rollout_target_tokens_sum": f(s.target_tokens), "rollout_target_tokens_count": f(1)})
         if self._fresh.row.device != device:  # a cached rollout restored from a checkpoint (loaded on CPU)

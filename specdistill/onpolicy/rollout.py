@@ -84,7 +84,9 @@ class RolloutStats:
 
     rows: int = 0
     new_tokens: int = 0          # tokens generated
-    target_forwards: int = 0     # row-rounds (assist) or simulated blocks (no assist): tau = new_tokens / this
+    target_forwards: int = 0     # row-rounds (assist) or simulated blocks (no assist)
+    emitted: int = 0             # tokens those rounds emit (accepted drafts + the correction or bonus): tau = emitted
+    #                              / target_forwards; = new_tokens with assist, what speculation would emit without
     drafted: int = 0             # drafted positions verified
     accepted: int = 0            # of them accepted by the verifier
     alpha: float = 0.0           # sum of sum_x min(p, q) over drafted positions (rollout temperature)
@@ -163,8 +165,8 @@ def positions_from_rounds(prompt_ids, prompt_mask, rollout, top_k: int, branches
     plen = prompt_mask.long().sum(1)                                         # (B,)
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("row", "ctx", "tok", "cat", "acc", "rid", "idx", "alpha")}
     targets: list[TargetLogits] = []
-    stats = RolloutStats(rows=B, new_tokens=int(rollout.num_new_tokens.sum()),
-                         target_forwards=int(rollout.target_forwards.sum()),
+    n_new = int(rollout.num_new_tokens.sum())
+    stats = RolloutStats(rows=B, new_tokens=n_new, emitted=n_new, target_forwards=int(rollout.target_forwards.sum()),
                          target_tokens=int((plen - 1).sum()))                # the prefill feeds prompt[:-1]
     rid = 0
     for rnd in rollout.rounds:
@@ -286,6 +288,7 @@ def _free_rollout(target_model, draft_model, prompt_ids, prompt_mask, *, gamma, 
             stats.target_forwards += 1
             stats.drafted += min(n + 1, K)
             stats.accepted += n
+            stats.emitted += n + 1
             stats.alpha += float(verdict.alpha[0, : n + 1].sum())
             rid += 1
     out = _assemble(trajs, parts, targets, stats)

@@ -29,7 +29,8 @@ def test_bookkeeping_agrees_with_the_evaluators_decisions(pair, ragged_prompts, 
         assert pos.rows[b].tolist() == ids[b][mask[b].bool()].tolist() + ref.tokens(b)
     s = pos.stats
     assert s.accepted == int(ref.position_accepted.sum()) == int(pos.accepted.sum())
-    assert s.new_tokens == int(ref.num_new_tokens.sum()) and s.target_forwards == int(ref.target_forwards.sum())
+    assert s.new_tokens == s.emitted == int(ref.num_new_tokens.sum())
+    assert s.target_forwards == int(ref.target_forwards.sum())
     # Per (round, row): ACCEPTED positions = the verifier's num_accepted, in index order, then one FIRST_REJECTED
     # (unless all were accepted), then AFTER_REJECTION.
     expected = [(int(rnd.num_accepted[b]), rnd.gamma) for rnd in ref.rounds for b in range(3)
@@ -105,6 +106,8 @@ def test_draft_only_rollout_is_the_drafts_own_decoding(pair, ragged_prompts):
         v = verify_greedy(pos.token[sel][None], logits)
         assert pos.accepted[sel].tolist() == v.accepted[0].tolist()
     assert pos.stats.target_tokens == sum(len(r) for r in pos.rows)
+    # tau of the simulated rounds: accepted drafts + 1 per block, not the draft's own tokens per block
+    assert pos.stats.emitted == int(pos.accepted.sum()) + pos.stats.target_forwards
 
 
 def test_prompts_from_batch_cuts_before_the_first_loss_token():
