@@ -384,9 +384,7 @@ def _positions_to(p: DraftedPositions, device) -> DraftedPositions:
     moved = {}
     for f in fields(p):
         v = getattr(p, f.name)
-        if isinstance(v, torch.Tensor):
-            moved[f.name] = v.to(device)
-        elif isinstance(v, TargetLogits):
+        if isinstance(v, (torch.Tensor, TargetLogits)):
             moved[f.name] = v.to(device)
         elif isinstance(v, list) and v and isinstance(v[0], torch.Tensor):
             moved[f.name] = [t.to(device) for t in v]
