@@ -63,7 +63,7 @@ def build_eagle3_draft(draft_cfg, target, data):
                              f"has {target.config.vocab_size}: warm-start only from a head trained for this target")
     else:
         vocab = frequent_token_vocab(data.train, target.config.vocab_size, draft_cfg.draft_vocab_size)
-        head = build_eagle3(target.model, vocab, target.aux_layer_ids)
+        head = build_eagle3(target.model, vocab, target.aux_layer_ids, draft_cfg.output_from_target)
         if draft_cfg.moe.eagle3_mlp:  # MoE targets: the MLP starts as a merge of hot experts (specdistill/moe)
             from specdistill.moe.draft import init_eagle3_from_config
             init_eagle3_from_config(head, draft_cfg, target.model, data)
@@ -98,11 +98,25 @@ def build(cfg: DictConfig, accelerator=None) -> Components:
     accelerator = accelerator or make_accelerator(cfg)
     torch.manual_seed(cfg.trainer.seed)
     log = accelerator.print
+    regen = cfg.data.regenerate.enabled
+    if regen and cfg.data.offline_dir:
+        raise ValueError("data.regenerate.enabled=true writes its own features while decoding: set "
+                         "data.offline_dir=null (or turn regeneration off to train from a dump_features.py folder)")
     with accelerator.main_process_first():  # rank 0 converts/caches the embedded target and the data first
         target = build_target(cfg)
         tokenizer = build_tokenizer(cfg)
-        data = build_data(OmegaConf.to_object(cfg.data) if isinstance(cfg.data, DictConfig) else cfg.data,
-                          tokenizer, log=log)
+        if regen:  # the target answers real prompts; its features are kept from the same forwards
+            from specdistill.pipeline.regenerate import build_regenerated_data
+
+            target.to(accelerator.device)
+            if cfg.draft.init == "eagle3" and not target.aux_layer_ids:
+                from specdistill.models.eagle3 import default_aux_layer_ids
+
+                target.set_aux_layer_ids(default_aux_layer_ids(target.config.num_hidden_layers))
+            data = build_regenerated_data(cfg, target, tokenizer, log=log)
+        else:
+            data = build_data(OmegaConf.to_object(cfg.data) if isinstance(cfg.data, DictConfig) else cfg.data,
+                              tokenizer, log=log)
     draft_cfg = OmegaConf.to_object(cfg.draft) if isinstance(cfg.draft, DictConfig) else cfg.draft
     if draft_cfg.init == "eagle3":
         draft = build_eagle3_draft(draft_cfg, target, data)

@@ -60,7 +60,30 @@ class DraftConfig:
     num_key_value_heads: Optional[int] = None
     dtype: str = "float32"  # trained weights are kept in fp32; bf16 autocast comes from trainer.mixed_precision
     draft_vocab_size: int = 32000  # eagle3: the Vd most frequent target tokens under the training loss mask
+    # eagle3: the head's final norm and lm_head start as the target's (its readout rows of the draft vocabulary)
+    # instead of random
+    output_from_target: bool = False
     moe: MoEDraftConfig = field(default_factory=MoEDraftConfig)
+
+
+@dataclass
+class RegenerateConfig:
+    """data.regenerate (specdistill/pipeline/regenerate.py): build the training set by letting the target answer real prompts (greedy by default)."""
+    enabled: bool = False
+    prompts: str = "embedded:sharegpt"  # first user turns of: embedded:sharegpt | a .json/.jsonl/.parquet file | hub id
+    max_prompts: int = 800  # prompts answered (from the start of the source; the evaluator's ShareGPT set is its end)
+    max_prompt_tokens: int = 256  # longer prompts are skipped (counted)
+    max_new_tokens: int = 192
+    temperature: float = 0.0  # 0 = greedy: what the target emits at T=0
+    batch_size: int = 16
+    seed: int = 0
+    store_dir: str = "~/.cache/specdistill/regenerated"
+
+    def __post_init__(self):
+        if self.max_prompts < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
+            raise ValueError("data.regenerate: max_prompts, max_new_tokens and batch_size must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("data.regenerate.temperature must be >= 0 (0 = greedy)")
 
 
 @dataclass
@@ -81,6 +104,9 @@ class DataConfig:
     # Offline target features (scripts/dump_features.py writes them here; training reads them instead of running the
     # target on the training batches). null = online: the target runs in the training process.
     offline_dir: Optional[str] = None
+    # Regenerate the answers with the target and train on them with the features captured while decoding
+    # (enabled: true replaces path/format/max_rows/max_length as the training source).
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
 
 @dataclass
@@ -106,6 +132,9 @@ class TrainerConfig:
     wandb_project: str = "specdistill"
     wandb_mode: str = "offline"  # offline | online | disabled
     eval_every: int = 50  # simulated-acceptance eval on held-out data every N steps (0 = only at the end)
+    # EAGLE-3 heads: serving exports written from the final checkpoint into <output_dir>/export/<format>
+    # (vllm | sglang | speculators; validated by specdistill.export). [] = none.
+    export_formats: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -141,7 +170,8 @@ class EvalConfig:
     device: str = "auto"  # scripts/evaluate.py: auto (cuda if available) | cpu | cuda | cuda:N
     threads: Optional[int] = None  # scripts/evaluate.py: torch CPU threads (null = torch's default; 1 on a busy box)
     output_dir: str = "outputs/eval_${eval.drafter}"  # scripts/evaluate.py writes results.json, results.md, plots here
-    spec_eval: bool = True  # run the real speculative evaluation at the end of each epoch during training
+    spec_eval: bool = True  # run the real speculative evaluation during training ...
+    spec_eval_at: str = "every_epoch"  # ... at every epoch end | "end": once, after the last step (a full benchmark)
 
 
 @dataclass

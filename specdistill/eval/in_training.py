@@ -22,8 +22,19 @@ def spec_eval_hook(c, epoch: int, step: int) -> dict:
     """Speculative eval of the current draft against the target; returns spec/* metrics (rank 0) and writes
     c.output_dir/eval/epoch-{epoch}/results.json. Returns {} at once when cfg.eval.spec_eval is false."""
     ecfg = c.cfg.eval
-    if not ecfg.spec_eval:
+    if not ecfg.spec_eval or ecfg.spec_eval_at == "end":
         return {}
+    return run_spec_eval(c, epoch, step)
+
+
+def final_spec_eval(c, epoch: int, step: int) -> dict:
+    """eval.spec_eval_at=end: the one speculative evaluation after the last step (train/run.py calls it)."""
+    if not c.cfg.eval.spec_eval or c.cfg.eval.spec_eval_at != "end":
+        return {}
+    return run_spec_eval(c, epoch, step, name="final")
+
+
+def run_spec_eval(c, epoch: int, step: int, name: str | None = None) -> dict:
     acc = c.accelerator
     if _sharded(acc):
         if "sharded" not in _warned:
@@ -33,12 +44,12 @@ def spec_eval_hook(c, epoch: int, step: int) -> dict:
         return {}
     metrics: dict = {}
     if acc.is_main_process:
-        metrics = _evaluate_on_this_rank(c, epoch, step)
+        metrics = _evaluate_on_this_rank(c, epoch, step, name or f"epoch-{epoch}")
     acc.wait_for_everyone()
     return metrics
 
 
-def _evaluate_on_this_rank(c, epoch: int, step: int) -> dict:
+def _evaluate_on_this_rank(c, epoch: int, step: int, name: str) -> dict:
     from specdistill.eval.evaluator import evaluate, for_training
     from specdistill.eval.prompts import load_prompts
     from specdistill.eval.report import write_report
@@ -57,14 +68,15 @@ def _evaluate_on_this_rank(c, epoch: int, step: int) -> dict:
                                context=max_positions(target), max_prompt_tokens=cfg.max_prompt_tokens,
                                split=cfg.prompts_split, heldout=getattr(c.data, "heldout_messages", None))
         spec = draft if cfg.drafter == "draft" else cfg.drafter
-        result = evaluate(target, tokenizer, spec, prompts, cfg, progress=False, log=acc.print)
+        result = evaluate(target, tokenizer, spec, prompts, cfg, progress=name == "final", log=acc.print)
     finally:
         draft.train(was_training)
-    write_report(result, c.output_dir / "eval" / f"epoch-{epoch}", plots=False, extra={"epoch": epoch, "step": step})
+    final = name == "final"
+    write_report(result, c.output_dir / "eval" / name, plots=final, extra={"epoch": epoch, "step": step})
     metrics = result.flat("spec/")
     metrics["spec/epoch"] = float(epoch)
     mm = "-" if result.greedy_mismatches is None else result.greedy_mismatches
-    acc.print(f"[spec-eval] epoch {epoch} step {step}: tau {result.mean_accept_len:.3f}, speedup {result.speedup:.3f}x "
+    acc.print(f"[spec-eval] {name} step {step}: tau {result.mean_accept_len:.3f}, speedup {result.speedup:.3f}x "
               f"({result.tokens_per_s:.1f} vs {result.target_only_tokens_per_s:.1f} tok/s), "
               f"a_k {[round(a, 3) for a in result.accept_rate_per_pos]}, greedy mismatches {mm}")
     return metrics

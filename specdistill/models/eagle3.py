@@ -326,8 +326,11 @@ def is_eagle3(model) -> bool:
     return isinstance(model, Eagle3Head)
 
 
-def build_eagle3(target_model, draft_vocab: torch.Tensor, aux_layer_ids: Optional[list[int]]) -> Eagle3Head:
-    """A fresh head for this target: embeddings copied (frozen), vocab mapping set, fc/midlayer/head random."""
+def build_eagle3(target_model, draft_vocab: torch.Tensor, aux_layer_ids: Optional[list[int]],
+                 output_from_target: bool = False) -> Eagle3Head:
+    """A fresh head for this target: embeddings copied (frozen), vocab mapping set, fc/midlayer random.
+    output_from_target: the head's final norm and lm_head start as the target's (its lm_head rows of the draft
+    vocabulary), so the head's output space starts as the target's own readout (the logit lens) instead of random."""
     L = target_model.config.num_hidden_layers
     aux = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(L)
     bad = [k for k in aux if not 0 <= k < L]  # not L: vLLM's stream L is pre-final-norm, HF's hidden_states[L] is not
@@ -338,6 +341,11 @@ def build_eagle3(target_model, draft_vocab: torch.Tensor, aux_layer_ids: Optiona
     head = Eagle3Head(cfg)
     with torch.no_grad():
         head.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
+        if output_from_target:
+            head.lm_head.weight.copy_(target_model.get_output_embeddings().weight[draft_vocab.long()])
+            final_norm = getattr(getattr(target_model, "model", target_model), "norm", None)
+            if final_norm is not None and getattr(final_norm, "weight", None) is not None:
+                head.norm.weight.copy_(final_norm.weight)
     head.set_vocab(draft_vocab)
     return head
 

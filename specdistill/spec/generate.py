@@ -117,6 +117,11 @@ class Rollout:
     position_alpha: torch.Tensor     # (max_gamma,) sum of alpha at position k
     prefill_seconds: float           # target prefill + drafter start (warm-up: report apart)
     round_seconds: list[float]       # wall time of each round (host-synchronized, CUDA included)
+    # target_generate(capture_layers=...) only: the target's hidden states of every fed column, the chosen layers
+    # concatenated: columns 0..P-2 are the left-padded prompt but its last token, column P-1+i the token fed at decode
+    # step i (the prompt's last token, then generated token i-1). So column c holds the features of token c of
+    # [left-padded prompt, generated tokens]; the last generated token is never fed and has no column.
+    hidden: torch.Tensor | None = None  # (B, P-1+steps, sum of captured widths)
 
     @property
     def decode_seconds(self) -> float:
@@ -327,8 +332,13 @@ def target_generate(
     top_p: float = 1.0,
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,
+    capture_layers: list[int] | None = None,
 ) -> Rollout:
-    """Target-only decoding on the same cache machinery: the denominator of every speedup. One forward per token."""
+    """Target-only decoding on the same cache machinery: the denominator of every speedup. One forward per token.
+
+    capture_layers: HF hidden_states ids (0 = embeddings, L = after the final norm) to return in Rollout.hidden, for
+    regeneration that writes EAGLE-3 training features as it decodes (data/regenerated.py): the decode computes them
+    anyway, so the target runs once per training token."""
     sampler = Sampler(temperature, top_p, generator)
     device = device_of(target_model)
     input_ids, attention_mask = _check_inputs(target_model, input_ids, attention_mask, max_new_tokens, device)
@@ -339,14 +349,23 @@ def target_generate(
     round_seconds: list[float] = []
     one = torch.ones(B, dtype=torch.long, device=device)
 
+    hidden = {"output_hidden_states": True} if capture_layers else {}
+    captured: list[torch.Tensor] = []
+
+    def keep(o) -> None:
+        if capture_layers and o is not None:
+            captured.append(torch.cat([o.hidden_states[k] for k in capture_layers], dim=-1))  # (B, C, D)
+
     t0 = _clock(device)
     target = BatchKV(target_model)
-    target.prefill(input_ids[:, :-1], attention_mask[:, :-1])
+    keep(target.prefill(input_ids[:, :-1], attention_mask[:, :-1], **hidden))
     pending = input_ids[:, -1]                                              # (B,)
     active = torch.ones(B, dtype=torch.bool, device=device)
     t_prev = t_start = _clock(device)
     while True:
-        logits = target.step(pending[:, None]).logits[:, -1]               # (B, V)
+        o = target.step(pending[:, None], **hidden)
+        keep(o)
+        logits = o.logits[:, -1]                                            # (B, V)
         token, _ = sampler.draw(logits)                                     # (B,)
         count, done = _emit_counts(token[:, None], one, out.length, max_new_tokens, eos, active)
         out.append(token[:, None], count)
@@ -364,4 +383,5 @@ def target_generate(
             break
 
     return Rollout(sequences=out.tokens[:, :max_new_tokens], num_new_tokens=out.length, rounds=[],
-                   prefill_seconds=t_start - t0, round_seconds=round_seconds, **stats)
+                   prefill_seconds=t_start - t0, round_seconds=round_seconds,
+                   hidden=torch.cat(captured, dim=1) if captured else None, **stats)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from specdistill.build import build
-from specdistill.eval.in_training import spec_eval_hook
+from specdistill.eval.in_training import final_spec_eval, spec_eval_hook
 from specdistill.hub.push import HubPusher, check_hub_config
 from specdistill.train.distributed import check_replicas, make_launch_accelerator
 from specdistill.train.loop import FitResult, fit
@@ -13,15 +13,47 @@ from specdistill.train.loop import FitResult, fit
 
 def run(cfg: DictConfig) -> FitResult:
     check_hub_config(cfg.hub)  # before any model is loaded
+    check_export_config(cfg)
     acc = make_launch_accelerator(cfg)
     c = build(cfg, accelerator=acc)
     pusher = HubPusher(cfg, c.output_dir, is_main=acc.is_main_process, log=acc.print)
     result = fit(c, epoch_end_hooks=(spec_eval_hook,), checkpoint_hooks=(pusher,) if cfg.hub.push else ())
     pusher.finish(wait=result.preempted is None)
     check_replicas(acc, c.models.draft)
+    if result.preempted is None and result.final_checkpoint is not None:
+        final_spec_eval(c, epoch=-1, step=result.step)  # eval.spec_eval_at=end: the full benchmark, once
+        if acc.is_main_process:
+            export_final(cfg, result.final_checkpoint, c.output_dir, log=acc.print)
     if result.preempted:
         acc.print(f"[train] stopped by {result.preempted} at step {result.step}; resumable checkpoint: "
                   f"{result.final_checkpoint}")
     else:
         acc.print(f"[train] done at step {result.step}; checkpoint: {result.final_checkpoint}")
     return result
+
+
+def export_final(cfg: DictConfig, checkpoint, output_dir, log=print) -> list:
+    """trainer.export_formats: serving exports of the final checkpoint's head, validated, in <output_dir>/export/."""
+    from specdistill.export import export_eagle3
+
+    written = []
+    for fmt in cfg.trainer.export_formats or []:
+        res = export_eagle3(checkpoint / "draft", output_dir / "export" / fmt, fmt=fmt, target_path=str(cfg.target.path),
+                            overwrite=True)
+        log(f"[export] {fmt}: {res.out_dir}")
+        written.append(res.out_dir)
+    return written
+
+
+def check_export_config(cfg: DictConfig) -> None:
+    from specdistill.export import FORMATS
+
+    formats = list(cfg.trainer.export_formats or [])
+    bad = [f for f in formats if f not in FORMATS]
+    if bad:
+        raise ValueError(f"trainer.export_formats {bad}: choose from {list(FORMATS)}")
+    if formats and cfg.draft.init != "eagle3":
+        raise ValueError(f"trainer.export_formats={formats} exports EAGLE-3 heads; draft.init={cfg.draft.init!r} is a "
+                         "standalone LM (serve its checkpoint folder as is): set trainer.export_formats=[]")
+    if cfg.eval.spec_eval_at not in ("every_epoch", "end"):
+        raise ValueError(f"eval.spec_eval_at={cfg.eval.spec_eval_at!r}: choose every_epoch or end")

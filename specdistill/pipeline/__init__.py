@@ -1,0 +1,1 @@
+"""Multi-stage jobs built from the packages below: regenerate -> train -> evaluate -> export."""

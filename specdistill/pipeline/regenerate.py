@@ -1,0 +1,136 @@
+"""Pipeline stage: regenerate the training answers with the target and keep its features (data/regenerated.py).
+
+It decodes with the shared engine (spec.target_generate) and writes the store that data/regenerated.py reads; it
+sits above both, so the data package never imports decoding.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from specdistill.config import RegenerateConfig
+from specdistill.data.regenerated import RegeneratedStore, _write_part, split_rows, store_key
+
+
+def load_prompt_rows(cfg: RegenerateConfig, tokenizer) -> tuple[list[list[int]], dict]:
+    """Token ids of the first `max_prompts` usable first user turns, and what was skipped and why."""
+    from specdistill.data.chat import prompt_ids
+    from specdistill.data.conversations import load_rows
+    from specdistill.eval.prompts import PromptError, first_turn
+
+    rows = load_rows(cfg.prompts, max_rows=None if cfg.prompts.startswith("embedded:") else 4 * cfg.max_prompts)
+    ids, skipped, seen = [], {"no usable user turn": 0, "too long": 0, "duplicate": 0}, set()
+    for i, row in enumerate(rows):
+        if len(ids) >= cfg.max_prompts:
+            break
+        try:
+            msgs = first_turn(row, i)
+        except PromptError:
+            skipped["no usable user turn"] += 1
+            continue
+        p = prompt_ids(tokenizer, msgs)
+        if len(p) > cfg.max_prompt_tokens:
+            skipped["too long"] += 1
+            continue
+        if tuple(p) in seen:
+            skipped["duplicate"] += 1
+            continue
+        seen.add(tuple(p))
+        ids.append(p)
+    if not ids:
+        raise ValueError(f"data.regenerate.prompts={cfg.prompts!r} gave no usable prompt (skipped: {skipped}); raise "
+                         "data.regenerate.max_prompt_tokens or use another source")
+    return ids, skipped
+
+
+def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path: str, aux_layer_ids: list[int],
+                     log: Callable[[str], None] = print, progress: bool = True) -> Path:
+    """Make (or reuse, or finish) the store for these settings; returns its folder."""
+    from tqdm.auto import tqdm
+
+    from specdistill.spec import target_generate
+
+    L = target_model.config.num_hidden_layers
+    layers = list(aux_layer_ids) + [L]  # hidden_states[L]: after the final norm, what lm_head reads
+    root = Path(cfg.store_dir).expanduser() / store_key(cfg, target_path, layers, tokenizer)
+    if (root / "complete.json").exists():
+        log(f"[regenerate] reusing {root} ({json.loads((root / 'complete.json').read_text())['report']})")
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    prompts, skipped = load_prompt_rows(cfg, tokenizer)
+    batches = [prompts[s: s + cfg.batch_size] for s in range(0, len(prompts), cfg.batch_size)]
+    done = sum((root / f"part-{i:05d}.safetensors").exists() for i in range(len(batches)))
+    log(f"[regenerate] {len(prompts)} prompts ({skipped} skipped) x <= {cfg.max_new_tokens} new tokens at "
+        f"T={cfg.temperature}, batch {cfg.batch_size}, features of layers {layers} -> {root}"
+        + (f"; resuming: {done} of {len(batches)} parts exist" if done else ""))
+    device = next(target_model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    A = len(aux_layer_ids) * target_model.config.hidden_size
+    t0, new_tokens = time.perf_counter(), 0
+    bar = tqdm(total=len(batches), desc="regenerate", unit="batch", disable=not progress, dynamic_ncols=True)
+    for i, chunk in enumerate(batches):
+        part = root / f"part-{i:05d}.safetensors"
+        if part.exists():
+            bar.update(1)
+            continue
+        gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + i) if cfg.temperature > 0 else None
+        P = max(len(p) for p in chunk)
+        input_ids = torch.full((len(chunk), P), pad, dtype=torch.long)
+        mask = torch.zeros_like(input_ids)
+        for b, p in enumerate(chunk):  # left padding
+            input_ids[b, P - len(p):] = torch.tensor(p)
+            mask[b, P - len(p):] = 1
+        roll = target_generate(target_model, input_ids.to(device), mask.to(device), max_new_tokens=cfg.max_new_tokens,
+                               temperature=cfg.temperature, eos_token_id=tokenizer.eos_token_id, generator=gen,
+                               capture_layers=layers)
+        _write_part(part, split_rows(chunk, roll.sequences.cpu(), roll.num_new_tokens.cpu(), roll.hidden.float().cpu(), A))
+        new_tokens += int(roll.num_new_tokens.sum())
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+    bar.close()
+    store = RegeneratedStore(root)
+    report = {"prompts": len(prompts), "skipped": skipped, "rows": len(store), "answer_tokens": store.answer_tokens,
+              "tokens": store.total_tokens, "parts": len(batches),
+              "bytes": sum(f.stat().st_size for f in root.glob("part-*.safetensors"))}
+    tmp = root / "complete.json.tmp"
+    tmp.write_text(json.dumps({"settings": asdict(cfg), "layers": layers, "target": str(target_path),
+                               "report": report}, indent=1))
+    os.replace(tmp, root / "complete.json")
+    log(f"[regenerate] done: {report}")
+    return root
+
+
+def build_regenerated_data(cfg, target, tokenizer, log=print):
+    """data.regenerate.enabled: the TokenizedData of a (cached) regenerated store. `cfg` is the whole run config;
+    `target` the models.target.Target, whose aux_layer_ids are the head's. The last data.heldout_size rows are held
+    out (plain ids, no features: the held-out proxy runs the target itself)."""
+    import datasets
+
+    from specdistill.data.dataset import TokenizedData
+    from specdistill.models.eagle3 import default_aux_layer_ids
+
+    rcfg = cfg.data.regenerate
+    if not isinstance(rcfg, RegenerateConfig):
+        from omegaconf import OmegaConf
+
+        rcfg = RegenerateConfig(**OmegaConf.to_container(rcfg, resolve=True))
+    L = target.config.num_hidden_layers
+    aux = list(target.aux_layer_ids or default_aux_layer_ids(L))
+    root = regenerate_store(rcfg, target.model, tokenizer, str(cfg.target.path), aux, log=log)
+    store = RegeneratedStore(root)
+    n_held = min(cfg.data.heldout_size, max(1, len(store) // 10)) if cfg.data.heldout_size > 0 else 0
+    train = store.subset(list(range(len(store) - n_held)))
+    held_rows = [store[i] for i in range(len(store) - n_held, len(store))]
+    held = datasets.Dataset.from_dict({"input_ids": [r["input_ids"] for r in held_rows],
+                                       "loss_mask": [r["loss_mask"] for r in held_rows]})
+    held_msgs: list = []  # the held-out rows are ids; eval.prompts=heldout has no messages here
+    report = json.loads((root / "complete.json").read_text())["report"]
+    report.update({"source": f"regenerated:{root}", "train_examples": len(train), "heldout_examples": len(held),
+                   "train_loss_tokens": train.answer_tokens, "train_tokens": train.total_tokens})
+    return TokenizedData(train, held, held_msgs, report, root.name)
