@@ -132,6 +132,9 @@ class TrainerConfig:
     wandb_project: str = "specdistill"
     wandb_mode: str = "offline"  # offline | online | disabled
     eval_every: int = 50  # simulated-acceptance eval on held-out data every N steps (0 = only at the end)
+    # Log FLOPs per loss token (counted on the first step), achieved GFLOPS and their fraction of a measured matmul
+    # peak (train/roofline_fraction); costs a ~0.3 s microbenchmark at start.
+    measure_roofline: bool = True
     # EAGLE-3 heads: serving exports written from the final checkpoint into <output_dir>/export/<format>
     # (vllm | sglang | speculators; validated by specdistill.export). [] = none.
     export_formats: list[str] = field(default_factory=list)

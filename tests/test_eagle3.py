@@ -138,3 +138,44 @@ def test_head_rope_matches_the_targets_rotary_embedding(rope):
         Eagle3Head(Eagle3Config.from_target(LlamaConfig(
             hidden_size=64, intermediate_size=96, num_attention_heads=4, vocab_size=50,
             rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), 20, [0, 1, 1]))
+
+
+def _reference_eagle3_loss(head, target_logits, aux, ids, am, lm, steps, decay):
+    """The objective as first written: full target logits at every position, every slot read out, restricted per step."""
+    from specdistill.objectives.eagle3 import shift_left
+
+    out = []
+    for j, q_logits in enumerate(head(aux, ids, am, steps=steps)):
+        mask = shift_left(lm, 1 + j, fill=False)
+        p, in_vocab = draft_vocab_targets(shift_left(target_logits, 1 + j)[mask], head.t2d)
+        ce = -(p * torch.log_softmax(q_logits[mask].float(), -1)).sum(-1) * in_vocab
+        out.append(ce * decay ** j)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("source", ["online", "features", "features+argmax"])
+def test_objective_equals_the_full_logit_reference_on_every_target_path(target, source):
+    """Restricted logits from stored features, the stored argmax, and reading out only scored slots change no loss."""
+    head = _head(target, vd=60)
+    wrapped = Target(target, default_aux_layer_ids(4))
+    head.config.aux_layer_ids = list(wrapped.aux_layer_ids)
+    g = torch.Generator().manual_seed(3)
+    B, T = 3, 12
+    ids = torch.randint(0, V, (B, T), generator=g)
+    am = torch.ones(B, T, dtype=torch.long)
+    am[2, 9:] = 0
+    lm = torch.zeros(B, T, dtype=torch.long)
+    lm[:, 4:10] = 1
+    lm = lm * am
+    with torch.no_grad():
+        o = target(input_ids=ids, attention_mask=am, output_hidden_states=True)
+    aux = torch.cat([o.hidden_states[k] for k in wrapped.aux_layer_ids], -1)
+    batch = {"input_ids": ids, "attention_mask": am, "loss_mask": lm}
+    if source != "online":
+        batch.update(aux_hidden=aux, final_hidden=o.hidden_states[-1])
+    if source == "features+argmax":
+        batch["target_argmax"] = o.logits.argmax(-1)
+    obj = Eagle3Objective(steps=3, decay=0.8)
+    got = obj(batch, Models(head, wrapped))
+    ref = _reference_eagle3_loss(head, o.logits, aux, ids, am, lm.bool(), 3, 0.8)
+    torch.testing.assert_close(got.loss * got.weight, ref, atol=1e-4, rtol=1e-4)

@@ -72,15 +72,16 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     attention_mask = torch.zeros((B, T), dtype=torch.long)
     loss_mask = torch.zeros((B, T), dtype=torch.long)
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
-    for key in ("aux_hidden", "final_hidden"):  # offline target features (data/features.py): (T, D) per row
+    # offline target features (data/features.py, data/regenerated.py): (T, D) per row; target_argmax (T,)
+    for key in ("aux_hidden", "final_hidden", "target_argmax"):
         if key in rows[0]:
-            batch[key] = torch.zeros((B, T, rows[0][key].shape[-1]), dtype=rows[0][key].dtype)
+            batch[key] = torch.zeros((B, T) + tuple(rows[0][key].shape[1:]), dtype=rows[0][key].dtype)
     for b, r in enumerate(rows):
         n = len(r["input_ids"])
         input_ids[b, :n] = torch.tensor(r["input_ids"])
         attention_mask[b, :n] = 1
         loss_mask[b, :n] = torch.tensor(r["loss_mask"])
-        for key in ("aux_hidden", "final_hidden"):
+        for key in ("aux_hidden", "final_hidden", "target_argmax"):
             if key in batch:
                 batch[key][b, :n] = r[key]
     return batch

@@ -7,11 +7,15 @@ and the final normed hidden state), captured from the very forwards that decode 
 generate and once more per epoch. Rows are stored as generated token ids (no decode / re-tokenize round trip), so
 ids and features are aligned by construction.
 
-Layout of a store (one folder per setting; the folder name is a hash of everything the content depends on):
-  part-NNNNN.safetensors  one decode batch: ids (N,) int64, aux (N, A) bf16, final (N, H) bf16, lengths (n,),
-                          prompt_lengths (n,); written to a temp name and renamed, so a part is whole or absent
-  complete.json           the settings and the report, written last: its presence means the store is reusable
-An interrupted run resumes at the first missing part; a changed setting hashes to another folder.
+Layout of a store (one folder per setting; the folder name is a hash of everything the content depends on, except
+how many prompts are answered):
+  settings.json           what the content depends on (and whether answers are greedy), written at creation
+  part-NNNNN.safetensors  decode batch N = prompts [N*batch_size, (N+1)*batch_size) of the filtered source: ids (N,)
+                          int64, aux (N, A) bf16, final (N, H) bf16, lengths (n,), prompt_lengths (n,); written to a
+                          temp name and renamed, so a part is whole or absent
+A part's content depends only on the settings and its index, so a run asking for more prompts reuses every part an
+earlier run wrote and decodes only the rest; an interrupted run resumes at the first missing part; a changed setting
+hashes to another folder.
 """
 from __future__ import annotations
 
@@ -28,9 +32,23 @@ FEATURE_DTYPE = torch.bfloat16
 FORMAT_VERSION = 1
 
 
+def store_settings(cfg) -> dict:
+    """The settings a part's content depends on (not how many parts a run reads, not where the store lives)."""
+    return {k: v for k, v in asdict(cfg).items() if k not in ("enabled", "store_dir", "max_prompts")}
+
+
+def num_parts(cfg) -> int:
+    """Parts a run with cfg reads: max_prompts rounded up to whole decode batches."""
+    return -(-cfg.max_prompts // cfg.batch_size)
+
+
+def part_path(root: Path, i: int) -> Path:
+    return Path(root) / f"part-{i:05d}.safetensors"
+
+
 def store_key(cfg, target_path: str, capture_layers: list[int], tokenizer) -> str:
     """What the store's content depends on; the cache folder is named after it (a changed setting misses)."""
-    settings = {k: v for k, v in asdict(cfg).items() if k not in ("enabled", "store_dir")}
+    settings = store_settings(cfg)
     key = {"target": str(target_path), "layers": list(capture_layers), "settings": settings,
            "template": getattr(tokenizer, "chat_template", None), "vocab": len(tokenizer), "v": FORMAT_VERSION}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -79,12 +97,16 @@ class RegeneratedStore:
     """Read side: store[i] -> {input_ids, loss_mask, aux_hidden (T, A), final_hidden (T, H)}; store["input_ids"]
     and store["loss_mask"] give whole columns (what frequent_token_vocab reads). Parts are memory-mapped."""
 
-    def __init__(self, root, rows: Optional[list[int]] = None):
+    def __init__(self, root, parts: int, rows: Optional[list[int]] = None):
         from safetensors import safe_open
 
         self.root = Path(root)
         self._parts, index = [], []
-        for k, f in enumerate(sorted(self.root.glob("part-*.safetensors"))):
+        missing = [i for i in range(parts) if not part_path(self.root, i).exists()]
+        if missing:
+            raise FileNotFoundError(f"regenerated store {self.root} lacks parts {missing[:5]} of {parts}: run the "
+                                    "regeneration again with the same settings (it resumes where it stopped)")
+        for k, f in enumerate(part_path(self.root, i) for i in range(parts)):
             h = safe_open(str(f), framework="pt")
             self._parts.append(h)
             lengths, plens = h.get_tensor("lengths").tolist(), h.get_tensor("prompt_lengths").tolist()
@@ -93,10 +115,19 @@ class RegeneratedStore:
                 index.append((k, start, n, p))
                 start += n
         self._index = index if rows is None else [index[i] for i in rows]
+        settings = json.loads((self.root / "settings.json").read_text())
+        # Greedy answers: the target's argmax at an answer position is the token it emitted there, exactly (the
+        # features are from the very forward that chose it), so rows carry it and training never rebuilds full logits.
+        self.greedy = settings["settings"]["temperature"] == 0
+
+    def report(self) -> dict:
+        return {"rows": len(self), "answer_tokens": self.answer_tokens, "tokens": self.total_tokens,
+                "parts": len(self._parts), "bytes": sum(part_path(self.root, i).stat().st_size
+                                                        for i in range(len(self._parts)))}
 
     def subset(self, rows: list[int]) -> "RegeneratedStore":
         out = RegeneratedStore.__new__(RegeneratedStore)
-        out.root, out._parts, out._index = self.root, self._parts, [self._index[i] for i in rows]
+        out.root, out._parts, out._index, out.greedy = self.root, self._parts, [self._index[i] for i in rows], self.greedy
         return out
 
     def __len__(self) -> int:
@@ -123,8 +154,12 @@ class RegeneratedStore:
             raise KeyError(i)
         k, s, n, p = self._index[i]
         h = self._parts[k]
-        return {"input_ids": h.get_slice("ids")[s: s + n].tolist(), "loss_mask": loss_mask_for(n, p),
-                "aux_hidden": h.get_slice("aux")[s: s + n], "final_hidden": h.get_slice("final")[s: s + n]}
+        ids = h.get_slice("ids")[s: s + n]  # (T,)
+        row = {"input_ids": ids.tolist(), "loss_mask": loss_mask_for(n, p),
+               "aux_hidden": h.get_slice("aux")[s: s + n], "final_hidden": h.get_slice("final")[s: s + n]}
+        if self.greedy:
+            row["target_argmax"] = torch.cat([ids[1:], ids[-1:]])  # (T,) argmax at t = token t+1 (answer positions)
+        return row
 
     column_names = ("input_ids", "loss_mask")
 

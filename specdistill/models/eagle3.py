@@ -191,7 +191,7 @@ class Eagle3Layer(nn.Module):
 @dataclass
 class Eagle3StepOutput:
     hidden: torch.Tensor  # (B, n, H) pre-norm output: the next step's input feature
-    logits: torch.Tensor  # (B, n, Vd) over the draft vocabulary
+    logits: torch.Tensor  # (B, n, Vd) over the draft vocabulary ((B, 1, Vd) with step(readout_slot=...))
     keys: torch.Tensor  # (B, nh, S + n, hd) the cache after this step
     values: torch.Tensor
 
@@ -237,10 +237,17 @@ class Eagle3Head(nn.Module):
         return h, k, v
 
     # ------------------------------------------------------------------ training: training-time test unroll
+    def readout(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of pre-norm features: h (..., H) -> (..., Vd)."""
+        return self.lm_head(self.norm(h))
+
     def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                steps: int = 1) -> list[torch.Tensor]:
+                steps: int = 1, readout_at: Optional[list[torch.Tensor]] = None) -> list[torch.Tensor]:
         """TTT unroll. aux_hidden (B, T, 3Ht), input_ids/attention_mask (B, T), right-padded.
         Returns per-step logits [(B, T, Vd)] * steps; step j at slot t reads token t+1+j and predicts token t+2+j.
+        readout_at: per step a (B, T) bool mask of the slots that are scored; then step j returns only their logits
+        (N_j, Vd). The lm_head is about half of a step's FLOPs and prompt slots score nothing. (Inside forward, so
+        DDP / FSDP wrappers see every parameter used.)
 
         Attention at step j: slot t sees step-0 keys at slots <= t plus the keys of steps 1..j at slot t only
         (one diagonal per step), which is what the head sees at inference after drafting j tokens past t.
@@ -267,16 +274,18 @@ class Eagle3Head(nn.Module):
         for j in range(steps):
             tokens = torch.roll(input_ids, -(1 + j), dims=1)  # token t+1+j at slot t (wrapped slots are masked out)
             g, _, _ = self._layer(tokens, g, position_ids + j, attend)
-            logits.append(self.lm_head(self.norm(g)))
+            logits.append(self.readout(g if readout_at is None else g[readout_at[j]]))
         return logits
 
     # ------------------------------------------------------------------ inference: one call per draft step
     def step(self, token_ids: torch.Tensor, g: torch.Tensor, position_ids: torch.Tensor,
              past: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-             key_mask: Optional[torch.Tensor] = None) -> Eagle3StepOutput:
+             key_mask: Optional[torch.Tensor] = None, readout_slot: Optional[torch.Tensor] = None) -> Eagle3StepOutput:
         """Append n slots to a cache. token_ids (B, n), g (B, n, H) (fc-fused target features or the head's own
         previous output), position_ids (B, n); past keys/values (B, nh, S, hd); key_mask (B, S + n) bool marks
-        usable cache slots. New slots attend causally among themselves and to every usable past slot."""
+        usable cache slots. New slots attend causally among themselves and to every usable past slot.
+        readout_slot (B,): logits only at that slot of each row, (B, 1, Vd) (a drafter needs one slot per row; the
+        lm_head over every slot of a prompt-long block is most of a drafting round's work). Default: every slot."""
         scale = 1.0 / math.sqrt(self.config.head_dim)
         store = {}
 
@@ -295,7 +304,8 @@ class Eagle3Head(nn.Module):
             return s.float().softmax(-1).to(q.dtype) @ Vv
 
         h, _, _ = self._layer(token_ids, g, position_ids, attend)
-        return Eagle3StepOutput(h, self.lm_head(self.norm(h)), store["k"], store["v"])
+        read = h if readout_slot is None else h[torch.arange(h.shape[0], device=h.device), readout_slot][:, None]
+        return Eagle3StepOutput(h, self.readout(read), store["k"], store["v"])
 
     # ------------------------------------------------------------------ HF-style persistence (midlayer format)
     def save_pretrained(self, path, state_dict: Optional[dict] = None, safe_serialization: bool = True, **_) -> None:

@@ -60,6 +60,13 @@ class TargetOutput:
     aux_hidden: Optional[torch.Tensor] = None  # (B, T, n_aux * H): concatenated aux layers, ascending ids
 
 
+@dataclass
+class DraftVocabTarget:
+    logits: torch.Tensor  # (N, Vd) target logits over the draft vocabulary at the selected positions
+    in_vocab: torch.Tensor  # (N,) bool: the target's full-vocabulary argmax is in the draft vocabulary
+    aux_hidden: Optional[torch.Tensor] = None  # (B, T, n_aux * H) at every position
+
+
 class Target(torch.nn.Module):
     """A frozen causal LM in eval mode. `aux_layer_ids` follow vLLM: k = residual stream after k decoder layers
     = HF output_hidden_states[k] (0 is the embeddings)."""
@@ -94,6 +101,32 @@ class Target(torch.nn.Module):
         head = self.model.get_output_embeddings()
         aux = aux_hidden.to(head.weight.dtype) if aux_hidden is not None else None  # stored as bf16
         return TargetOutput(logits=head(h.to(head.weight.dtype)), aux_hidden=aux)
+
+    @torch.no_grad()
+    def draft_vocab_outputs(self, batch: dict, positions: torch.Tensor, t2d: torch.Tensor) -> "DraftVocabTarget":
+        """The target's distribution at `positions` (B, T) bool, restricted to the draft vocabulary t2d (V,) bool,
+        plus whether its argmax is in that vocabulary, and the aux hidden states (B, T, A) at every position.
+
+        From stored features this rebuilds only the Vd kept rows of the output layer (V/Vd times fewer FLOPs than
+        full logits); the argmax comes from the stored `target_argmax` when the batch has it (regenerated greedy
+        data: the target's argmax is the token it emitted), else from full logits at `positions` only."""
+        if "final_hidden" in batch:
+            head = self.model.get_output_embeddings()
+            h = batch["final_hidden"][positions].to(head.weight.dtype)  # (N, Ht)
+            logits = h @ head.weight[t2d].T  # (N, Vd)
+            if getattr(head, "bias", None) is not None:
+                logits = logits + head.bias[t2d]
+            if "target_argmax" in batch:
+                argmax = batch["target_argmax"][positions]  # (N,)
+            else:
+                argmax = head(h).argmax(-1)
+            aux = batch.get("aux_hidden")
+            aux = aux.to(head.weight.dtype) if aux is not None else None
+        else:
+            out = self(batch["input_ids"], batch["attention_mask"])
+            full = out.logits[positions]  # (N, V)
+            logits, argmax, aux = full[:, t2d], full.argmax(-1), out.aux_hidden
+        return DraftVocabTarget(logits=logits, in_vocab=t2d[argmax], aux_hidden=aux)
 
     def outputs(self, batch: dict, logits_to_keep=0) -> TargetOutput:
         """The target's output for a training batch: from stored features when the batch carries them, else a

@@ -41,20 +41,25 @@ class Eagle3Objective:
 
     def __call__(self, batch: dict, models: Models) -> StepOutput:
         ids, am, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"].bool()
-        tgt = models.target.outputs(batch)  # one forward (or stored features): logits (B,T,V), aux (B,T,3Ht)
-        if tgt.aux_hidden is None:
-            raise ValueError("the eagle3 objective needs the target's aux hidden states: build it with draft=eagle3")
         head = models.draft
         t2d = _unwrap(head).t2d
-        step_logits = head(tgt.aux_hidden, ids, am, steps=self.steps)  # k x (B, T, Vd)
+        # The target's distribution over the draft vocabulary at every loss position, computed once for all steps
+        # (from stored features: only the Vd kept rows of its output layer).
+        tgt = models.target.draft_vocab_outputs(batch, lm, t2d)  # logits (N, Vd), in_vocab (N,), aux (B, T, 3Ht)
+        if tgt.aux_hidden is None:
+            raise ValueError("the eagle3 objective needs the target's aux hidden states: build it with draft=eagle3")
+        p_all = tgt.logits.float().softmax(-1)  # (N, Vd): p restricted to the draft vocabulary, renormalised
+        row = torch.full(lm.shape, -1, dtype=torch.long, device=lm.device)  # (B, T): row of p_all per loss position
+        row[lm] = torch.arange(p_all.shape[0], device=lm.device)
+        # slot t at step j predicts token t+2+j: the target's distribution for it sits at position t+1+j, and the
+        # loss counts iff that position is a loss position (loss_mask[t+1+j]). Only those slots are read out.
+        masks = [shift_left(lm, 1 + j, fill=False) for j in range(self.steps)]  # k x (B, T)
+        step_logits = head(tgt.aux_hidden, ids, am, steps=self.steps, readout_at=masks)  # k x (N_j, Vd)
         losses, weights, metrics = [], [], {}
-        for j, q_logits in enumerate(step_logits):
-            # slot t at step j predicts token t+2+j: the target's distribution for it sits at position t+1+j, and
-            # the loss counts iff that position is a loss position (loss_mask[t+1+j]).
-            p_logits = shift_left(tgt.logits, 1 + j)
-            mask = shift_left(lm, 1 + j, fill=False)
-            p, in_vocab = draft_vocab_targets(p_logits[mask], t2d)  # (N_j, Vd), (N_j,)
-            q_log = F.log_softmax(q_logits[mask].float(), -1)  # (N_j, Vd)
+        for j, (mask, q_logits) in enumerate(zip(masks, step_logits)):
+            sel = shift_left(row, 1 + j, fill=-1)[mask]  # (N_j,)
+            p, in_vocab = p_all[sel], tgt.in_vocab[sel]  # (N_j, Vd), (N_j,)
+            q_log = F.log_softmax(q_logits.float(), -1)  # (N_j, Vd)
             ce = -(p * q_log).sum(-1) * in_vocab  # soft CE; out-of-vocab targets masked
             losses.append(ce)
             weights.append(torch.full_like(ce, self.decay ** j))

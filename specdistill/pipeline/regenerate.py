@@ -8,26 +8,27 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from specdistill.config import RegenerateConfig
-from specdistill.data.regenerated import RegeneratedStore, _write_part, split_rows, store_key
+from specdistill.data.regenerated import (RegeneratedStore, _write_part, num_parts, part_path, split_rows, store_key,
+                                          store_settings)
 
 
-def load_prompt_rows(cfg: RegenerateConfig, tokenizer) -> tuple[list[list[int]], dict]:
-    """Token ids of the first `max_prompts` usable first user turns, and what was skipped and why."""
+def load_prompt_rows(cfg: RegenerateConfig, tokenizer, count: int) -> tuple[list[list[int]], dict]:
+    """Token ids of the first `count` usable first user turns (fewer if the source runs out), and what was skipped
+    and why. The order depends only on the source and the filters, so a longer list extends a shorter one."""
     from specdistill.data.chat import prompt_ids
     from specdistill.data.conversations import load_rows
     from specdistill.eval.prompts import PromptError, first_turn
 
-    rows = load_rows(cfg.prompts, max_rows=None if cfg.prompts.startswith("embedded:") else 4 * cfg.max_prompts)
+    rows = load_rows(cfg.prompts)
     ids, skipped, seen = [], {"no usable user turn": 0, "too long": 0, "duplicate": 0}, set()
     for i, row in enumerate(rows):
-        if len(ids) >= cfg.max_prompts:
+        if len(ids) >= count:
             break
         try:
             msgs = first_turn(row, i)
@@ -50,8 +51,8 @@ def load_prompt_rows(cfg: RegenerateConfig, tokenizer) -> tuple[list[list[int]],
 
 
 def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path: str, aux_layer_ids: list[int],
-                     log: Callable[[str], None] = print, progress: bool = True) -> Path:
-    """Make (or reuse, or finish) the store for these settings; returns its folder."""
+                     log: Callable[[str], None] = print, progress: bool = True) -> tuple[Path, int]:
+    """Make, finish or reuse the parts this run needs; returns (store folder, parts to read)."""
     from tqdm.auto import tqdm
 
     from specdistill.spec import target_generate
@@ -59,26 +60,31 @@ def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path
     L = target_model.config.num_hidden_layers
     layers = list(aux_layer_ids) + [L]  # hidden_states[L]: after the final norm, what lm_head reads
     root = Path(cfg.store_dir).expanduser() / store_key(cfg, target_path, layers, tokenizer)
-    if (root / "complete.json").exists():
-        log(f"[regenerate] reusing {root} ({json.loads((root / 'complete.json').read_text())['report']})")
-        return root
+    want = num_parts(cfg)
+    missing = [i for i in range(want) if not part_path(root, i).exists()]
+    if not missing:
+        log(f"[regenerate] reusing {want} parts of {root}")
+        return root, want
     root.mkdir(parents=True, exist_ok=True)
-    prompts, skipped = load_prompt_rows(cfg, tokenizer)
+    if not (root / "settings.json").exists():
+        tmp = root / "settings.json.tmp"
+        tmp.write_text(json.dumps({"settings": store_settings(cfg), "layers": layers, "target": str(target_path)},
+                                  indent=1))
+        os.replace(tmp, root / "settings.json")
+    prompts, skipped = load_prompt_rows(cfg, tokenizer, want * cfg.batch_size)
     batches = [prompts[s: s + cfg.batch_size] for s in range(0, len(prompts), cfg.batch_size)]
-    done = sum((root / f"part-{i:05d}.safetensors").exists() for i in range(len(batches)))
+    want = len(batches)  # the source may run out
+    missing = [i for i in missing if i < want]
     log(f"[regenerate] {len(prompts)} prompts ({skipped} skipped) x <= {cfg.max_new_tokens} new tokens at "
-        f"T={cfg.temperature}, batch {cfg.batch_size}, features of layers {layers} -> {root}"
-        + (f"; resuming: {done} of {len(batches)} parts exist" if done else ""))
+        f"T={cfg.temperature}, batch {cfg.batch_size}, features of layers {layers} -> {root}; "
+        f"{want - len(missing)} of {want} parts exist")
     device = next(target_model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     A = len(aux_layer_ids) * target_model.config.hidden_size
     t0, new_tokens = time.perf_counter(), 0
-    bar = tqdm(total=len(batches), desc="regenerate", unit="batch", disable=not progress, dynamic_ncols=True)
-    for i, chunk in enumerate(batches):
-        part = root / f"part-{i:05d}.safetensors"
-        if part.exists():
-            bar.update(1)
-            continue
+    bar = tqdm(total=len(missing), desc="regenerate", unit="batch", disable=not progress, dynamic_ncols=True)
+    for i in missing:
+        chunk = batches[i]
         gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + i) if cfg.temperature > 0 else None
         P = max(len(p) for p in chunk)
         input_ids = torch.full((len(chunk), P), pad, dtype=torch.long)
@@ -89,21 +95,14 @@ def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path
         roll = target_generate(target_model, input_ids.to(device), mask.to(device), max_new_tokens=cfg.max_new_tokens,
                                temperature=cfg.temperature, eos_token_id=tokenizer.eos_token_id, generator=gen,
                                capture_layers=layers)
-        _write_part(part, split_rows(chunk, roll.sequences.cpu(), roll.num_new_tokens.cpu(), roll.hidden.float().cpu(), A))
+        _write_part(part_path(root, i), split_rows(chunk, roll.sequences.cpu(), roll.num_new_tokens.cpu(),
+                                                   roll.hidden.float().cpu(), A))
         new_tokens += int(roll.num_new_tokens.sum())
         bar.update(1)
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
-    store = RegeneratedStore(root)
-    report = {"prompts": len(prompts), "skipped": skipped, "rows": len(store), "answer_tokens": store.answer_tokens,
-              "tokens": store.total_tokens, "parts": len(batches),
-              "bytes": sum(f.stat().st_size for f in root.glob("part-*.safetensors"))}
-    tmp = root / "complete.json.tmp"
-    tmp.write_text(json.dumps({"settings": asdict(cfg), "layers": layers, "target": str(target_path),
-                               "report": report}, indent=1))
-    os.replace(tmp, root / "complete.json")
-    log(f"[regenerate] done: {report}")
-    return root
+    log(f"[regenerate] wrote {len(missing)} parts: {new_tokens} answer tokens in {time.perf_counter() - t0:.0f} s")
+    return root, want
 
 
 def build_regenerated_data(cfg, target, tokenizer, log=print):
@@ -122,15 +121,15 @@ def build_regenerated_data(cfg, target, tokenizer, log=print):
         rcfg = RegenerateConfig(**OmegaConf.to_container(rcfg, resolve=True))
     L = target.config.num_hidden_layers
     aux = list(target.aux_layer_ids or default_aux_layer_ids(L))
-    root = regenerate_store(rcfg, target.model, tokenizer, str(cfg.target.path), aux, log=log)
-    store = RegeneratedStore(root)
+    root, parts = regenerate_store(rcfg, target.model, tokenizer, str(cfg.target.path), aux, log=log)
+    store = RegeneratedStore(root, parts)
     n_held = min(cfg.data.heldout_size, max(1, len(store) // 10)) if cfg.data.heldout_size > 0 else 0
     train = store.subset(list(range(len(store) - n_held)))
     held_rows = [store[i] for i in range(len(store) - n_held, len(store))]
     held = datasets.Dataset.from_dict({"input_ids": [r["input_ids"] for r in held_rows],
                                        "loss_mask": [r["loss_mask"] for r in held_rows]})
     held_msgs: list = []  # the held-out rows are ids; eval.prompts=heldout has no messages here
-    report = json.loads((root / "complete.json").read_text())["report"]
+    report = store.report()
     report.update({"source": f"regenerated:{root}", "train_examples": len(train), "heldout_examples": len(held),
                    "train_loss_tokens": train.answer_tokens, "train_tokens": train.total_tokens})
     return TokenizedData(train, held, held_msgs, report, root.name)

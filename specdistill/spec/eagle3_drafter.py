@@ -92,10 +92,11 @@ class Eagle3Drafter(Drafter):
         positions = (self.length[:, None] + keep.long().cumsum(1) - 1).clamp(min=0)  # (B, P)
         # 1. The pending block: cacheable slots, and per row the drafting slot (step 0 of the TTT unroll).
         key_mask = torch.cat([self.mask, keep | is_last], dim=1)            # (B, S+P)
-        out = head.step(tokens_p, self.pending_g, positions, (self.keys, self.values), key_mask)
+        out = head.step(tokens_p, self.pending_g, positions, (self.keys, self.values), key_mask,
+                        readout_slot=self.pending_last)                     # logits of the drafting slot only
         self.tail_keys, self.tail_values = out.keys, out.values            # (B, nh, S+P, hd), dropped/cropped at commit
         h = out.hidden[rows, self.pending_last][:, None]                    # (B, 1, H)
-        logits = out.logits[rows, self.pending_last]                        # (B, Vd)
+        logits = out.logits[:, 0]                                           # (B, Vd)
         pos = positions[rows, self.pending_last]                            # (B,)
         ones = torch.ones(B, 1, dtype=torch.bool, device=keep.device)
         # 2. Draft steps: step j feeds d_j with the head's own output, position + j, same slot (TTT step j).

@@ -25,6 +25,7 @@ from specdistill.data.chat import collate
 from specdistill.data.loader import StepBatches
 from specdistill.eval.simulated import simulated_acceptance
 from specdistill.train.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
+from specdistill.train.throughput import Roofline, count_flops, matmul_gflops
 
 
 @dataclass
@@ -159,6 +160,9 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
         metrics_file.unlink()  # a fresh run in an old output dir starts a fresh log (checkpoints are kept)
     world = acc.num_processes
     sums: dict[str, torch.Tensor] = {}
+    # Roofline: a matmul microbenchmark now, FLOPs of the first step counted (train/roofline_fraction in the logs).
+    peak_gflops = (matmul_gflops(acc.device, _train_dtype(acc)) * world) if t.measure_roofline else None
+    roofline: Optional[Roofline] = None
     t_window, tok_window, steps_window = time.perf_counter(), 0, 0
     latest: dict = {}
 
@@ -189,17 +193,27 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
             n_local = sum(count(b, c.models) if count else b["loss_mask"].sum() for b in micro)
             n_global = acc.reduce(n_local.detach().clone(), "sum").clamp_min(1)
             scale = world / n_global
-            for i, b in enumerate(micro):
-                last_micro = i == len(micro) - 1
-                sync = nullcontext() if last_micro else acc.no_sync(draft)
-                # DeepSpeed steps its engine inside backward when sync_gradients is set: on the last micro-batch only.
-                acc.gradient_state._set_sync_gradients(last_micro)
-                with sync, acc.autocast():
-                    out = objective(b, c.models)
-                    per_token = out.loss if out.weight is None else out.loss * out.weight
-                    acc.backward(per_token.sum() * scale)
-                for k, v in out.metrics.items():
-                    sums[k] = sums.get(k, 0) + v.detach().float()
+
+            def forward_backward() -> None:
+                for i, b in enumerate(micro):
+                    last_micro = i == len(micro) - 1
+                    sync = nullcontext() if last_micro else acc.no_sync(draft)
+                    # DeepSpeed steps its engine inside backward when sync_gradients is set: on the last micro-batch.
+                    acc.gradient_state._set_sync_gradients(last_micro)
+                    with sync, acc.autocast():
+                        out = objective(b, c.models)
+                        per_token = out.loss if out.weight is None else out.loss * out.weight
+                        acc.backward(per_token.sum() * scale)
+                    for k, v in out.metrics.items():
+                        sums[k] = sums.get(k, 0) + v.detach().float()
+
+            if peak_gflops is not None and roofline is None:  # the first step is counted (its window includes
+                counted = count_flops(forward_backward)     # the counter's small dispatch overhead)
+                roofline = Roofline(peak_gflops, counted.flops / max(float(n_local), 1.0))
+                acc.print(f"[train] {roofline.flops_per_token / 1e6:.1f} MFLOP per loss token (forward + backward, "
+                          f"torch's FlopCounterMode); matmul peak {peak_gflops:.1f} GFLOPS ({t.mixed_precision})")
+            else:
+                forward_backward()
             sums["tokens"] = sums.get("tokens", 0) + n_local.float()
             sums["input_tokens"] = sums.get("input_tokens", 0) + sum(b["attention_mask"].sum() for b in micro).float()
             grad_norm = acc.clip_grad_norm_(draft.parameters(), t.max_grad_norm) if t.max_grad_norm > 0 else None
@@ -228,6 +242,8 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
                                "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                                "train/peak_mem_mb": peak_memory_mb(acc.device), "step": step,
                                "epoch": batches.epoch_of(step - 1), "tokens_seen": tokens_seen})
+                if roofline is not None:
+                    latest.update(roofline.metrics(latest["train/tokens_per_s"]))
                 bar.set_postfix(loss=f"{latest.get('train/loss', math.nan):.4f}",
                                 tok_s=f"{latest['train/tokens_per_s']:.0f}")
                 result.history.append(latest)
@@ -274,6 +290,11 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
     if t.wandb:
         acc.end_training()
     return result
+
+
+def _train_dtype(acc) -> torch.dtype:
+    """The dtype the step's matmuls run in: the autocast dtype under mixed precision, else fp32."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(acc.mixed_precision), torch.float32)
 
 
 def ratios(sums: dict, ntok: float) -> dict:

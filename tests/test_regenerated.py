@@ -1,0 +1,91 @@
+"""Regeneration with features (pipeline/regenerate.py, data/regenerated.py): the store's features are the target's,
+its rows are the target's greedy answers, it resumes and extends part by part, and a changed setting misses."""
+import json
+
+import pytest
+import torch
+
+from specdistill.config import RegenerateConfig
+from specdistill.data.regenerated import RegeneratedStore, loss_mask_for, part_path
+from specdistill.pipeline.regenerate import regenerate_store
+from tests.conftest import make_tiny_lm, make_tokenizer
+
+AUX = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    tok = make_tokenizer()
+    return make_tiny_lm(len(tok), layers=4).eval(), tok
+
+
+def _cfg(data_file, tmp_path, **kw):
+    base = dict(enabled=True, prompts=str(data_file), max_prompts=12, max_new_tokens=10, batch_size=4,
+                store_dir=str(tmp_path / "store"))
+    base.update(kw)
+    return RegenerateConfig(**base)
+
+
+def _store(tiny, cfg):
+    model, tok = tiny
+    root, parts = regenerate_store(cfg, model, tok, "tiny", AUX, log=lambda *_: None, progress=False)
+    return root, RegeneratedStore(root, parts)
+
+
+def test_features_equal_a_fresh_forward_and_rows_are_greedy_answers(tiny, tiny_data_file, tmp_path):
+    model, tok = tiny
+    _, store = _store(tiny, _cfg(tiny_data_file, tmp_path))
+    assert len(store) == 12 and store.greedy
+    for i in (0, 5, 11):
+        row = store[i]
+        ids = torch.tensor([row["input_ids"]])
+        with torch.no_grad():
+            out = model(input_ids=ids, output_hidden_states=True)
+        T = ids.shape[1]
+        aux = torch.cat([out.hidden_states[k] for k in AUX], -1)[0]  # (T, 3H)
+        final = out.hidden_states[-1][0]
+        # every fed position (all but the last) carries the target's features (stored in bf16)
+        torch.testing.assert_close(row["aux_hidden"][:-1].float(), aux[:-1], atol=0.05, rtol=0.02)
+        torch.testing.assert_close(row["final_hidden"][:-1].float(), final[:-1], atol=0.05, rtol=0.02)
+        lm = torch.tensor(row["loss_mask"]).bool()
+        assert lm.sum() >= 1 and not lm[-1]
+        # greedy: at every answer position the target's argmax is the stored next token and the stored argmax
+        argmax = out.logits[0].argmax(-1)
+        assert torch.equal(argmax[lm], ids[0, 1:][lm[:-1]])
+        assert torch.equal(row["target_argmax"][lm], argmax[lm])
+
+
+def test_loss_mask_marks_the_answer_predictions():
+    # prompt of 3 tokens, 2 answer tokens: positions 2 and 3 predict answer tokens 3 and 4
+    assert loss_mask_for(5, 3) == [0, 0, 1, 1, 0]
+
+
+def test_store_is_reused_extended_resumed_and_keyed_by_settings(tiny, tiny_data_file, tmp_path):
+    cfg = _cfg(tiny_data_file, tmp_path)
+    root, store = _store(tiny, cfg)
+    stamps = {i: part_path(root, i).stat().st_mtime_ns for i in range(3)}
+    first_rows = [store[i]["input_ids"] for i in range(len(store))]
+    # same settings: nothing is decoded again
+    root2, _ = _store(tiny, cfg)
+    assert root2 == root and {i: part_path(root, i).stat().st_mtime_ns for i in range(3)} == stamps
+    # more prompts: the existing parts are kept byte for byte, only new ones are decoded
+    root3, bigger = _store(tiny, _cfg(tiny_data_file, tmp_path, max_prompts=20))
+    assert root3 == root and len(bigger) == 20
+    assert {i: part_path(root, i).stat().st_mtime_ns for i in range(3)} == stamps
+    assert [bigger[i]["input_ids"] for i in range(12)] == first_rows
+    # an interrupted run (a part missing) decodes that part again, identically
+    part_path(root, 1).unlink()
+    _, again = _store(tiny, cfg)
+    assert [again[i]["input_ids"] for i in range(12)] == first_rows
+    # a changed setting is another store
+    root4, _ = _store(tiny, _cfg(tiny_data_file, tmp_path, max_new_tokens=6))
+    assert root4 != root
+    assert json.loads((root4 / "settings.json").read_text())["settings"]["max_new_tokens"] == 6
+
+
+def test_a_missing_part_is_a_clear_error(tiny, tiny_data_file, tmp_path):
+    root, _ = _store(tiny, _cfg(tiny_data_file, tmp_path))
+    part_path(root, 2).unlink()
+    with pytest.raises(FileNotFoundError, match="lacks parts"):
+        RegeneratedStore(root, 3)
