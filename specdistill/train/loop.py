@@ -139,6 +139,7 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
                           init_kwargs={"wandb": {"name": cfg.run_name, "dir": str(out_dir), "mode": t.wandb_mode}})
 
     step, tokens_seen, last_saved = 0, 0, -1
+    t_fit, wall_before = time.perf_counter(), 0.0  # training wall clock, carried across resumes (learning curves)
     result = FitResult(0, None)
     resume_from = resolve_resume(t.resume, out_dir)
     if resume_from is None and list_checkpoints(out_dir):
@@ -148,6 +149,7 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
     if resume_from is not None:
         state = load_checkpoint(acc, resume_from, objective)
         step, tokens_seen = state["step"], state["tokens_seen"]
+        wall_before = float(state.get("wall_s", 0.0))
         last_saved = step
         result.heldout_before = state.get("heldout_before")
         acc.print(f"[train] resumed from {resume_from} at step {step}")
@@ -168,7 +170,7 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
 
     def save() -> Path:
         state = {"step": step, "epoch": batches.epoch_of(max(step - 1, 0)), "tokens_seen": tokens_seen,
-                 "heldout_before": result.heldout_before}
+                 "heldout_before": result.heldout_before, "wall_s": wall_before + time.perf_counter() - t_fit}
         return save_checkpoint(acc, draft, c.models.tokenizer, out_dir, step, state, latest, config_yaml,
                                keep=t.keep_checkpoints, objective=objective)
 
@@ -241,7 +243,8 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
                                "train/s_per_step": elapsed / steps_window,
                                "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                                "train/peak_mem_mb": peak_memory_mb(acc.device), "step": step,
-                               "epoch": batches.epoch_of(step - 1), "tokens_seen": tokens_seen})
+                               "epoch": batches.epoch_of(step - 1), "tokens_seen": tokens_seen,
+                               "wall_s": wall_before + time.perf_counter() - t_fit})
                 if roofline is not None:
                     latest.update(roofline.metrics(latest["train/tokens_per_s"]))
                 bar.set_postfix(loss=f"{latest.get('train/loss', math.nan):.4f}",

@@ -1,0 +1,75 @@
+"""Learning curve of a training run: real speculative tau of every kept checkpoint (specdistill.eval.curve).
+
+  python scripts/learning_curve.py --run outputs/eagle3_serve --num-prompts 20 --max-new-tokens 64 --gamma 4
+  python scripts/learning_curve.py --merge outputs/eagle3_serve/curve outputs/other/curve --out outputs/curves
+
+Writes <run>/curve/curve.json, curve.md, curve.png (tau against training tokens and wall minutes); --merge draws
+several runs' curves on one plot.
+"""
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--run", help="a training output dir (with checkpoints/ and config.yaml)")
+    ap.add_argument("--target", default=None, help="default: the run's target.path")
+    ap.add_argument("--prompts", default="embedded:mt_bench")
+    ap.add_argument("--num-prompts", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--label", default=None)
+    ap.add_argument("--out", default=None, help="default: <run>/curve")
+    ap.add_argument("--merge", nargs="+", default=None, help="curve dirs to draw together (with --out)")
+    a = ap.parse_args(argv)
+    command = "python scripts/learning_curve.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
+
+    import torch
+
+    from specdistill.eval.curve import CurvePoint, learning_curve, plot_curves, write_curve
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.merge:
+        if not a.out:
+            ap.error("--merge needs --out")
+        curves = {}
+        for d in a.merge:
+            data = json.loads((Path(d) / "curve.json").read_text())
+            curves[data.get("label") or d] = [CurvePoint(**p) for p in data["points"]]
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        plot_curves(curves, Path(a.out) / "curves.png")
+        print(f"wrote {Path(a.out) / 'curves.png'}")
+        return 0
+    if not a.run:
+        ap.error("--run is required (or --merge)")
+    from omegaconf import OmegaConf
+
+    from specdistill.eval.prompts import load_prompts
+    from specdistill.models.target import load_causal_lm, load_tokenizer
+    from specdistill.spec.kv import max_positions
+
+    run = Path(a.run)
+    cfg = OmegaConf.load(run / "config.yaml")
+    target_path = a.target or cfg.target.path
+    model = load_causal_lm(target_path, "float32").eval()
+    tok = load_tokenizer(target_path)
+    ps = load_prompts(a.prompts, tok, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
+                      context=max_positions(model), max_prompt_tokens=1024)
+    pts = learning_curve(run, model, tok, ps.ids, gamma=a.gamma, max_new_tokens=a.max_new_tokens,
+                         temperature=a.temperature)
+    out = write_curve(pts, a.out or run / "curve", command, label=a.label or cfg.run_name,
+                      extra={"prompts": a.prompts, "num_prompts": len(ps.ids), "gamma": a.gamma,
+                             "max_new_tokens": a.max_new_tokens, "temperature": a.temperature,
+                             "threads": torch.get_num_threads()})
+    print(f"wrote {out}/curve.json, curve.md, curve.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""Learning curves: every kept checkpoint is scored with real speculative decoding and the files are written."""
+import json
+
+from specdistill.build import build
+from specdistill.eval.curve import learning_curve, write_curve
+from specdistill.train.loop import fit
+from tests.conftest import compose, tiny_overrides
+
+
+def test_curve_scores_every_checkpoint_with_real_decoding(tiny_target_dir, tiny_data_file, tmp_path):
+    out = tmp_path / "run"
+    cfg = compose("eagle3", tiny_overrides(tiny_target_dir, tiny_data_file, out, tmp_path / "cache")
+                  + ["trainer.max_steps=4", "trainer.save_every=2", "trainer.keep_checkpoints=5"])
+    c = build(cfg)
+    fit(c)
+    target, tok = c.models.target.model, c.models.tokenizer
+    prompts = [tok("the cat sat")["input_ids"], tok("hello what is")["input_ids"]]
+    pts = learning_curve(out, target, tok, prompts, gamma=3, max_new_tokens=6, progress=False, log=lambda *_: None)
+    assert [p.step for p in pts] == [2, 4]
+    assert pts[0].tokens_seen < pts[1].tokens_seen and pts[0].wall_minutes <= pts[1].wall_minutes
+    for p in pts:
+        assert 1.0 <= p.tau <= 4.0 and len(p.accept_rate_per_pos) == 3 and p.new_tokens > 0
+    d = write_curve(pts, tmp_path / "curve", "test command", label="tiny")
+    data = json.loads((d / "curve.json").read_text())
+    assert data["command"] == "test command" and len(data["points"]) == 2
+    assert (d / "curve.png").exists() and "| 4 |" in (d / "curve.md").read_text()
