@@ -292,7 +292,7 @@ def main(argv=None) -> dict:
 
     from specdistill.build import build
     from specdistill.eval.prompts import load_prompts
-    from specdistill.spec.kv import max_positions
+    from specdistill.decoding.kv import max_positions
 
     args = parse_args(argv)
     if args.threads:

@@ -1,4 +1,4 @@
-"""The speculative evaluator: real speculative decoding (specdistill.spec) against target-only decoding on the same
+"""The speculative evaluator: real speculative decoding (specdistill.decoding) against target-only decoding on the same
 prompts, from summed counts, with wall-clock speedup, latency, a cost model and a built-in losslessness check.
 
 Definitions (every ratio is a ratio of sums over all prompts, never a mean of per-prompt ratios):
@@ -36,9 +36,9 @@ import torch
 
 from specdistill.config import EvalConfig
 from specdistill.models.eagle3 import is_eagle3
-from specdistill.spec import (Drafter, DynamicGamma, Eagle3Drafter, FixedGamma, LMDrafter, NGramDrafter, Rollout,
+from specdistill.decoding import (Drafter, DynamicGamma, Eagle3Drafter, FixedGamma, LMDrafter, NGramDrafter, Rollout,
                               Sampler, speculative_generate, target_generate)
-from specdistill.spec.kv import BatchKV, device_of, max_positions
+from specdistill.decoding.kv import BatchKV, device_of, max_positions
 
 DRAFTERS = ("draft", "ngram", "target")
 HF_MODES = ("assisted_gamma", "assisted_default", "target_only")

@@ -45,7 +45,7 @@ def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
 def run(cfg: DictConfig, log=print) -> tuple[EvalResult, dict[str, Path]]:
     from specdistill.build import build_tokenizer
     from specdistill.models.target import load_causal_lm
-    from specdistill.spec.kv import max_positions
+    from specdistill.decoding.kv import max_positions
 
     ecfg = OmegaConf.to_object(cfg.eval)
     check_eval_config(ecfg)  # fail before loading anything

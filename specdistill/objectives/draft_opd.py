@@ -3,7 +3,7 @@ with replay of rejected positions and an acceptance-weighted loss.
 
 Per call (one micro-batch), in order:
   1. Rollout (no grad, draft in eval mode): the batch's prompts are decoded by real speculative decoding with the
-     current draft (onpolicy/rollout.py, the evaluator's spec/ code); every drafted position is kept with its context,
+     current draft (onpolicy/rollout.py, the evaluator's decoding/ code); every drafted position is kept with its context,
      the target's logits there, the verifier's decision and its category. Refreshed every `rollout_every` calls.
   2. Replay: `replay_ratio` x (fresh positions) of the worst-missed earlier rejections (each round's first rejected
      draft; the drafts after it were never verified) come back from the buffer
@@ -44,8 +44,8 @@ from specdistill.onpolicy.replay import ReplayBuffer, ReplayItem, pack_prefixes
 from specdistill.onpolicy.rollout import (CATEGORIES, FIRST_REJECTED, DraftedPositions, TargetLogits,
                                           collect_rollout, draft_logits_at, prompts_from_batch)
 from specdistill.onpolicy.weights import WEIGHTINGS, position_weights
-from specdistill.spec import probs_from_logits
-from specdistill.spec.kv import logits_dim, max_positions
+from specdistill.decoding import probs_from_logits
+from specdistill.decoding.kv import logits_dim, max_positions
 
 OFF_TRAJECTORY = ("branch", "drop")
 

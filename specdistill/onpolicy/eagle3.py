@@ -1,7 +1,7 @@
 """Draft-OPD for EAGLE-3 heads (arXiv 2605.29343 on arXiv 2503.01840): rollouts through Eagle3Drafter, and the
 with-grad loss forward as the head's training-time-test unroll on its own features, exactly as at inference.
 
-Bookkeeping (models/eagle3.py, spec/eagle3_drafter.py): with context x_0 .. x_{N-1} (x_{N-1} pending), the head drafts
+Bookkeeping (models/eagle3.py, decoding/eagle3_drafter.py): with context x_0 .. x_{N-1} (x_{N-1} pending), the head drafts
 d_1 from slot N-2 (target feature g_{N-2} with token x_{N-1}), and draft step i stays on slot N-2, feeds d_i with the
 head's own previous output, RoPE position N-2+i. The TTT unroll `head(aux, ids, mask, steps)` computes exactly this at
 every slot t and step j (slot t, step j reads token t+1+j): drafted position i of a round whose context has N tokens
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from specdistill.spec import Eagle3Drafter, probs_from_logits, speculative_generate
+from specdistill.decoding import Eagle3Drafter, probs_from_logits, speculative_generate
 
 
 def target_aux(target_model, rows: list[torch.Tensor], source: list[int], aux_layer_ids: list[int],

@@ -1,6 +1,6 @@
 """Draft-OPD rollouts (arXiv 2605.29343): speculative decoding with the current draft, kept position by position.
 
-A rollout runs the evaluator's own decoder (spec.speculative_generate, record=True): per round the draft proposes
+A rollout runs the evaluator's own decoder (decoding.speculative_generate, record=True): per round the draft proposes
 K tokens, the target verifies them in one forward, and the target's correction or bonus token keeps the trajectory
 on the target's distribution ("target-assisted"). Every drafted position becomes a training position with what the
 loss needs: its context, the drafted token, the target's distribution there, the verifier's decision and category.
@@ -15,7 +15,7 @@ final trajectories (prompt + generated tokens); positions after a rejection get 
 round's "branch" = trajectory up to d_n + the round's drafts d_{n+1}..d_{K-1}, so the loss forward sees exactly
 the context the draft saw when it proposed them (choice documented in objectives/draft_opd.py).
 
-Without assistance (assist=False, the ablation) the draft decodes alone (spec.target_generate on the draft) and the
+Without assistance (assist=False, the ablation) the draft decodes alone (decoding.target_generate on the draft) and the
 target scores the finished sequences in one forward; the verifier is then run on consecutive blocks of gamma
 positions to tag them as a round would, but nothing corrects the trajectory.
 """
@@ -26,9 +26,9 @@ from typing import Optional
 
 import torch
 
-from specdistill.spec import (LMDrafter, probs_from_logits, speculative_generate, target_generate, verify_greedy,
+from specdistill.decoding import (LMDrafter, probs_from_logits, speculative_generate, target_generate, verify_greedy,
                               verify_sampling)
-from specdistill.spec.kv import logits_dim, max_positions
+from specdistill.decoding.kv import logits_dim, max_positions
 
 ACCEPTED, FIRST_REJECTED, AFTER_REJECTION = 0, 1, 2
 CATEGORIES = ("accepted", "first_rejected", "after_rejection")

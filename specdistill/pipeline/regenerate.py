@@ -1,6 +1,6 @@
 """Pipeline stage: regenerate the training answers with the target and keep its features (data/regenerated.py).
 
-It decodes with the shared engine (spec.target_generate) and writes the store that data/regenerated.py reads; it
+It decodes with the shared engine (decoding.target_generate) and writes the store that data/regenerated.py reads; it
 sits above both, so the data package never imports decoding.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path
     """Make (or reuse, or finish) the store for these settings; returns its folder."""
     from tqdm.auto import tqdm
 
-    from specdistill.spec import target_generate
+    from specdistill.decoding import target_generate
 
     L = target_model.config.num_hidden_layers
     layers = list(aux_layer_ids) + [L]  # hidden_states[L]: after the final norm, what lm_head reads

@@ -12,7 +12,7 @@ from specdistill.objectives.eagle3 import Eagle3Objective
 from specdistill.onpolicy.eagle3 import eagle3_alpha, eagle3_logits_at
 from specdistill.onpolicy.rollout import AFTER_REJECTION, FIRST_REJECTED, collect_rollout
 from specdistill.onpolicy.weights import reach_weights
-from specdistill.spec import Eagle3Drafter, speculative_generate
+from specdistill.decoding import Eagle3Drafter, speculative_generate
 from tests.conftest import make_tiny_lm
 from tests.onpolicy.conftest import CountingTarget, perturb
 
