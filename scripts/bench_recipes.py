@@ -291,7 +291,7 @@ def main(argv=None) -> dict:
     import torch
 
     from specdistill.build import build
-    from specdistill.eval.prompts import load_prompts
+    from specdistill.data.prompts import load_prompts
     from specdistill.decoding.kv import max_positions
 
     args = parse_args(argv)

@@ -120,7 +120,7 @@ def test_wandb_offline_logs_through_accelerate(tiny_target_dir, tiny_data_file, 
 
 
 def test_train_entry_runs_real_speculative_eval_at_epoch_end(tiny_target_dir, tiny_data_file, tmp_path):
-    from specdistill.train.run import run
+    from specdistill.pipeline.run import run
 
     out = tmp_path / "spec"
     cfg = compose("kd", tiny_overrides(tiny_target_dir, tiny_data_file, out, tmp_path / "cache")

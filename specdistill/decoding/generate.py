@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 
+from specdistill.tokens import check_vocab_compatible
+
 from .drafters import Drafter
 from .kv import BatchKV, TokenBuffer, device_of, logits_dim, max_positions
 from .sampling import Sampler
@@ -240,10 +242,9 @@ def speculative_generate(
     device = device_of(target_model)
     input_ids, attention_mask = _check_inputs(target_model, input_ids, attention_mask, max_new_tokens, device)
     V = logits_dim(target_model)
-    if drafter.vocab_size is not None and drafter.vocab_size != V:
-        raise ValueError(f"draft vocab size {drafter.vocab_size} != target vocab size {V}: verification compares "
-                         "distributions token by token; use a draft with the target's tokenizer and output vocab "
-                         "(or a vocab-mapped head)")
+    if drafter.vocab_size is not None:
+        check_vocab_compatible(drafter.vocab_size, V, "verification compares distributions token by token; use a draft "
+                               "with the target's tokenizer and output vocab (or a vocab-mapped head)")
     B = input_ids.shape[0]
     eos = _eos(eos_token_id, device)
     hidden = {"output_hidden_states": True} if drafter.needs_hidden_states else {}

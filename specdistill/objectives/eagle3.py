@@ -7,24 +7,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specdistill.models.eagle3 import restrict_to_draft_vocab
 from specdistill.objectives.base import Models, StepOutput
-
-
-def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
-    """x (B, T, ...) -> y with y[:, t] = x[:, t + n] and `fill` past the end."""
-    if n == 0:
-        return x
-    y = torch.full_like(x, fill)
-    y[:, :-n] = x[:, n:]
-    return y
+from specdistill.tensors import shift_left, unwrap
 
 
 def draft_vocab_targets(p_logits: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Target logits (..., V) -> (probs over the draft vocab renormalised (..., Vd), in_vocab (...,) bool: whether the
     target's argmax is in the draft vocabulary; positions where it is not are masked, as in EAGLE-3)."""
-    in_vocab = t2d[p_logits.argmax(-1)]
-    probs = p_logits[..., t2d].float().softmax(-1)  # softmax over kept ids == p restricted and renormalised
-    return probs, in_vocab
+    logits, in_vocab = restrict_to_draft_vocab(p_logits, t2d)
+    return logits.float().softmax(-1), in_vocab  # softmax over kept ids == p restricted and renormalised
 
 
 @dataclass
@@ -45,7 +37,7 @@ class Eagle3Objective:
         if tgt.aux_hidden is None:
             raise ValueError("the eagle3 objective needs the target's aux hidden states: build it with draft=eagle3")
         head = models.draft
-        t2d = _unwrap(head).t2d
+        t2d = unwrap(head).t2d
         step_logits = head(tgt.aux_hidden, ids, am, steps=self.steps)  # k x (B, T, Vd)
         losses, weights, metrics = [], [], {}
         for j, q_logits in enumerate(step_logits):
@@ -64,7 +56,3 @@ class Eagle3Objective:
                 metrics[f"acc_step{j}_count"] = mask.sum().float()  # no host sync: reduced at log time
         metrics["loss_sum"] = sum((l * w).sum() for l, w in zip(losses, weights)).detach()
         return StepOutput(torch.cat(losses), torch.cat(weights), metrics)
-
-
-def _unwrap(m):
-    return getattr(m, "module", m)

@@ -16,13 +16,15 @@ import torch
 
 from specdistill.config import RegenerateConfig
 from specdistill.data.regenerated import RegeneratedStore, _write_part, split_rows, store_key
+from specdistill.tensors import pad_rows
+from specdistill.tokens import pad_id
 
 
 def load_prompt_rows(cfg: RegenerateConfig, tokenizer) -> tuple[list[list[int]], dict]:
     """Token ids of the first `max_prompts` usable first user turns, and what was skipped and why."""
     from specdistill.data.chat import prompt_ids
     from specdistill.data.conversations import load_rows
-    from specdistill.eval.prompts import PromptError, first_turn
+    from specdistill.data.prompts import PromptError, first_turn
 
     rows = load_rows(cfg.prompts, max_rows=None if cfg.prompts.startswith("embedded:") else 4 * cfg.max_prompts)
     ids, skipped, seen = [], {"no usable user turn": 0, "too long": 0, "duplicate": 0}, set()
@@ -70,7 +72,7 @@ def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path
         f"T={cfg.temperature}, batch {cfg.batch_size}, features of layers {layers} -> {root}"
         + (f"; resuming: {done} of {len(batches)} parts exist" if done else ""))
     device = next(target_model.parameters()).device
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_id(tokenizer)
     A = len(aux_layer_ids) * target_model.config.hidden_size
     t0, new_tokens = time.perf_counter(), 0
     bar = tqdm(total=len(batches), desc="regenerate", unit="batch", disable=not progress, dynamic_ncols=True)
@@ -80,12 +82,7 @@ def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path
             bar.update(1)
             continue
         gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + i) if cfg.temperature > 0 else None
-        P = max(len(p) for p in chunk)
-        input_ids = torch.full((len(chunk), P), pad, dtype=torch.long)
-        mask = torch.zeros_like(input_ids)
-        for b, p in enumerate(chunk):  # left padding
-            input_ids[b, P - len(p):] = torch.tensor(p)
-            mask[b, P - len(p):] = 1
+        input_ids, mask = pad_rows(chunk, pad, side="left")
         roll = target_generate(target_model, input_ids.to(device), mask.to(device), max_new_tokens=cfg.max_new_tokens,
                                temperature=cfg.temperature, eos_token_id=tokenizer.eos_token_id, generator=gen,
                                capture_layers=layers)

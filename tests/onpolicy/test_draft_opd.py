@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from specdistill.config import validate_objective
+from specdistill.objectives import validate_objective
 from specdistill.losses import divergence
 from specdistill.models.target import Target
 from specdistill.objectives import Models

@@ -9,7 +9,7 @@ from specdistill.objectives import Models
 from specdistill.losses import divergence
 from specdistill.objectives.draft_opd import DraftOPDObjective
 from specdistill.objectives.eagle3 import Eagle3Objective
-from specdistill.onpolicy.eagle3 import eagle3_alpha, eagle3_logits_at
+from specdistill.drafts.eagle3 import eagle3_alpha, eagle3_logits_at
 from specdistill.onpolicy.rollout import AFTER_REJECTION, FIRST_REJECTED, collect_rollout
 from specdistill.onpolicy.weights import reach_weights
 from specdistill.decoding import Eagle3Drafter, speculative_generate

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
+from specdistill.drafts.lm import draft_logits_at
 from specdistill.onpolicy.rollout import (ACCEPTED, AFTER_REJECTION, FIRST_REJECTED, TargetLogits, collect_rollout,
-                                          draft_logits_at, prompts_from_batch)
+                                          prompts_from_batch)
 from specdistill.decoding import LMDrafter, speculative_generate, target_generate, verify_greedy
 
 GAMMA, NEW = 3, 12

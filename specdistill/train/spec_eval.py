@@ -28,7 +28,7 @@ def spec_eval_hook(c, epoch: int, step: int) -> dict:
 
 
 def final_spec_eval(c, epoch: int, step: int) -> dict:
-    """eval.spec_eval_at=end: the one speculative evaluation after the last step (train/run.py calls it)."""
+    """eval.spec_eval_at=end: the one speculative evaluation after the last step (pipeline/run.py calls it)."""
     if not c.cfg.eval.spec_eval or c.cfg.eval.spec_eval_at != "end":
         return {}
     return run_spec_eval(c, epoch, step, name="final")
@@ -51,7 +51,7 @@ def run_spec_eval(c, epoch: int, step: int, name: str | None = None) -> dict:
 
 def _evaluate_on_this_rank(c, epoch: int, step: int, name: str) -> dict:
     from specdistill.eval.evaluator import evaluate, for_training
-    from specdistill.eval.prompts import load_prompts
+    from specdistill.data.prompts import load_prompts
     from specdistill.eval.report import write_report
     from specdistill.decoding.kv import max_positions
 
