@@ -17,7 +17,7 @@ def run(cfg: DictConfig) -> FitResult:
     check_hub_config(cfg.hub)  # before any model is loaded
     check_export_config(cfg)
     acc = make_launch_accelerator(cfg)
-    c = build(cfg, accelerator=acc, make_data=build_regenerated_data if cfg.data.regenerate.enabled else None)
+    c = build_components(cfg, accelerator=acc)
     pusher = HubPusher(cfg, c.output_dir, is_main=acc.is_main_process, log=acc.print)
     result = fit(c, epoch_end_hooks=(spec_eval_hook,), checkpoint_hooks=(pusher,) if cfg.hub.push else ())
     pusher.finish(wait=result.preempted is None)
@@ -32,6 +32,12 @@ def run(cfg: DictConfig) -> FitResult:
     else:
         acc.print(f"[train] done at step {result.step}; checkpoint: {result.final_checkpoint}")
     return result
+
+
+def build_components(cfg: DictConfig, accelerator=None):
+    """build.build with the pipeline's first stage: data.regenerate.enabled regenerates the data with the target."""
+    return build(cfg, accelerator=accelerator,
+                 make_data=build_regenerated_data if cfg.data.regenerate.enabled else None)
 
 
 def export_final(cfg: DictConfig, checkpoint, output_dir, log=print) -> list:
