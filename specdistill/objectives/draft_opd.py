@@ -22,8 +22,9 @@ exactly the context it was proposed in. Extra draft compute: one row per round w
 draft (about rounds x context tokens). off_trajectory=drop skips those positions instead.
 
 Normalisation: the loss is a mean over positions (fresh + replayed + data tokens when kd_weight > 0). The loop must
-know that count before any backward, so the objective exposes `num_tokens(batch, models)`, which performs step 1-2
-and caches the result for __call__ (the loop's generic hook; other objectives count loss_mask tokens).
+know that count before any backward, so steps 1-2 are `prepare()` (objectives/base.py's protocol) and the count is
+`num_tokens(prepared)`; under gradient accumulation the loop prepares every micro-batch of the step first and holds
+them offloaded (their target logits on the CPU) until each one's loss() and backward.
 
 EAGLE-3 heads (draft=eagle3): rollouts through Eagle3Drafter; the loss forward is the head's training-time-test
 unroll on its own features at each round's drafting slot, branch rows and replayed positions included
@@ -32,7 +33,7 @@ term is recipe eagle3's own loss on the data batch (objectives/eagle3.py: the TT
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -41,7 +42,7 @@ from specdistill.data.prompts import load_prompts
 from specdistill.drafts import Eagle3Draft, LMDraft, draft_adapter
 from specdistill.losses import DIVERGENCES, divergence
 from specdistill.objectives.eagle3 import Eagle3Objective
-from specdistill.objectives.base import Models, StepOutput, keep_positions, masked_logits
+from specdistill.objectives.base import Models, Objective, StepOutput, keep_positions, masked_logits
 from specdistill.onpolicy.replay import ReplayBuffer, ReplayItem, pack_prefixes
 from specdistill.onpolicy.positions import CATEGORIES, FIRST_REJECTED, DraftedPositions, TargetLogits
 from specdistill.onpolicy.rollout import collect_rollout, left_pad, prompts_from_batch
@@ -73,6 +74,8 @@ def parse_divergence(spec: str) -> list[tuple[str, float]]:
 
 @dataclass
 class _Prepared:
+    """One micro-batch after prepare(): its rollout positions, the replayed ones, and the loss-token count."""
+    batch: dict
     fresh: DraftedPositions
     replay: list[ReplayItem]
     add_to_buffer: bool           # this call refreshed the rollout: its rejected positions enter the buffer
@@ -81,7 +84,7 @@ class _Prepared:
 
 
 @dataclass
-class DraftOPDObjective:
+class DraftOPDObjective(Objective):
     name: str = "draft_opd"
     # rollouts (specdistill/onpolicy/rollout.py)
     gamma: int = 4                      # drafts per round
@@ -151,25 +154,32 @@ class DraftOPDObjective:
         self.refreshes = 0              # rollouts collected so far (the replay buffer's clock)
         self.target_tokens_total = 0    # tokens the target ran forwards over in rollouts (compute accounting)
         self._fresh: Optional[DraftedPositions] = None
-        self._prepared: dict[int, tuple[dict, _Prepared]] = {}
         self._generator: Optional[torch.Generator] = None
         self._generator_state: Optional[torch.Tensor] = None  # from a checkpoint, applied at the next rollout
         self._checked = False
         self._prompt_ids: Optional[list[torch.Tensor]] = None
         self._prompt_pos = 0
 
-    # ------------------------------------------------------------------------------------------- the loop's hooks
-    def num_tokens(self, batch: dict, models: Models) -> torch.Tensor:
-        """Loss positions this call will return (for the loop's global normalisation). Runs the rollout now."""
-        prep = self._prepare(batch, models)
-        self._prepared[id(batch)] = (batch, prep)  # the batch itself is held, so its id cannot be reused meanwhile
-        return prep.num_tokens
+    # ------------------------------------------------------------------------------------------- the protocol
+    def prepare(self, batch: dict, models: Models) -> _Prepared:
+        """Steps 1-2 (no grad): the rollout (refreshed every rollout_every calls) and the replayed positions."""
+        return self._prepare(batch, models)
 
-    def __call__(self, batch: dict, models: Models) -> StepOutput:
-        held, prep = self._prepared.pop(id(batch), (None, None))
-        if held is not batch:
-            prep = self._prepare(batch, models)
+    def num_tokens(self, prepared: _Prepared) -> torch.Tensor:
+        """() loss positions loss(prepared) returns: fresh + replayed (+ the data's loss tokens when kd_weight > 0)."""
+        return prepared.num_tokens
+
+    def offload(self, prepared: _Prepared) -> _Prepared:
+        """While the loop prepares the step's other micro-batches: the rollout's target logits, (P, V) each and the
+        bulk of a rollout, wait on the CPU (copied back exactly in loss())."""
+        fresh = replace(prepared.fresh, target=prepared.fresh.target.to("cpu"))
+        return replace(prepared, fresh=fresh)
+
+    def loss(self, prepared: _Prepared, models: Models) -> StepOutput:
+        prep, batch = prepared, prepared.batch
         fresh, replay = prep.fresh, prep.replay
+        if fresh.target.values.device != fresh.row.device:  # offloaded while other micro-batches were prepared
+            fresh = replace(fresh, target=fresh.target.to(fresh.row.device))
         P, device = len(fresh), fresh.row.device
 
         # 1-2. Per-position loss (with grad) and, detached, alpha at the rollout temperature (reach weights) and
@@ -307,7 +317,7 @@ class DraftOPDObjective:
         n = len(fresh) + len(replay)
         if self.kd_weight > 0:  # the data batch's loss positions (a head: one per unroll step reaching one)
             n += OFF_POLICY[draft_adapter(draft).kind].count(self, batch["loss_mask"].bool())
-        return _Prepared(fresh, replay, refresh, metrics, f(n))
+        return _Prepared(batch, fresh, replay, refresh, metrics, f(n))
 
     def _rollout(self, batch, models, draft, target) -> DraftedPositions:
         pad = pad_id(models.tokenizer)

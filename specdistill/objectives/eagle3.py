@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from specdistill.models.eagle3 import restrict_to_draft_vocab
-from specdistill.objectives.base import Models, StepOutput
+from specdistill.objectives.base import Models, Objective, StepOutput
 from specdistill.tensors import shift_left, unwrap
 
 
@@ -20,7 +20,7 @@ def draft_vocab_targets(p_logits: torch.Tensor, t2d: torch.Tensor) -> tuple[torc
 
 
 @dataclass
-class Eagle3Objective:
+class Eagle3Objective(Objective):
     name: str = "eagle3"
     steps: int = 7  # unrolled TTT steps (k)
     decay: float = 0.8  # step j weighted decay^j (EAGLE, SpecForge); 1.0 weighs steps equally
@@ -31,7 +31,7 @@ class Eagle3Objective:
         if not 0 < self.decay <= 1:
             raise ValueError("objective.decay must be in (0, 1]")
 
-    def __call__(self, batch: dict, models: Models) -> StepOutput:
+    def loss(self, batch: dict, models: Models) -> StepOutput:
         ids, am, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"].bool()
         tgt = models.target.outputs(batch)  # one forward (or stored features): logits (B,T,V), aux (B,T,3Ht)
         if tgt.aux_hidden is None:
