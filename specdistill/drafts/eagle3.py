@@ -1,14 +1,14 @@
 """Draft adapter for EAGLE-3 heads (arXiv 2503.01840): drafting through Eagle3Drafter, and, for Draft-OPD
 (arXiv 2605.29343), the with-grad loss forward as the head's training-time-test unroll on its own features.
 
-Bookkeeping (models/eagle3.py, decoding/eagle3_drafter.py): with context x_0 .. x_{N-1} (x_{N-1} pending), the
-head drafts d_1 from slot N-2 (target feature g_{N-2} with token x_{N-1}), and draft step i stays on slot N-2, feeds d_i with the
-head's own previous output, RoPE position N-2+i. The TTT unroll `head(aux, ids, mask, steps)` computes exactly this at
-every slot t and step j (slot t, step j reads token t+1+j): drafted position i of a round whose context has N tokens
-is step i at slot N-2 of a row whose tokens N .. N+i-1 are d_1 .. d_i. On-trajectory positions read the final
-trajectory; positions after a rejection read their round's branch row (the rejected draft in place), whose slots
-<= N-2 carry the trajectory's target features (only those are read: step-0 attention is causal, later steps only
-see their own slot).
+Bookkeeping (models/eagle3.py, decoding/eagle3_drafter.py): with context x_0 .. x_{N-1} (x_{N-1} pending), the head
+drafts d_1 from slot N-2 (target feature g_{N-2} with token x_{N-1}), and draft step i stays on slot N-2, feeds d_i
+with the head's own previous output, RoPE position N-2+i. The TTT unroll `head(aux, ids, mask, steps)` computes
+exactly this at every slot t and step j (slot t, step j reads token t+1+j): drafted position i of a round whose
+context has N tokens is step i at slot N-2 of a row whose tokens N .. N+i-1 are d_1 .. d_i. On-trajectory positions
+read the final trajectory; positions after a rejection read their round's branch row (the rejected draft in place),
+whose slots <= N-2 carry the trajectory's target features (only those are read: step-0 attention is causal, later
+steps only see their own slot).
 
 The target's aux hidden states for the rows come from one extra no-grad target forward over the final trajectories
 per rollout (counted in RolloutStats.target_tokens). The loss compares q over the draft vocabulary with the target's

@@ -197,7 +197,7 @@ class DraftOPDObjective(Objective):
                 # reach weight is ~0); replaying them at replay_weight would undo the acceptance weighting.
                 missed = (fresh.category == FIRST_REJECTED).nonzero().flatten()
                 features = {}
-                if fresh.aux is not None:  # the target's features, once per trajectory (a branch reads its trajectory's)
+                if fresh.aux is not None:  # the target's features, once per trajectory (a branch reads its own's)
                     src = [fresh.source[r] for r in fresh.row[missed].tolist()]
                     traj = {s: fresh.aux[s, : len(fresh.rows[s])].clone() for s in set(src)}
                     features = {"aux": [traj[s] for s in src], "index": fresh.index[missed].tolist()}

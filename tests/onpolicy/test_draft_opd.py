@@ -233,7 +233,7 @@ def test_resume_equals_uninterrupted_with_replay_and_a_cached_rollout(draft, tin
 
 
 def test_an_offloaded_micro_batch_gives_the_same_loss():
-    """The loop offloads prepared micro-batches while it prepares the others (grad accumulation): loss() is unchanged."""
+    """The loop offloads prepared micro-batches while it prepares the others (grad accumulation): same loss()."""
     models, batch = _models(), _batch()
     kw = dict(gamma=3, max_new_tokens=10, temperature=1.0, replay=False)
     a, b = DraftOPDObjective(**kw), DraftOPDObjective(**kw)
