@@ -135,18 +135,9 @@ class Rollout:
         return self.num_new_tokens.sum().item() / max(self.target_forwards.sum().item(), 1)
 
     @property
-    def tokens_per_second(self) -> float:
-        """Decode throughput over all rows, prefill excluded."""
-        return self.num_new_tokens.sum().item() / max(self.decode_seconds, 1e-9)
-
-    @property
     def acceptance_per_position(self) -> torch.Tensor:
         """P(draft k accepted) = P(drafts 0..k all accepted); accepted[k] / accepted[k-1] is the conditional rate."""
         return self.position_accepted / self.position_proposed.clamp(min=1)  # (max_gamma,)
-
-    @property
-    def alpha_per_position(self) -> torch.Tensor:
-        return self.position_alpha / self.position_proposed.clamp(min=1)     # (max_gamma,)
 
     def tokens(self, row: int) -> list[int]:
         return self.sequences[row, : int(self.num_new_tokens[row])].tolist()
