@@ -7,7 +7,7 @@ from specdistill.config import register_configs
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from specdistill.train.run import run
+    from specdistill.pipeline.run import run
 
     run(cfg)
 

@@ -48,7 +48,7 @@ def bench(overrides: list[str], out: Path) -> dict:
 
     from specdistill.build import build, build_target, build_tokenizer
     from specdistill.data.dataset import build_data
-    from specdistill.eval.in_training import spec_eval_hook
+    from specdistill.train.spec_eval import spec_eval_hook
     from specdistill.moe.build import draft_param_count
     from specdistill.moe.profiler import calibration_batches, plot_heatmap, profile_routing
     from specdistill.moe.upcycle import ensure_default_target

@@ -143,7 +143,7 @@ def steps_for_target_tokens(c, budget: int, cap: int) -> int:
 
 
 def train(args, name: str, steps: int, log=print) -> dict:
-    from specdistill.build import build
+    from specdistill.pipeline.run import build_components as build  # with the regeneration stage
     from specdistill.train.loop import fit
 
     recipe, extra = VARIANTS[name]
@@ -290,9 +290,9 @@ def write_outputs(args, results: dict, budget: dict, knobs: dict) -> dict[str, P
 def main(argv=None) -> dict:
     import torch
 
-    from specdistill.build import build
-    from specdistill.eval.prompts import load_prompts
-    from specdistill.spec.kv import max_positions
+    from specdistill.pipeline.run import build_components as build  # with the regeneration stage
+    from specdistill.data.prompts import load_prompts
+    from specdistill.decoding.kv import max_positions
 
     args = parse_args(argv)
     if args.threads:

@@ -50,9 +50,9 @@ def main(argv=None) -> int:
         ap.error("--run is required (or --merge)")
     from omegaconf import OmegaConf
 
-    from specdistill.eval.prompts import load_prompts
+    from specdistill.data.prompts import load_prompts
     from specdistill.models.target import load_causal_lm, load_tokenizer
-    from specdistill.spec.kv import max_positions
+    from specdistill.decoding.kv import max_positions
 
     run = Path(a.run)
     cfg = OmegaConf.load(run / "config.yaml")

@@ -2,7 +2,7 @@
 
 Drafts trained on the target's own answers accept more than drafts trained on someone else's (EAGLE-3, SpecForge).
 Each assistant turn is replaced by the target's response to the conversation so far (with earlier turns already
-regenerated). Decoding uses specdistill.spec.target_generate, the evaluator's KV-cached batched decoder.
+regenerated). Decoding uses specdistill.decoding.target_generate, the evaluator's KV-cached batched decoder.
 
   python scripts/regenerate.py --data embedded:sharegpt --max-rows 2000 --out data/sharegpt_smollm2.jsonl
   python scripts/train.py recipe=eagle3 data=jsonl data.path=data/sharegpt_smollm2.jsonl
@@ -45,7 +45,7 @@ def regenerate_batch(model, tokenizer, convs: list[list[dict]], max_new_tokens: 
     import torch
 
     from specdistill.data.chat import prompt_ids
-    from specdistill.spec import target_generate
+    from specdistill.decoding import target_generate
 
     out: list[list[dict]] = [[] for _ in convs]
     user_turns = [[i for i, m in enumerate(c) if m["role"] == "user"] for c in convs]
@@ -102,7 +102,7 @@ def main() -> None:
     from specdistill.data.chat import prompt_ids
     from specdistill.data.conversations import load_rows, normalize
     from specdistill.models.target import load_causal_lm, load_tokenizer
-    from specdistill.spec.kv import max_positions
+    from specdistill.decoding.kv import max_positions
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_causal_lm(args.target, args.dtype).to(device).eval()

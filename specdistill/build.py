@@ -4,12 +4,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.config import validate_objective
+from specdistill.objectives import validate_objective
 
 
 @dataclass
@@ -52,25 +52,6 @@ def build_tokenizer(cfg: DictConfig):
     return tok
 
 
-def build_eagle3_draft(draft_cfg, target, data):
-    """An EAGLE-3 head for `target`; sets the target to return the head's aux hidden states from its forward."""
-    from specdistill.models.eagle3 import Eagle3Head, build_eagle3, frequent_token_vocab
-
-    if draft_cfg.path:
-        head = Eagle3Head.from_pretrained(draft_cfg.path)
-        if head.config.vocab_size != target.config.vocab_size:
-            raise ValueError(f"EAGLE-3 head at {draft_cfg.path} was made for vocab {head.config.vocab_size}, the target "
-                             f"has {target.config.vocab_size}: warm-start only from a head trained for this target")
-    else:
-        vocab = frequent_token_vocab(data.train, target.config.vocab_size, draft_cfg.draft_vocab_size)
-        head = build_eagle3(target.model, vocab, target.aux_layer_ids, draft_cfg.output_from_target)
-        if draft_cfg.moe.eagle3_mlp:  # MoE targets: the MLP starts as a merge of hot experts (specdistill/moe)
-            from specdistill.moe.draft import init_eagle3_from_config
-            init_eagle3_from_config(head, draft_cfg, target.model, data)
-    target.set_aux_layer_ids(head.config.aux_layer_ids)
-    return head.train()
-
-
 def feature_meta(cfg: DictConfig, aux_layer_ids, data) -> dict:
     """What offline features depend on: checked when training reads them."""
     return {"target": str(cfg.target.path), "aux_layer_ids": list(aux_layer_ids or []), "data": data.fingerprint}
@@ -87,11 +68,14 @@ def with_offline_features(cfg: DictConfig, target, data):
     return WithFeatures(data.train, store)
 
 
-def build(cfg: DictConfig, accelerator=None) -> Components:
+def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = None) -> Components:
+    """Components for a run. make_data(cfg, target, tokenizer, log) -> TokenizedData replaces reading cfg.data (the
+    pipeline passes its regeneration stage when data.regenerate.enabled; build itself never regenerates)."""
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
     from specdistill.data.dataset import build_data
-    from specdistill.models.draft import build_draft, check_tokenizers_match
+    from specdistill.drafts import kind_for_init
+    from specdistill.models.draft import check_tokenizers_match
     from specdistill.objectives import Models
 
     objective = validate_objective(cfg)  # fail on a bad objective before loading anything
@@ -102,26 +86,22 @@ def build(cfg: DictConfig, accelerator=None) -> Components:
     if regen and cfg.data.offline_dir:
         raise ValueError("data.regenerate.enabled=true writes its own features while decoding: set "
                          "data.offline_dir=null (or turn regeneration off to train from a dump_features.py folder)")
+    if regen and make_data is None:
+        raise ValueError("data.regenerate.enabled=true is a pipeline stage: run train.py (specdistill.pipeline.run), "
+                         "or pass make_data=specdistill.pipeline.regenerate.build_regenerated_data to build()")
+    draft_cfg = OmegaConf.to_object(cfg.draft) if isinstance(cfg.draft, DictConfig) else cfg.draft
+    kind = kind_for_init(draft_cfg.init)
     with accelerator.main_process_first():  # rank 0 converts/caches the embedded target and the data first
         target = build_target(cfg)
         tokenizer = build_tokenizer(cfg)
         if regen:  # the target answers real prompts; its features are kept from the same forwards
-            from specdistill.pipeline.regenerate import build_regenerated_data
-
             target.to(accelerator.device)
-            if cfg.draft.init == "eagle3" and not target.aux_layer_ids:
-                from specdistill.models.eagle3 import default_aux_layer_ids
-
-                target.set_aux_layer_ids(default_aux_layer_ids(target.config.num_hidden_layers))
-            data = build_regenerated_data(cfg, target, tokenizer, log=log)
+            kind.prepare_target(target)
+            data = make_data(cfg, target, tokenizer, log=log)
         else:
             data = build_data(OmegaConf.to_object(cfg.data) if isinstance(cfg.data, DictConfig) else cfg.data,
                               tokenizer, log=log)
-    draft_cfg = OmegaConf.to_object(cfg.draft) if isinstance(cfg.draft, DictConfig) else cfg.draft
-    if draft_cfg.init == "eagle3":
-        draft = build_eagle3_draft(draft_cfg, target, data)
-    else:
-        draft = build_draft(draft_cfg, target.model, data)
+    draft = kind.build(draft_cfg, target, data)
     if draft_cfg.init == "pretrained":
         check_tokenizers_match(draft_cfg.path, tokenizer)
     if cfg.data.offline_dir:

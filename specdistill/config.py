@@ -2,7 +2,7 @@
 
 Each YAML under conf/<group>/ mirrors one dataclass here; Hydra validates keys and types when it composes,
 so a mistyped key fails before any model is loaded. Objectives keep their own knobs in their own dataclass
-(specdistill/objectives/<name>.py); `objective` is validated against it by `validate_objective`.
+(specdistill/objectives/<name>.py); `objective` is validated against it by `objectives.validate_objective`.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, OmegaConf
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
@@ -198,7 +198,7 @@ class Config:
     target: TargetConfig = field(default_factory=TargetConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    objective: Any = MISSING  # validated against the chosen objective's dataclass in validate_objective
+    objective: Any = MISSING  # validated against the chosen objective's dataclass in objectives.validate_objective
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     hub: HubConfig = field(default_factory=HubConfig)
@@ -215,25 +215,3 @@ def register_configs() -> None:
     for path in sorted(RECIPES_DIR.glob("*.yaml")):
         node = OmegaConf.load(path)
         cs.store(group="recipe", name=path.stem, node=node, package="_global_")
-
-
-def validate_objective(cfg: DictConfig) -> Any:
-    """Turn cfg.objective into its objective's dataclass; unknown keys or names fail with the fix in the message."""
-    from specdistill.objectives import OBJECTIVES
-
-    raw = OmegaConf.to_container(cfg.objective, resolve=True) if isinstance(cfg.objective, DictConfig) else cfg.objective
-    if not isinstance(raw, dict) or "name" not in raw:
-        raise ValueError("objective must be a mapping with a `name`; pick one with objective=<name>, "
-                         f"one of {sorted(OBJECTIVES)}")
-    name = raw["name"]
-    if name not in OBJECTIVES:
-        raise ValueError(f"unknown objective {name!r}; choose one of {sorted(OBJECTIVES)}")
-    cls = OBJECTIVES[name]
-    schema = OmegaConf.structured(cls)
-    OmegaConf.set_struct(schema, True)
-    try:
-        merged = OmegaConf.merge(schema, raw)
-    except Exception as e:  # omegaconf's ConfigKeyError / ValidationError
-        known = sorted(k for k in schema.keys())
-        raise ValueError(f"bad objective config for {name!r}: {e}. Known keys: {known}") from None
-    return OmegaConf.to_object(merged)

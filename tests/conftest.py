@@ -52,7 +52,7 @@ def make_tiny_lm(vocab_size: int, layers: int = 4, hidden: int = 64, seed: int =
 
 def single_thread():
     """Tiny models are overhead-bound: one thread is faster, and 2 threads on a busy 2-core box crawl (~10x).
-    Used as a module-scoped autouse fixture by the spec/ and eval/ test folders."""
+    Used as a module-scoped autouse fixture by the decoding/ and eval/ test folders."""
     import torch
 
     threads = torch.get_num_threads()

@@ -2,7 +2,8 @@
 import pytest
 from omegaconf import OmegaConf
 
-from specdistill.config import CONF_DIR, RECIPES_DIR, validate_objective
+from specdistill.config import CONF_DIR, RECIPES_DIR
+from specdistill.objectives import validate_objective
 from tests.conftest import compose
 
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))

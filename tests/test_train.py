@@ -7,6 +7,7 @@ from safetensors.torch import load_file
 
 from specdistill.build import build
 from specdistill.config import RECIPES_DIR
+from specdistill.pipeline.run import build_components
 from specdistill.train.checkpoint import list_checkpoints
 from specdistill.train.loop import fit
 from tests.conftest import compose, make_tiny_lm, make_tokenizer, tiny_overrides
@@ -18,7 +19,7 @@ RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml") if not p.stem.starts
 def _run(recipe, tiny_target_dir, tiny_data_file, tmp_path, extra=(), name="run"):
     out = tmp_path / name
     cfg = compose(recipe, tiny_overrides(tiny_target_dir, tiny_data_file, out, tmp_path / "cache") + list(extra))
-    c = build(cfg)
+    c = build_components(cfg)  # with the pipeline's regeneration stage (recipe eagle3_serve)
     return c, fit(c)
 
 
@@ -120,7 +121,7 @@ def test_wandb_offline_logs_through_accelerate(tiny_target_dir, tiny_data_file, 
 
 
 def test_train_entry_runs_real_speculative_eval_at_epoch_end(tiny_target_dir, tiny_data_file, tmp_path):
-    from specdistill.train.run import run
+    from specdistill.pipeline.run import run
 
     out = tmp_path / "spec"
     cfg = compose("kd", tiny_overrides(tiny_target_dir, tiny_data_file, out, tmp_path / "cache")

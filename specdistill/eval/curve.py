@@ -1,6 +1,6 @@
 """Learning curves: real speculative tau of every checkpoint of a run, against training tokens and wall minutes.
 
-Each checkpoint's draft decodes the same prompts with the shared engine (spec.speculative_generate, greedy by
+Each checkpoint's draft decodes the same prompts with the shared engine (decoding.speculative_generate, greedy by
 default); tau = emitted tokens / target forwards. Only tau is measured here (no timing, so it may run beside other
 work); the speedup of the final draft belongs to scripts/evaluate.py on an idle machine.
 """
@@ -40,7 +40,7 @@ def tau_of(target_model, draft, prompt_ids: list[list[int]], *, gamma: int, max_
     """(tau, acceptance per position, new tokens) of `draft` on the prompts, one prompt at a time."""
     from specdistill.eval.evaluator import make_drafter
     from specdistill.config import EvalConfig
-    from specdistill.spec import speculative_generate
+    from specdistill.decoding import speculative_generate
 
     drafter, _ = make_drafter(draft, target_model, EvalConfig(gamma=gamma))
     device = next(target_model.parameters()).device
@@ -65,7 +65,7 @@ def learning_curve(run_dir, target_model, tokenizer, prompt_ids: list[list[int]]
                    progress: bool = True) -> list[CurvePoint]:
     from tqdm.auto import tqdm
 
-    from specdistill.eval.evaluator import eos_ids
+    from specdistill.tokens import eos_ids
     from specdistill.models.draft import load_trained_draft
     from specdistill.train.checkpoint import list_checkpoints
 

@@ -1,4 +1,4 @@
-"""The speculative evaluator: real speculative decoding (specdistill.spec) against target-only decoding on the same
+"""The speculative evaluator: real speculative decoding (specdistill.decoding) against target-only decoding on the same
 prompts, from summed counts, with wall-clock speedup, latency, a cost model and a built-in losslessness check.
 
 Definitions (every ratio is a ratio of sums over all prompts, never a mean of per-prompt ratios):
@@ -35,10 +35,12 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from specdistill.config import EvalConfig
-from specdistill.models.eagle3 import is_eagle3
-from specdistill.spec import (Drafter, DynamicGamma, Eagle3Drafter, FixedGamma, LMDrafter, NGramDrafter, Rollout,
+from specdistill.drafts import draft_adapter
+from specdistill.decoding import (Drafter, DynamicGamma, FixedGamma, LMDrafter, NGramDrafter, Rollout,
                               Sampler, speculative_generate, target_generate)
-from specdistill.spec.kv import BatchKV, device_of, max_positions
+from specdistill.decoding.kv import BatchKV, device_of, max_positions
+from specdistill.tensors import pad_rows
+from specdistill.tokens import eos_ids, pad_id as pad_id_of
 
 DRAFTERS = ("draft", "ngram", "target")
 HF_MODES = ("assisted_gamma", "assisted_default", "target_only")
@@ -154,12 +156,7 @@ def make_batches(prompt_ids: list[list[int]], batch_size: int, pad_id: int, devi
     out = []
     for s in range(0, len(prompt_ids), batch_size):
         rows = prompt_ids[s:s + batch_size]
-        T = max(map(len, rows))
-        ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), T), dtype=torch.long)
-        for b, r in enumerate(rows):
-            ids[b, T - len(r):] = torch.tensor(r)
-            mask[b, T - len(r):] = 1
+        ids, mask = pad_rows(rows, pad_id, side="left")
         out.append(_Batch(ids.to(device), mask.to(device), list(range(s, s + len(rows)))))
     return out
 
@@ -168,10 +165,9 @@ def make_drafter(spec: Union[str, Drafter, torch.nn.Module], target_model, cfg: 
     """'ngram' | 'target' | a Drafter | a draft causal LM -> (Drafter, its name for reports)."""
     if isinstance(spec, Drafter):
         return spec, type(spec).__name__
-    if is_eagle3(spec):
-        return Eagle3Drafter(spec), "eagle3"
     if isinstance(spec, torch.nn.Module):
-        return LMDrafter(spec, confidence=cfg.draft_confidence), "draft"
+        adapter = draft_adapter(spec)
+        return adapter.drafter(confidence=cfg.draft_confidence), adapter.kind
     if spec == "ngram":
         return NGramDrafter(max_ngram=cfg.ngram_max, min_ngram=cfg.ngram_min), "ngram"
     if spec == "target":
@@ -195,16 +191,6 @@ def check_eval_config(cfg: EvalConfig) -> None:
         raise ValueError(f"eval.position_bucket must be >= 1, got {cfg.position_bucket}")
     if cfg.compare_hf and cfg.temperature != 0:
         raise ValueError("eval.compare_hf compares outputs token for token: it needs eval.temperature=0")
-
-
-def eos_ids(tokenizer, model, ignore_eos: bool) -> Optional[list[int]]:
-    if ignore_eos:
-        return None
-    ids = set()
-    for src in (getattr(getattr(model, "generation_config", None), "eos_token_id", None), tokenizer.eos_token_id):
-        if src is not None:
-            ids.update([src] if isinstance(src, int) else src)
-    return sorted(ids) or None
 
 
 # ------------------------------------------------------------------------------------------------ timing
@@ -477,9 +463,9 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
     """Speculative decoding vs target-only decoding of `target_model` on `prompts`.
 
     drafter_spec: a draft causal LM, a spec.Drafter, 'ngram' or 'target' (the target drafting for itself).
-    prompts: a PromptSet (specdistill.eval.prompts), a list of message lists, or a list of token-id lists.
+    prompts: a PromptSet (specdistill.data.prompts), a list of message lists, or a list of token-id lists.
     """
-    from specdistill.eval.prompts import PromptSet, tokenize_prompts
+    from specdistill.data.prompts import PromptSet, tokenize_prompts
 
     check_eval_config(cfg)
     target_model.eval()
@@ -501,7 +487,7 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
         raise ValueError("empty prompt set or an empty prompt: every prompt needs at least one token")
     drafter, drafter_name = make_drafter(drafter_spec, target_model, cfg)
     eos = eos_ids(tokenizer, target_model, cfg.ignore_eos)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    pad_id = pad_id_of(tokenizer, eos)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
     def new_policy():

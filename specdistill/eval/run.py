@@ -7,7 +7,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.eval.evaluator import EvalResult, check_eval_config, evaluate
-from specdistill.eval.prompts import load_prompts
+from specdistill.data.prompts import load_prompts
 from specdistill.eval.report import write_report
 
 
@@ -19,8 +19,9 @@ def resolve_device(name: str) -> torch.device:
 
 def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
     """eval.draft_path (a trained HF draft folder) if set, else a draft built from the `draft` group (untrained)."""
-    from specdistill.models.draft import (build_draft, check_tokenizers_match, check_vocab_compatible,
-                                          load_trained_draft)
+    from specdistill.drafts import draft_adapter, kind_for_init
+    from specdistill.models.draft import check_tokenizers_match, load_trained_draft
+    from specdistill.models.target import Target
 
     path = cfg.eval.draft_path
     if path:
@@ -28,15 +29,17 @@ def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
             raise FileNotFoundError(f"eval.draft_path={path} has no config.json: point it at a checkpoint's draft/ "
                                     "folder, e.g. outputs/kd/checkpoints/step-0000040/draft")
         draft = load_trained_draft(path)  # a standalone LM or an EAGLE-3 head
-        check_vocab_compatible(draft.config, target_model.config)
+        draft_adapter(draft).check_target(target_model, "a draft must share the target's tokenizer and output "
+                                          "layer size")
         check_tokenizers_match(path, tokenizer)
         log(f"[eval] draft from {path}")
     else:
         draft_cfg = OmegaConf.to_object(cfg.draft)
-        if draft_cfg.init == "eagle3":
-            raise ValueError("an EAGLE-3 head needs training data for its vocabulary: pass eval.draft_path=<a trained "
-                             "head's checkpoint draft/ folder>")
-        draft = build_draft(draft_cfg, target_model)
+        kind = kind_for_init(draft_cfg.init)
+        if kind.needs_data_to_build:
+            raise ValueError(f"an {kind.kind} draft needs training data for its vocabulary: pass eval.draft_path=<a "
+                             "trained draft's checkpoint draft/ folder>")
+        draft = kind.build(draft_cfg, Target(target_model), None)
         log(f"[eval] no eval.draft_path: an UNTRAINED draft built from the draft group (init={draft_cfg.init}, "
             f"num_layers={draft_cfg.num_layers}); pass eval.draft_path=.../checkpoints/step-N/draft for a trained one")
     return draft.requires_grad_(False).eval()
@@ -45,7 +48,7 @@ def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
 def run(cfg: DictConfig, log=print) -> tuple[EvalResult, dict[str, Path]]:
     from specdistill.build import build_tokenizer
     from specdistill.models.target import load_causal_lm
-    from specdistill.spec.kv import max_positions
+    from specdistill.decoding.kv import max_positions
 
     ecfg = OmegaConf.to_object(cfg.eval)
     check_eval_config(ecfg)  # fail before loading anything

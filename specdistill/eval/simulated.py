@@ -11,6 +11,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from specdistill.drafts import draft_adapter
+from specdistill.drafts.base import chain_counts  # noqa: F401  (re-exported: the pure counter)
+
 
 @dataclass
 class SimulatedAcceptance:
@@ -24,21 +27,6 @@ class SimulatedAcceptance:
         return asdict(self)
 
 
-def chain_counts(match: torch.Tensor, valid: torch.Tensor, gamma: int) -> torch.Tensor:
-    """match, valid: (B, T) bool. Returns reached (gamma+1,): reached[k] = #starts whose next k positions all
-    agree (reached[0] = #valid starts). Summed counts, so ratios can be taken after reducing over batches/ranks."""
-    ok = valid.clone()  # (B, T) chains alive at depth 0
-    reached = [ok.sum()]
-    good = match & valid
-    T = match.shape[1]
-    for k in range(gamma):
-        shifted = torch.zeros_like(good)
-        shifted[:, : T - k] = good[:, k:]  # position t+k agrees
-        ok = ok & shifted
-        reached.append(ok.sum())
-    return torch.stack(reached)
-
-
 def summarize(reached: torch.Tensor, gamma: int) -> SimulatedAcceptance:
     reached = reached.double().cpu()
     n0 = max(reached[0].item(), 1.0)
@@ -47,42 +35,17 @@ def summarize(reached: torch.Tensor, gamma: int) -> SimulatedAcceptance:
     return SimulatedAcceptance(gamma, rates, tau, rates[0] if rates else 0.0, int(reached[0].item()))
 
 
-def eagle3_chain_counts(head, target_out, batch: dict, gamma: int) -> torch.Tensor:
-    """EAGLE-3 heads: unroll gamma steps on the head's own features (as the TTT objective does); a chain started at
-    slot t reaches k if steps 0..k-1 all predict the target's argmax for tokens t+2..t+1+k. Same counts as above."""
-    from specdistill.objectives.eagle3 import shift_left
-
-    lm = batch["loss_mask"].bool()
-    step_logits = head(target_out.aux_hidden, batch["input_ids"], batch["attention_mask"], steps=gamma)
-    inner = getattr(head, "module", head)
-    target_argmax = target_out.logits.argmax(-1)  # (B, T)
-    ok = shift_left(lm, 1)  # chains start at slots whose first prediction is a loss position
-    reached = [ok.sum()]
-    for j, q in enumerate(step_logits):
-        hit = inner.draft_to_target(q.argmax(-1)) == shift_left(target_argmax, 1 + j, fill=-1)
-        ok = ok & hit & shift_left(lm, 1 + j, fill=False)
-        reached.append(ok.sum())
-    return torch.stack(reached)
-
-
 @torch.no_grad()
 def simulated_acceptance(draft, target, batches, gamma: int, reduce=lambda t: t) -> SimulatedAcceptance:
     """batches: iterable of collated dicts on the right device. `reduce` sums tensors over ranks.
-    Works for standalone causal-LM drafts and EAGLE-3 heads (dispatch on the draft's type)."""
-    from specdistill.models.eagle3 import is_eagle3
-
+    Works for every draft kind: the draft's adapter (drafts/) counts the chains."""
     was_training = draft.training
     draft.eval()
-    eagle = is_eagle3(getattr(draft, "module", draft))
+    adapter = draft_adapter(draft)
     total = None
     for batch in batches:
         p = target(batch["input_ids"], batch["attention_mask"])
-        if eagle:
-            counts = eagle3_chain_counts(draft, p, batch, gamma)
-        else:
-            q = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-            match = q.argmax(-1) == p.logits.argmax(-1)  # (B, T)
-            counts = chain_counts(match, batch["loss_mask"].bool(), gamma)
+        counts = adapter.chain_counts(p, batch, gamma)
         total = counts if total is None else total + counts
     draft.train(was_training)
     if total is None:

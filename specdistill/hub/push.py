@@ -135,9 +135,10 @@ class HubPusher:
         if not self.hub.push or not self.is_main or not (saved.final or self.hub.every_epoch):
             return
         self._wait()  # one upload at a time, in order
-        from specdistill.models.eagle3 import is_eagle3
+        from specdistill.drafts import draft_adapter
 
-        eagle3 = is_eagle3(c.accelerator.unwrap_model(c.models.draft))
+        # A draft with serving export formats (an EAGLE-3 head) gets them staged and a card that serves them.
+        eagle3 = bool(draft_adapter(c.accelerator.unwrap_model(c.models.draft)).serving_formats)
         self.push(saved.path, saved.step, saved.epoch, saved.final, saved.metrics, eagle3, background=True)
 
     def push(self, checkpoint: Path, step: int, epoch: int, final: bool, metrics: dict, eagle3: bool,

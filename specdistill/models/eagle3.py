@@ -332,8 +332,11 @@ class Eagle3Head(nn.Module):
         return head
 
 
-def is_eagle3(model) -> bool:
-    return isinstance(model, Eagle3Head)
+def restrict_to_draft_vocab(p_logits: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target logits (..., V) -> logits over the draft vocabulary (..., Vd) (their softmax = p restricted to it and
+    renormalised) and (...,) bool whether the target's argmax lies in the draft vocabulary (EAGLE-3 masks the
+    positions where it does not). t2d: (V,) bool, the head's target-to-draft membership mask."""
+    return p_logits[..., t2d], t2d[p_logits.argmax(-1)]
 
 
 def build_eagle3(target_model, draft_vocab: torch.Tensor, aux_layer_ids: Optional[list[int]],

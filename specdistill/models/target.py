@@ -110,23 +110,25 @@ class Target(torch.nn.Module):
         From stored features this rebuilds only the Vd kept rows of the output layer (V/Vd times fewer FLOPs than
         full logits); the argmax comes from the stored `target_argmax` when the batch has it (regenerated greedy
         data: the target's argmax is the token it emitted), else from full logits at `positions` only."""
+        from specdistill.models.eagle3 import restrict_to_draft_vocab
+
         if "final_hidden" in batch:
             head = self.model.get_output_embeddings()
             h = batch["final_hidden"][positions].to(head.weight.dtype)  # (N, Ht)
-            logits = h @ head.weight[t2d].T  # (N, Vd)
-            if getattr(head, "bias", None) is not None:
-                logits = logits + head.bias[t2d]
             if "target_argmax" in batch:
-                argmax = batch["target_argmax"][positions]  # (N,)
+                logits = h @ head.weight[t2d].T  # (N, Vd): only the kept rows of the output layer
+                if getattr(head, "bias", None) is not None:
+                    logits = logits + head.bias[t2d]
+                in_vocab = t2d[batch["target_argmax"][positions]]  # (N,)
             else:
-                argmax = head(h).argmax(-1)
+                logits, in_vocab = restrict_to_draft_vocab(head(h), t2d)
             aux = batch.get("aux_hidden")
             aux = aux.to(head.weight.dtype) if aux is not None else None
         else:
             out = self(batch["input_ids"], batch["attention_mask"])
-            full = out.logits[positions]  # (N, V)
-            logits, argmax, aux = full[:, t2d], full.argmax(-1), out.aux_hidden
-        return DraftVocabTarget(logits=logits, in_vocab=t2d[argmax], aux_hidden=aux)
+            logits, in_vocab = restrict_to_draft_vocab(out.logits[positions], t2d)  # (N, Vd), (N,)
+            aux = out.aux_hidden
+        return DraftVocabTarget(logits=logits, in_vocab=in_vocab, aux_hidden=aux)
 
     def outputs(self, batch: dict, logits_to_keep=0) -> TargetOutput:
         """The target's output for a training batch: from stored features when the batch carries them, else a

@@ -1,4 +1,8 @@
 """Training objectives, one file each; every objective is a dataclass whose __call__(batch, models) -> StepOutput."""
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
 from specdistill.objectives.base import Models, StepOutput
 from specdistill.objectives.draft_opd import DraftOPDObjective
 from specdistill.objectives.eagle3 import Eagle3Objective
@@ -12,4 +16,25 @@ OBJECTIVES["draft_opd"] = DraftOPDObjective
 OBJECTIVES["moe_kd"] = MoEKDObjective
 OBJECTIVES["moe_opd"] = MoEOPDObjective
 
-__all__ = ["OBJECTIVES", "Models", "StepOutput", "KDObjective", "SFTObjective", "Eagle3Objective"]
+
+def validate_objective(cfg: DictConfig) -> Any:
+    """Turn cfg.objective into its objective's dataclass; unknown keys or names fail with the fix in the message."""
+    raw = OmegaConf.to_container(cfg.objective, resolve=True) if isinstance(cfg.objective, DictConfig) else cfg.objective
+    if not isinstance(raw, dict) or "name" not in raw:
+        raise ValueError("objective must be a mapping with a `name`; pick one with objective=<name>, "
+                         f"one of {sorted(OBJECTIVES)}")
+    name = raw["name"]
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; choose one of {sorted(OBJECTIVES)}")
+    cls = OBJECTIVES[name]
+    schema = OmegaConf.structured(cls)
+    OmegaConf.set_struct(schema, True)
+    try:
+        merged = OmegaConf.merge(schema, raw)
+    except Exception as e:  # omegaconf's ConfigKeyError / ValidationError
+        known = sorted(k for k in schema.keys())
+        raise ValueError(f"bad objective config for {name!r}: {e}. Known keys: {known}") from None
+    return OmegaConf.to_object(merged)
+
+
+__all__ = ["OBJECTIVES", "validate_objective", "Models", "StepOutput", "KDObjective", "SFTObjective", "Eagle3Objective"]

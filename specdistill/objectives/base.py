@@ -1,4 +1,5 @@
-"""What every objective shares: the models it sees, the step output it returns, and masked-logit helpers."""
+"""What every objective shares: the protocol the loop calls, the models it sees, the step output it returns, and
+masked-logit helpers."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,9 +17,8 @@ class Models:
 
 @dataclass
 class StepOutput:
-    """Per-token losses; the loop sums (loss * weight) and divides once by the global count of loss tokens: the data's
-    loss_mask tokens, or, for an objective with a `num_tokens(batch, models) -> ()` tensor method (on-policy
-    positions), the sum of what that method returns; the loop calls it before any backward of the step."""
+    """Per-token losses; the loop sums (loss * weight) and divides once by the global count of loss tokens, the sum
+    of the objective's num_tokens(prepared) over the step's micro-batches and ranks, known before any backward."""
     loss: torch.Tensor  # (N,) per loss token, differentiable
     weight: Optional[torch.Tensor] = None  # (N,) detached weights (acceptance weighting); None = all ones
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # detached SUMS over this micro-batch; ratios later
@@ -43,3 +43,39 @@ def labels_at_loss(batch: dict) -> torch.Tensor:
     """Next-token labels at the loss positions: (N,)."""
     nxt = torch.roll(batch["input_ids"], -1, dims=1)  # position t predicts token t+1
     return nxt[batch["loss_mask"].bool()]
+
+
+class Objective:
+    """The protocol between the loop (train/loop.py) and an objective. Per micro-batch the loop calls, in order:
+
+      prepared = objective.prepare(batch, models)   # no-grad work before the loss (Draft-OPD: rollouts, replay)
+      n        = objective.num_tokens(prepared)     # () loss tokens it will return, for the global normalisation
+      prepared = objective.offload(prepared)        # only while other micro-batches are prepared: bulky tensors off
+      out      = objective.loss(prepared, models)   # StepOutput with grad; the loop backpropagates it
+
+    and state_dict() / load_state_dict() at checkpoints (per rank). Subclasses are dataclasses of their config
+    knobs (validated by objectives.validate_objective); runtime state (buffers, RNG, counters) lives in a separate
+    object that state_dict() saves. The defaults suit objectives on the data's own loss tokens.
+    """
+
+    def prepare(self, batch: dict, models: Models) -> Any:
+        return batch
+
+    def num_tokens(self, prepared: Any) -> torch.Tensor:
+        return prepared["loss_mask"].sum()
+
+    def offload(self, prepared: Any) -> Any:
+        return prepared
+
+    def loss(self, prepared: Any, models: Models) -> StepOutput:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what state_dict() returned (stateless objectives ignore it)."""
+
+    def __call__(self, batch: dict, models: Models) -> StepOutput:
+        """prepare + loss in one call (tests, and the objectives that reuse another's loss)."""
+        return self.loss(self.prepare(batch, models), models)

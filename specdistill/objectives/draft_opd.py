@@ -3,8 +3,9 @@ with replay of rejected positions and an acceptance-weighted loss.
 
 Per call (one micro-batch), in order:
   1. Rollout (no grad, draft in eval mode): the batch's prompts are decoded by real speculative decoding with the
-     current draft (onpolicy/rollout.py, the evaluator's spec/ code); every drafted position is kept with its context,
-     the target's logits there, the verifier's decision and its category. Refreshed every `rollout_every` calls.
+     current draft (onpolicy/rollout.py, the evaluator's decoding/ code); every drafted position is kept with its
+     context, the target's logits there, the verifier's decision and its category. Refreshed every `rollout_every`
+     calls.
   2. Replay: `replay_ratio` x (fresh positions) of the worst-missed earlier rejections (each round's first rejected
      draft; the drafts after it were never verified) come back from the buffer
      (onpolicy/replay.py) with their cached target logits; the current draft re-scores them and their priority
@@ -21,31 +22,34 @@ exactly the context it was proposed in. Extra draft compute: one row per round w
 draft (about rounds x context tokens). off_trajectory=drop skips those positions instead.
 
 Normalisation: the loss is a mean over positions (fresh + replayed + data tokens when kd_weight > 0). The loop must
-know that count before any backward, so the objective exposes `num_tokens(batch, models)`, which performs step 1-2
-and caches the result for __call__ (the loop's generic hook; other objectives count loss_mask tokens).
+know that count before any backward, so steps 1-2 are `prepare()` (objectives/base.py's protocol) and the count is
+`num_tokens(prepared)`; under gradient accumulation the loop prepares every micro-batch of the step first and holds
+them offloaded (their target logits on the CPU) until each one's loss() and backward.
 
 EAGLE-3 heads (draft=eagle3): rollouts through Eagle3Drafter; the loss forward is the head's training-time-test
 unroll on its own features at each round's drafting slot, branch rows and replayed positions included
-(onpolicy/eagle3.py; a replayed position carries its trajectory's cached target features). For a head the kd_weight
+(drafts/eagle3.py; a replayed position carries its trajectory's cached target features). For a head the kd_weight
 term is recipe eagle3's own loss on the data batch (objectives/eagle3.py: the TTT unroll over gamma steps).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
 
 import torch
 
-from specdistill.losses import DIVERGENCES, acceptance_rate, divergence
+from specdistill.data.prompts import load_prompts
+from specdistill.drafts import Eagle3Draft, LMDraft, draft_adapter
+from specdistill.losses import DIVERGENCES, divergence
 from specdistill.objectives.eagle3 import Eagle3Objective
-from specdistill.objectives.base import Models, StepOutput, keep_positions, masked_logits
-from specdistill.onpolicy.eagle3 import check_head, eagle3_alpha, eagle3_logits_at, restrict_to_draft_vocab
+from specdistill.objectives.base import Models, Objective, StepOutput, keep_positions, masked_logits
 from specdistill.onpolicy.replay import ReplayBuffer, ReplayItem, pack_prefixes
-from specdistill.onpolicy.rollout import (CATEGORIES, FIRST_REJECTED, DraftedPositions, TargetLogits,
-                                          collect_rollout, draft_logits_at, prompts_from_batch)
+from specdistill.onpolicy.positions import CATEGORIES, FIRST_REJECTED, DraftedPositions, TargetLogits
+from specdistill.onpolicy.rollout import collect_rollout, left_pad, prompts_from_batch
 from specdistill.onpolicy.weights import WEIGHTINGS, position_weights
-from specdistill.spec import probs_from_logits
-from specdistill.spec.kv import logits_dim, max_positions
+from specdistill.decoding.kv import max_positions
+from specdistill.tensors import unwrap
+from specdistill.tokens import eos_ids, pad_id
 
 OFF_TRAJECTORY = ("branch", "drop")
 
@@ -70,6 +74,8 @@ def parse_divergence(spec: str) -> list[tuple[str, float]]:
 
 @dataclass
 class _Prepared:
+    """One micro-batch after prepare(): its rollout positions, the replayed ones, and the loss-token count."""
+    batch: dict
     fresh: DraftedPositions
     replay: list[ReplayItem]
     add_to_buffer: bool           # this call refreshed the rollout: its rejected positions enter the buffer
@@ -77,12 +83,8 @@ class _Prepared:
     num_tokens: torch.Tensor
 
 
-def _unwrap(m):
-    return getattr(m, "module", m)
-
-
 @dataclass
-class DraftOPDObjective:
+class DraftOPDObjective(Objective):
     name: str = "draft_opd"
     # rollouts (specdistill/onpolicy/rollout.py)
     gamma: int = 4                      # drafts per round
@@ -152,26 +154,32 @@ class DraftOPDObjective:
         self.refreshes = 0              # rollouts collected so far (the replay buffer's clock)
         self.target_tokens_total = 0    # tokens the target ran forwards over in rollouts (compute accounting)
         self._fresh: Optional[DraftedPositions] = None
-        self._prepared: dict[int, tuple[dict, _Prepared]] = {}
         self._generator: Optional[torch.Generator] = None
         self._generator_state: Optional[torch.Tensor] = None  # from a checkpoint, applied at the next rollout
         self._checked = False
-        self._eagle3 = False
         self._prompt_ids: Optional[list[torch.Tensor]] = None
         self._prompt_pos = 0
 
-    # ------------------------------------------------------------------------------------------- the loop's hooks
-    def num_tokens(self, batch: dict, models: Models) -> torch.Tensor:
-        """Loss positions this call will return (for the loop's global normalisation). Runs the rollout now."""
-        prep = self._prepare(batch, models)
-        self._prepared[id(batch)] = (batch, prep)  # the batch itself is held, so its id cannot be reused meanwhile
-        return prep.num_tokens
+    # ------------------------------------------------------------------------------------------- the protocol
+    def prepare(self, batch: dict, models: Models) -> _Prepared:
+        """Steps 1-2 (no grad): the rollout (refreshed every rollout_every calls) and the replayed positions."""
+        return self._prepare(batch, models)
 
-    def __call__(self, batch: dict, models: Models) -> StepOutput:
-        held, prep = self._prepared.pop(id(batch), (None, None))
-        if held is not batch:
-            prep = self._prepare(batch, models)
+    def num_tokens(self, prepared: _Prepared) -> torch.Tensor:
+        """() loss positions loss(prepared) returns: fresh + replayed (+ the data's loss tokens when kd_weight > 0)."""
+        return prepared.num_tokens
+
+    def offload(self, prepared: _Prepared) -> _Prepared:
+        """While the loop prepares the step's other micro-batches: the rollout's target logits, (P, V) each and the
+        bulk of a rollout, wait on the CPU (copied back exactly in loss())."""
+        fresh = replace(prepared.fresh, target=prepared.fresh.target.to("cpu"))
+        return replace(prepared, fresh=fresh)
+
+    def loss(self, prepared: _Prepared, models: Models) -> StepOutput:
+        prep, batch = prepared, prepared.batch
         fresh, replay = prep.fresh, prep.replay
+        if fresh.target.values.device != fresh.row.device:  # offloaded while other micro-batches were prepared
+            fresh = replace(fresh, target=fresh.target.to(fresh.row.device))
         P, device = len(fresh), fresh.row.device
 
         # 1-2. Per-position loss (with grad) and, detached, alpha at the rollout temperature (reach weights) and
@@ -188,27 +196,19 @@ class DraftOPDObjective:
                 # were discarded unverified (their context holds the rejected token, off the trajectory, and their
                 # reach weight is ~0); replaying them at replay_weight would undo the acceptance weighting.
                 missed = (fresh.category == FIRST_REJECTED).nonzero().flatten()
-                head = {}
-                if self._eagle3:  # the target's features, once per trajectory (a branch reads its trajectory's)
+                features = {}
+                if fresh.aux is not None:  # the target's features, once per trajectory (a branch reads its own's)
                     src = [fresh.source[r] for r in fresh.row[missed].tolist()]
                     traj = {s: fresh.aux[s, : len(fresh.rows[s])].clone() for s in set(src)}
-                    head = {"aux": [traj[s] for s in src], "index": fresh.index[missed].tolist()}
+                    features = {"aux": [traj[s] for s in src], "index": fresh.index[missed].tolist()}
                 self.buffer.add(fresh.contexts(missed), fresh.target.select(missed), priority[:P][missed].cpu(),
-                                self.refreshes, **head)
+                                self.refreshes, **features)
 
         metrics = dict(prep.metrics)
         losses, weights = [loss], [weight]
         # 3. Off-policy mix: the same divergence on the data batch's own loss tokens (a second draft forward).
         if self.kd_weight > 0 and bool(batch["loss_mask"].any()):
-            if self._eagle3:  # a head's off-policy loss is recipe eagle3's: the TTT unroll over gamma steps
-                off = Eagle3Objective(steps=self.gamma)(batch, models)
-                kd, kd_w = off.loss, off.weight * self.kd_weight                                  # (N,) each
-            else:
-                keep = keep_positions(batch["loss_mask"])
-                sel = batch["loss_mask"][:, keep].bool()
-                kd_p = models.target.outputs(batch, logits_to_keep=keep).logits[sel]           # (N, V)
-                kd = self._divergence(kd_p, masked_logits(models.draft, batch, keep))         # (N,)
-                kd_w = torch.full_like(kd, self.kd_weight)
+            kd, kd_w = OFF_POLICY[draft_adapter(models.draft).kind].loss(self, batch, models)     # (N,) each
             losses.append(kd)
             weights.append(kd_w.detach())
             metrics["kd_loss_sum"] = kd.detach().sum()
@@ -253,55 +253,46 @@ class DraftOPDObjective:
     def _score(self, fresh: DraftedPositions, replay: list[ReplayItem], models: Models):
         """ONE draft forward over every context row (rollout rows, branches, replayed contexts) -> per-position
         loss (P + Q,) with grad, and detached alpha at the rollout temperature and 1 - alpha at the loss one."""
-        device, pad = fresh.row.device, _pad_id(models)
+        draft = draft_adapter(models.draft)
+        device, pad = fresh.row.device, pad_id(models.tokenizer)
         p_full = TargetLogits.cat([fresh.target.to(device)] + [it.target.to(device) for it in replay]).dense()
-        keys = [id(it.aux) for it in replay] if self._eagle3 else None  # EAGLE-3: one trajectory's features per row
+        features = fresh.aux is not None  # rows carry the target's features (EAGLE-3): one trajectory's per row
+        keys = [id(it.aux) for it in replay] if features else None
         replay_rows, row_of = pack_prefixes([it.context.to(device) for it in replay], keys)  # shared prefixes: one row
         rows = fresh.rows + replay_rows
         row = torch.cat([fresh.row, torch.tensor(row_of, dtype=torch.long, device=device) + len(fresh.rows)])
         ctx = torch.cat([fresh.context_len,
                          torch.tensor([len(it.context) for it in replay], dtype=torch.long, device=device)])
-        if self._eagle3:
-            t2d = _unwrap(models.draft).t2d
-            index = torch.cat([fresh.index, torch.tensor([it.index for it in replay], dtype=torch.long,
-                                                         device=device)])
+        index = torch.cat([fresh.index, torch.tensor([it.index for it in replay], dtype=torch.long, device=device)])
+        aux = None
+        if features:
             row_aux = {r: replay[k].aux for k, r in enumerate(row_of)}  # a replayed row's trajectory features
             aux = _stack_aux(fresh.aux.to(device), [row_aux[r] for r in range(len(replay_rows))],
                              max(len(r) for r in rows))                                          # (R, L, D)
-            q_logits = eagle3_logits_at(models.draft, rows, aux, row, ctx, index, pad)            # (P + Q, Vd)
-            p_logits, in_vocab = restrict_to_draft_vocab(p_full, t2d)                         # (P + Q, Vd), (P + Q,)
-            loss = self._divergence(p_logits, q_logits) * in_vocab
-            q_det = q_logits.detach()
-            return (loss, eagle3_alpha(p_full, q_det, t2d, self.temperature),
-                    1 - eagle3_alpha(p_full, q_det, t2d, self.loss_temperature))
-        q_logits = draft_logits_at(models.draft, rows, row, ctx, pad)                           # (P + Q, V)
-        loss = self._divergence(p_full, q_logits)
+        q_logits = draft.logits_at(rows, row, ctx, index, aux, pad)                              # (P + Q, Vd)
+        p_logits, in_vocab = draft.restrict(p_full)                                     # (P + Q, Vd), (P + Q,) | None
+        loss = self._divergence(p_logits, q_logits)
+        if in_vocab is not None:  # target argmax outside the draft vocabulary: masked, as the eagle3 objective does
+            loss = loss * in_vocab
         q_det = q_logits.detach()
-        return loss, _alpha(p_full, q_det, self.temperature), 1 - acceptance_rate(p_full, q_det, self.loss_temperature)
+        return (loss, draft.alpha(p_full, q_det, self.temperature),
+                1 - draft.soft_alpha(p_full, q_det, self.loss_temperature))
 
     def _divergence(self, p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
         return sum(w * divergence(name, p_logits, q_logits, beta=self.beta, temperature=self.loss_temperature)
                    for name, w in self.mix)
 
     def _check_draft(self, draft, target) -> None:
-        from specdistill.models.eagle3 import is_eagle3
-
         if _sharded(draft):
             raise ValueError("objective=draft_opd needs the whole draft on every rank (one process or DDP): rollouts "
                              "run a data-dependent number of draft forwards per rank, which a sharded draft (FSDP / "
                              "DeepSpeed ZeRO-3, whose forwards are collectives) cannot do without ranks hanging")
-        self._eagle3 = is_eagle3(draft)
-        if self._eagle3:
-            check_head(draft, target)
-            return
-        V, Vd = logits_dim(target), logits_dim(draft)
-        if V != Vd:
-            raise ValueError(f"draft vocab size {Vd} != target vocab size {V}: on-policy distillation compares the "
-                             "two distributions token by token; use a draft with the target's tokenizer")
+        draft_adapter(draft).check_target(target, "on-policy distillation compares the two distributions token by "
+                                          "token; use a draft with the target's tokenizer")
 
     @torch.no_grad()
     def _prepare(self, batch: dict, models: Models) -> _Prepared:
-        draft, target = _unwrap(models.draft), getattr(models.target, "model", models.target)
+        draft, target = unwrap(models.draft), getattr(models.target, "model", models.target)
         if not self._checked:
             self._check_draft(draft, target)
             self._checked = True
@@ -325,14 +316,11 @@ class DraftOPDObjective:
         replay = self.buffer.sample(round(self.replay_ratio * len(fresh)), self.refreshes) if self.replay else []
         n = len(fresh) + len(replay)
         if self.kd_weight > 0:  # the data batch's loss positions (a head: one per unroll step reaching one)
-            lm = batch["loss_mask"].bool()
-            n += sum(int(lm[:, 1 + j:].sum()) for j in range(self.gamma)) if self._eagle3 else int(lm.sum())
-        return _Prepared(fresh, replay, refresh, metrics, f(n))
+            n += OFF_POLICY[draft_adapter(draft).kind].count(self, batch["loss_mask"].bool())
+        return _Prepared(batch, fresh, replay, refresh, metrics, f(n))
 
     def _rollout(self, batch, models, draft, target) -> DraftedPositions:
-        from specdistill.eval.evaluator import eos_ids
-
-        pad = _pad_id(models)
+        pad = pad_id(models.tokenizer)
         if self.prompts:
             ids, mask = self._next_prompts(batch["input_ids"].shape[0], models, target, pad)
             ids, mask = ids.to(batch["input_ids"].device), mask.to(batch["input_ids"].device)
@@ -358,9 +346,6 @@ class DraftOPDObjective:
 
     def _next_prompts(self, n: int, models: Models, target, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The next n prompts of `self.prompts` (cycled), left-padded (n, T)."""
-        from specdistill.eval.prompts import load_prompts
-        from specdistill.onpolicy.rollout import left_pad
-
         if self._prompt_ids is None:
             if models.tokenizer is None:
                 raise ValueError("objective.prompts needs the target's tokenizer (its chat template) in Models")
@@ -413,11 +398,32 @@ def _sharded(model) -> bool:
     return False
 
 
-def _pad_id(models: Models) -> int:
-    tok = models.tokenizer
-    return tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
+# ----------------------------------------------------------------------------------------------- off-policy mix
+@dataclass(frozen=True)
+class _OffPolicy:
+    """kd_weight's term on the data batch for one draft kind: its per-token loss and weight (N,) each, and N."""
+
+    loss: Callable[["DraftOPDObjective", dict, Models], tuple[torch.Tensor, torch.Tensor]]
+    count: Callable[["DraftOPDObjective", torch.Tensor], int]  # loss_mask (B, T) bool -> N
 
 
-def _alpha(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """sum_x min(p, q) after the decoder's own processing at `temperature` (one-hot argmax match at 0). (N,)"""
-    return torch.minimum(probs_from_logits(p_logits, temperature), probs_from_logits(q_logits, temperature)).sum(-1)
+def _kd_loss(obj: "DraftOPDObjective", batch: dict, models: Models) -> tuple[torch.Tensor, torch.Tensor]:
+    """An LM draft: the objective's divergence on the batch's loss tokens (a second draft forward)."""
+    keep = keep_positions(batch["loss_mask"])
+    sel = batch["loss_mask"][:, keep].bool()
+    kd_p = models.target.outputs(batch, logits_to_keep=keep).logits[sel]                   # (N, V)
+    kd = obj._divergence(kd_p, masked_logits(models.draft, batch, keep))                   # (N,)
+    return kd, torch.full_like(kd, obj.kd_weight)
+
+
+def _ttt_loss(obj: "DraftOPDObjective", batch: dict, models: Models) -> tuple[torch.Tensor, torch.Tensor]:
+    """An EAGLE-3 head: recipe eagle3's loss, the TTT unroll over gamma steps."""
+    off = Eagle3Objective(steps=obj.gamma)(batch, models)
+    return off.loss, off.weight * obj.kd_weight                                            # (N,) each
+
+
+# Keyed by DraftAdapter.kind: the off-policy loss of a head is its own training loss, not a token-level KD.
+OFF_POLICY = {
+    LMDraft.kind: _OffPolicy(_kd_loss, lambda obj, lm: int(lm.sum())),
+    Eagle3Draft.kind: _OffPolicy(_ttt_loss, lambda obj, lm: sum(int(lm[:, 1 + j:].sum()) for j in range(obj.gamma))),
+}

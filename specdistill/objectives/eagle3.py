@@ -7,28 +7,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdistill.objectives.base import Models, StepOutput
-
-
-def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
-    """x (B, T, ...) -> y with y[:, t] = x[:, t + n] and `fill` past the end."""
-    if n == 0:
-        return x
-    y = torch.full_like(x, fill)
-    y[:, :-n] = x[:, n:]
-    return y
+from specdistill.models.eagle3 import restrict_to_draft_vocab
+from specdistill.objectives.base import Models, Objective, StepOutput
+from specdistill.tensors import shift_left, unwrap
 
 
 def draft_vocab_targets(p_logits: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Target logits (..., V) -> (probs over the draft vocab renormalised (..., Vd), in_vocab (...,) bool: whether the
     target's argmax is in the draft vocabulary; positions where it is not are masked, as in EAGLE-3)."""
-    in_vocab = t2d[p_logits.argmax(-1)]
-    probs = p_logits[..., t2d].float().softmax(-1)  # softmax over kept ids == p restricted and renormalised
-    return probs, in_vocab
+    logits, in_vocab = restrict_to_draft_vocab(p_logits, t2d)
+    return logits.float().softmax(-1), in_vocab  # softmax over kept ids == p restricted and renormalised
 
 
 @dataclass
-class Eagle3Objective:
+class Eagle3Objective(Objective):
     name: str = "eagle3"
     steps: int = 7  # unrolled TTT steps (k)
     decay: float = 0.8  # step j weighted decay^j (EAGLE, SpecForge); 1.0 weighs steps equally
@@ -39,10 +31,10 @@ class Eagle3Objective:
         if not 0 < self.decay <= 1:
             raise ValueError("objective.decay must be in (0, 1]")
 
-    def __call__(self, batch: dict, models: Models) -> StepOutput:
+    def loss(self, batch: dict, models: Models) -> StepOutput:
         ids, am, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"].bool()
         head = models.draft
-        t2d = _unwrap(head).t2d
+        t2d = unwrap(head).t2d
         # The target's distribution over the draft vocabulary at every loss position, computed once for all steps
         # (from stored features: only the Vd kept rows of its output layer).
         tgt = models.target.draft_vocab_outputs(batch, lm, t2d)  # logits (N, Vd), in_vocab (N,), aux (B, T, 3Ht)
@@ -69,7 +61,3 @@ class Eagle3Objective:
                 metrics[f"acc_step{j}_count"] = mask.sum().float()  # no host sync: reduced at log time
         metrics["loss_sum"] = sum((l * w).sum() for l, w in zip(losses, weights)).detach()
         return StepOutput(torch.cat(losses), torch.cat(weights), metrics)
-
-
-def _unwrap(m):
-    return getattr(m, "module", m)

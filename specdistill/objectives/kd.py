@@ -6,11 +6,12 @@ from dataclasses import dataclass
 import torch
 
 from specdistill.losses import DIVERGENCES, acceptance_rate, cross_entropy, divergence
-from specdistill.objectives.base import Models, StepOutput, keep_positions, labels_at_loss, masked_logits
+from specdistill.objectives.base import (Models, Objective, StepOutput, keep_positions, labels_at_loss,
+                                        masked_logits)
 
 
 @dataclass
-class KDObjective:
+class KDObjective(Objective):
     name: str = "kd"
     divergence: str = "fkl"  # fkl | rkl | jsd | tvd | acceptance
     beta: float = 0.5  # jsd only: 0 = forward KL, 1 = reverse KL
@@ -23,7 +24,7 @@ class KDObjective:
         if self.temperature <= 0:
             raise ValueError("objective.temperature must be > 0")
 
-    def __call__(self, batch: dict, models: Models) -> StepOutput:
+    def loss(self, batch: dict, models: Models) -> StepOutput:
         keep = keep_positions(batch["loss_mask"])
         sel = batch["loss_mask"][:, keep].bool()
         p_logits = models.target.outputs(batch, logits_to_keep=keep).logits[sel]  # (N, V)

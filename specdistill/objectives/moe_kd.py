@@ -22,7 +22,8 @@ import torch
 
 from specdistill.losses import DIVERGENCES, acceptance_rate, cross_entropy, divergence
 from specdistill.moe.routing import decoder_layers, expert_forward, require_moe
-from specdistill.objectives.base import Models, StepOutput, keep_positions, labels_at_loss, masked_logits
+from specdistill.objectives.base import (Models, Objective, StepOutput, keep_positions, labels_at_loss,
+                                        masked_logits)
 
 
 class SourceCapture:
@@ -96,7 +97,7 @@ def expert_level_loss(draft, target_model, meta: dict, cap: SourceCapture, sel: 
 
 
 @dataclass
-class MoEKDObjective:
+class MoEKDObjective(Objective):
     name: str = "moe_kd"
     divergence: str = "fkl"  # output level: fkl | rkl | jsd | tvd | acceptance
     beta: float = 0.5  # jsd only
@@ -113,7 +114,7 @@ class MoEKDObjective:
         if min(self.kd_weight, self.expert_weight, self.sft_weight) < 0:
             raise ValueError("objective weights (kd_weight, expert_weight, sft_weight) must be >= 0")
 
-    def __call__(self, batch: dict, models: Models) -> StepOutput:
+    def loss(self, batch: dict, models: Models) -> StepOutput:
         draft = getattr(models.draft, "module", models.draft)
         meta = getattr(draft.config, "specdistill_moe", None)
         if self.expert_weight and not meta:

@@ -5,7 +5,7 @@ Composition, not a copy: every on-policy mechanism (speculative rollouts with th
 rejected positions, acceptance weighting, the optional kd_weight term) is DraftOPDObjective's. This objective adds,
 per call, one target forward over the data batch with hooks on the source layers' MoE blocks (the rollout's target
 forwards run on other tokens) and appends expert_weight x the expert loss of each data loss token to the per-position
-losses; `num_tokens` counts those tokens too, so the loop's single normalisation stays a mean over everything
+losses; `num_tokens(prepared)` counts those tokens too, so the loop's single normalisation stays a mean over everything
 returned. expert_weight=0 is plain Draft-OPD on an expert-selective draft.
 """
 from __future__ import annotations
@@ -40,13 +40,17 @@ class MoEOPDObjective(DraftOPDObjective):
     def _expert_tokens(self, batch: dict) -> int:
         return int(batch["loss_mask"].sum()) if self.expert_weight else 0
 
-    def num_tokens(self, batch: dict, models: Models) -> torch.Tensor:
+    def prepare(self, batch: dict, models: Models):
         self._meta(models)
-        return super().num_tokens(batch, models) + self._expert_tokens(batch)
+        return super().prepare(batch, models)
 
-    def __call__(self, batch: dict, models: Models) -> StepOutput:
+    def num_tokens(self, prepared) -> torch.Tensor:
+        return super().num_tokens(prepared) + self._expert_tokens(prepared.batch)
+
+    def loss(self, prepared, models: Models) -> StepOutput:
         meta = self._meta(models)
-        out = super().__call__(batch, models)
+        out = super().loss(prepared, models)
+        batch = prepared.batch
         if not self._expert_tokens(batch):
             return out
         if "final_hidden" in batch:

@@ -6,14 +6,15 @@ from dataclasses import dataclass
 import torch
 
 from specdistill.losses import cross_entropy
-from specdistill.objectives.base import Models, StepOutput, keep_positions, labels_at_loss, masked_logits
+from specdistill.objectives.base import (Models, Objective, StepOutput, keep_positions, labels_at_loss,
+                                        masked_logits)
 
 
 @dataclass
-class SFTObjective:
+class SFTObjective(Objective):
     name: str = "sft"
 
-    def __call__(self, batch: dict, models: Models) -> StepOutput:
+    def loss(self, batch: dict, models: Models) -> StepOutput:
         keep = keep_positions(batch["loss_mask"])
         logits = masked_logits(models.draft, batch, keep)  # (N, V)
         labels = labels_at_loss(batch)  # (N,)

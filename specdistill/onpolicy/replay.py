@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from specdistill.onpolicy.rollout import TargetLogits
+from specdistill.onpolicy.positions import TargetLogits
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specdistill.onpolicy.rollout import ACCEPTED, AFTER_REJECTION
+from specdistill.onpolicy.positions import ACCEPTED, AFTER_REJECTION
 
 WEIGHTINGS = ("reach", "decay", "none")
 

@@ -1,6 +1,6 @@
 """Pipeline stage: regenerate the training answers with the target and keep its features (data/regenerated.py).
 
-It decodes with the shared engine (spec.target_generate) and writes the store that data/regenerated.py reads; it
+It decodes with the shared engine (decoding.target_generate) and writes the store that data/regenerated.py reads; it
 sits above both, so the data package never imports decoding.
 """
 from __future__ import annotations
@@ -16,6 +16,8 @@ import torch
 from specdistill.config import RegenerateConfig
 from specdistill.data.regenerated import (RegeneratedStore, _write_part, num_parts, part_path, split_rows, store_key,
                                           store_settings)
+from specdistill.tensors import pad_rows
+from specdistill.tokens import pad_id
 
 
 def load_prompt_rows(cfg: RegenerateConfig, tokenizer, count: int) -> tuple[list[list[int]], dict]:
@@ -23,7 +25,7 @@ def load_prompt_rows(cfg: RegenerateConfig, tokenizer, count: int) -> tuple[list
     and why. The order depends only on the source and the filters, so a longer list extends a shorter one."""
     from specdistill.data.chat import prompt_ids
     from specdistill.data.conversations import load_rows
-    from specdistill.eval.prompts import PromptError, first_turn
+    from specdistill.data.prompts import PromptError, first_turn
 
     rows = load_rows(cfg.prompts)
     ids, skipped, seen = [], {"no usable user turn": 0, "too long": 0, "duplicate": 0}, set()
@@ -55,7 +57,7 @@ def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path
     """Make, finish or reuse the parts this run needs; returns (store folder, parts to read)."""
     from tqdm.auto import tqdm
 
-    from specdistill.spec import target_generate
+    from specdistill.decoding import target_generate
 
     L = target_model.config.num_hidden_layers
     layers = list(aux_layer_ids) + [L]  # hidden_states[L]: after the final norm, what lm_head reads
@@ -79,19 +81,14 @@ def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path
         f"T={cfg.temperature}, batch {cfg.batch_size}, features of layers {layers} -> {root}; "
         f"{want - len(missing)} of {want} parts exist")
     device = next(target_model.parameters()).device
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_id(tokenizer)
     A = len(aux_layer_ids) * target_model.config.hidden_size
     t0, new_tokens = time.perf_counter(), 0
     bar = tqdm(total=len(missing), desc="regenerate", unit="batch", disable=not progress, dynamic_ncols=True)
     for i in missing:
         chunk = batches[i]
         gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + i) if cfg.temperature > 0 else None
-        P = max(len(p) for p in chunk)
-        input_ids = torch.full((len(chunk), P), pad, dtype=torch.long)
-        mask = torch.zeros_like(input_ids)
-        for b, p in enumerate(chunk):  # left padding
-            input_ids[b, P - len(p):] = torch.tensor(p)
-            mask[b, P - len(p):] = 1
+        input_ids, mask = pad_rows(chunk, pad, side="left")
         roll = target_generate(target_model, input_ids.to(device), mask.to(device), max_new_tokens=cfg.max_new_tokens,
                                temperature=cfg.temperature, eos_token_id=tokenizer.eos_token_id, generator=gen,
                                capture_layers=layers)

@@ -53,7 +53,7 @@ def resolve_resume(resume: Optional[str], output_dir: str | Path) -> Optional[Pa
 def save_checkpoint(accelerator, draft, tokenizer, output_dir, step: int, trainer_state: dict, metrics: dict,
                     config_yaml: str, keep: int = 2, objective=None) -> Path:
     """Every rank must call this (accelerate gathers state); only the main process writes shared files.
-    `objective`: saved per rank when it has a state_dict() (not accelerate's register_for_checkpointing, which
+    `objective`: its state_dict() saved per rank when not empty (not accelerate's register_for_checkpointing, which
     keeps rank 0's copy only; on-policy state such as a replay buffer differs per rank)."""
     root = checkpoint_dir(output_dir)
     final = root / f"step-{step:07d}"
@@ -64,11 +64,12 @@ def save_checkpoint(accelerator, draft, tokenizer, output_dir, step: int, traine
             shutil.rmtree(debris, ignore_errors=True)  # left by a process killed mid-save or mid-delete
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp / "state"))
-    if callable(getattr(objective, "state_dict", None)):
+    objective_state = objective.state_dict() if objective is not None else {}
+    if objective_state:  # objectives/base.py: stateless objectives return {}
         import torch
 
         (tmp / "state").mkdir(parents=True, exist_ok=True)
-        torch.save(objective.state_dict(), tmp / "state" / f"objective_{accelerator.process_index}.pt")
+        torch.save(objective_state, tmp / "state" / f"objective_{accelerator.process_index}.pt")
     accelerator.wait_for_everyone()  # every rank's files are in place before the main process renames
     state_dict = accelerator.get_state_dict(draft)  # full state dict (gathered under FSDP/ZeRO-3)
     if accelerator.is_main_process:
@@ -95,7 +96,7 @@ def load_checkpoint(accelerator, path: Path, objective=None) -> dict:
     """Restore model, optimizer, scheduler and RNG (and the objective's own state) in place; return the trainer
     state (step, epoch...)."""
     accelerator.load_state(str(path / "state"))
-    if callable(getattr(objective, "load_state_dict", None)):
+    if objective is not None and objective.state_dict():  # a stateful objective (objectives/base.py protocol)
         import torch
 
         f = path / "state" / f"objective_{accelerator.process_index}.pt"

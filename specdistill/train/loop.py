@@ -189,33 +189,40 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
             micro = [_to_device(b, acc.device) for b in batches.micro_batches(step)]
             # Normalise by the global number of loss tokens in this optimizer step (all micro-batches, all ranks):
             # the gradient is that of the mean over tokens, however the batch is split. DDP averages gradients over
-            # ranks, hence the factor world. An objective whose loss tokens are not the data's (on-policy positions)
-            # counts them itself with num_tokens(batch, models), called before any backward.
-            count = getattr(objective, "num_tokens", None)
-            n_local = sum(count(b, c.models) if count else b["loss_mask"].sum() for b in micro)
-            n_global = acc.reduce(n_local.detach().clone(), "sum").clamp_min(1)
-            scale = world / n_global
-
-            def forward_backward() -> None:
+            # ranks, hence the factor world. The count is the objective's num_tokens(prepared), so every micro-batch
+            # is prepared (Draft-OPD: rollouts) before the first backward; while the others are prepared, each waits
+            # offloaded (objective.offload: its bulky tensors off the accelerator), so one rollout's worth is resident.
+            def step_work():
+                prepared, n_local = [], 0
                 for i, b in enumerate(micro):
+                    p = objective.prepare(b, c.models)
+                    n_local = n_local + objective.num_tokens(p)
+                    prepared.append(objective.offload(p) if len(micro) > 1 else p)
+                n_global = acc.reduce(torch.as_tensor(n_local, device=acc.device).detach().clone(), "sum").clamp_min(1)
+                scale = world / n_global
+                for i in range(len(prepared)):
+                    p, prepared[i] = prepared[i], None  # dropped after its backward
                     last_micro = i == len(micro) - 1
                     sync = nullcontext() if last_micro else acc.no_sync(draft)
                     # DeepSpeed steps its engine inside backward when sync_gradients is set: on the last micro-batch.
                     acc.gradient_state._set_sync_gradients(last_micro)
                     with sync, acc.autocast():
-                        out = objective(b, c.models)
+                        out = objective.loss(p, c.models)
                         per_token = out.loss if out.weight is None else out.loss * out.weight
                         acc.backward(per_token.sum() * scale)
+                    del p
                     for k, v in out.metrics.items():
                         sums[k] = sums.get(k, 0) + v.detach().float()
+                return n_local, n_global
 
             if peak_gflops is not None and roofline is None:  # the first step is counted (its window includes
-                counted = count_flops(forward_backward)     # the counter's small dispatch overhead)
+                counted = count_flops(step_work)             # the counter's small dispatch overhead)
+                n_local, n_global = counted.result
                 roofline = Roofline(peak_gflops, counted.flops / max(float(n_local), 1.0))
                 acc.print(f"[train] {roofline.flops_per_token / 1e6:.1f} MFLOP per loss token (forward + backward, "
                           f"torch's FlopCounterMode); matmul peak {peak_gflops:.1f} GFLOPS ({t.mixed_precision})")
             else:
-                forward_backward()
+                n_local, n_global = step_work()
             sums["tokens"] = sums.get("tokens", 0) + n_local.float()
             sums["input_tokens"] = sums.get("input_tokens", 0) + sum(b["attention_mask"].sum() for b in micro).float()
             grad_norm = acc.clip_grad_norm_(draft.parameters(), t.max_grad_norm) if t.max_grad_norm > 0 else None

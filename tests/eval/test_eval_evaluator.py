@@ -9,7 +9,7 @@ import torch
 from specdistill.config import EvalConfig
 from specdistill.eval.evaluator import SpecCounts, _weighted_percentiles, evaluate, leviathan_speedup
 from specdistill.eval.report import PLOTS, REQUIRED_KEYS, write_report
-from specdistill.spec import LMDrafter, RoundRecord, Rollout, speculative_generate
+from specdistill.decoding import LMDrafter, RoundRecord, Rollout, speculative_generate
 
 
 def _cfg(**kw):

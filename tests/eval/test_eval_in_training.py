@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from accelerate import Accelerator
 
-from specdistill.eval.in_training import spec_eval_hook
+from specdistill.train.spec_eval import spec_eval_hook
 from specdistill.models.target import Target
 from specdistill.objectives import Models
 from tests.conftest import compose, make_tiny_lm

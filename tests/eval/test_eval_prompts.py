@@ -4,7 +4,7 @@ import json
 import pytest
 
 from specdistill.data.chat import prompt_ids
-from specdistill.eval.prompts import PromptError, first_turn, load_prompt_messages, load_prompts
+from specdistill.data.prompts import PromptError, first_turn, load_prompt_messages, load_prompts
 
 
 def test_mt_bench_is_the_80_first_turns():

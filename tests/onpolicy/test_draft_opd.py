@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from specdistill.config import validate_objective
+from specdistill.objectives import validate_objective
 from specdistill.losses import divergence
 from specdistill.models.target import Target
 from specdistill.objectives import Models
@@ -36,10 +36,11 @@ def test_weights_are_products_of_the_verifiers_alphas(temperature):
     models = _models()
     obj = DraftOPDObjective(gamma=3, max_new_tokens=10, temperature=temperature, replay=False, weighting="reach")
     batch = _batch()
-    n = obj.num_tokens(batch, models)
-    out = obj(batch, models)
+    prep = obj.prepare(batch, models)
+    n = obj.num_tokens(prep)
+    out = obj.loss(prep, models)
     fresh = obj._fresh
-    assert obj.refreshes == 1 and int(n) == len(out.loss) == len(fresh)  # the loop's count is what __call__ returns
+    assert obj.refreshes == 1 and int(n) == len(out.loss) == len(fresh)  # the loop's count is what loss() returns
     # fresh rollout, unchanged draft: the current alphas are the ones the verifier used
     expected = reach_weights(fresh.alpha, fresh.round_id, fresh.index)
     assert torch.allclose(out.weight, expected, atol=1e-5)
@@ -61,10 +62,10 @@ def test_replayed_positions_are_rescored_by_the_current_draft_from_cached_target
                for it in obj.buffer.items.values())
     perturb(models.draft)  # the draft changes between the two calls
     b2 = _batch()
-    obj.num_tokens(b2, models)
+    prep = obj.prepare(b2, models)
     calls_before = models.target.calls
-    items = list(obj._prepared.values())[0][1].replay
-    out = obj(b2, models)
+    items = prep.replay
+    out = obj.loss(prep, models)
     assert models.target.calls == calls_before  # nothing recomputed on the target for replayed positions
     P, Q = len(obj._fresh), len(items)
     assert Q == min(round(0.5 * P), missed) and len(out.loss) == P + Q
@@ -229,3 +230,16 @@ def test_resume_equals_uninterrupted_with_replay_and_a_cached_rollout(draft, tin
         back = resumed.objective.buffer.items[u]
         assert torch.equal(back.context, it.context) and back.index == it.index
         assert (back.aux is None) == (it.aux is None) and (it.aux is None or torch.equal(back.aux, it.aux))
+
+
+def test_an_offloaded_micro_batch_gives_the_same_loss():
+    """The loop offloads prepared micro-batches while it prepares the others (grad accumulation): same loss()."""
+    models, batch = _models(), _batch()
+    kw = dict(gamma=3, max_new_tokens=10, temperature=1.0, replay=False)
+    a, b = DraftOPDObjective(**kw), DraftOPDObjective(**kw)
+    kept = a.loss(a.prepare(batch, models), models)
+    prep = b.prepare(batch, models)
+    parked = b.offload(prep)
+    assert parked.fresh.target.values.device.type == "cpu"
+    moved = b.loss(parked, models)
+    assert torch.equal(kept.loss, moved.loss) and torch.equal(kept.weight, moved.weight)

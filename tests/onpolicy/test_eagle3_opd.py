@@ -9,10 +9,10 @@ from specdistill.objectives import Models
 from specdistill.losses import divergence
 from specdistill.objectives.draft_opd import DraftOPDObjective
 from specdistill.objectives.eagle3 import Eagle3Objective
-from specdistill.onpolicy.eagle3 import eagle3_alpha, eagle3_logits_at
+from specdistill.drafts.eagle3 import eagle3_alpha, eagle3_logits_at
 from specdistill.onpolicy.rollout import AFTER_REJECTION, FIRST_REJECTED, collect_rollout
 from specdistill.onpolicy.weights import reach_weights
-from specdistill.spec import Eagle3Drafter, speculative_generate
+from specdistill.decoding import Eagle3Drafter, speculative_generate
 from tests.conftest import make_tiny_lm
 from tests.onpolicy.conftest import CountingTarget, perturb
 
@@ -87,8 +87,9 @@ def test_head_off_policy_mix_is_the_eagle3_loss_on_the_data_batch(target):
     models.target.set_aux_layer_ids(head.config.aux_layer_ids)  # as build does for draft=eagle3
     obj = DraftOPDObjective(gamma=3, max_new_tokens=6, temperature=1.0, replay=False, kd_weight=0.5)
     batch = _batch()
-    n = obj.num_tokens(batch, models)
-    out = obj(batch, models)
+    prep = obj.prepare(batch, models)
+    n = obj.num_tokens(prep)
+    out = obj.loss(prep, models)
     P = len(obj._fresh)
     off = Eagle3Objective(steps=3)(batch, models)
     assert int(n) == len(out.loss) == P + len(off.loss) and len(off.loss) > 0
@@ -123,19 +124,19 @@ def test_head_replay_rescores_from_cached_target_features(target):
         # context, slot, step and target features all recovered from the buffer alone).
         missed_at = (fresh.category == FIRST_REJECTED).nonzero().flatten().tolist()
         b1 = _batch()
-        obj.num_tokens(b1, models)
-        replayed0 = list(obj._prepared.values())[0][1].replay
-        same = obj(b1, models)
+        prep = obj.prepare(b1, models)
+        replayed0 = prep.replay
+        same = obj.loss(prep, models)
         P0 = len(fresh)
         assert obj.refreshes == 1 and len(same.loss) == P0 + len(replayed0) and replayed0
         for k, it in enumerate(replayed0):
             assert torch.allclose(same.loss[P0 + k], same.loss[missed_at[it.uid]], atol=1e-5)
         perturb(head)  # the head changes between the two calls
         b2 = _batch()
-        obj.num_tokens(b2, models)
+        prep = obj.prepare(b2, models)
         calls = models.target.calls
-        replayed = list(obj._prepared.values())[0][1].replay
-        out = obj(b2, models)
+        replayed = prep.replay
+        out = obj.loss(prep, models)
         assert models.target.calls == calls  # replay ran no target forward
         P, Q = len(obj._fresh), len(replayed)
         assert Q == min(round(0.5 * P), missed) and len(out.loss) == P + Q

@@ -2,9 +2,10 @@
 import pytest
 import torch
 
+from specdistill.drafts.lm import draft_logits_at
 from specdistill.onpolicy.rollout import (ACCEPTED, AFTER_REJECTION, FIRST_REJECTED, TargetLogits, collect_rollout,
-                                          draft_logits_at, prompts_from_batch)
-from specdistill.spec import LMDrafter, speculative_generate, target_generate, verify_greedy
+                                          prompts_from_batch)
+from specdistill.decoding import LMDrafter, speculative_generate, target_generate, verify_greedy
 
 GAMMA, NEW = 3, 12
 

@@ -111,7 +111,7 @@ def _no_token_anywhere(root: Path, captured: str):
 
 def test_training_pushes_each_epoch_and_the_end_with_card_and_eagle3_exports(tiny_target_dir, tiny_data_file,
                                                                               tmp_path, hub_env, capfd):
-    from specdistill.train.run import run
+    from specdistill.pipeline.run import run
 
     out = tmp_path / "out"
     with FakeHub(fail_commits=1) as hub:  # the first commit fails once: retried after the backoff
@@ -186,7 +186,7 @@ def test_card_for_a_standalone_draft_has_the_tau_table_and_serving_commands(tiny
 
 
 def test_push_true_without_a_repo_fails_before_loading_anything(tiny_target_dir, tiny_data_file, tmp_path):
-    from specdistill.train.run import run
+    from specdistill.pipeline.run import run
 
     cfg = compose("kd", tiny_overrides(tmp_path / "missing", tiny_data_file, tmp_path, tmp_path / "c") + ["hub.push=true"])
     with pytest.raises(ValueError, match="hub.repo_id"):

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from specdistill.spec.drafters import LMDrafter
-from specdistill.spec.kv import BatchKV, TokenBuffer
-from specdistill.spec.sampling import Sampler
+from specdistill.decoding.drafters import LMDrafter
+from specdistill.decoding.kv import BatchKV, TokenBuffer
+from specdistill.decoding.sampling import Sampler
 
 
 def _real_rows(kv: BatchKV, row: int):

@@ -1,6 +1,6 @@
 """Real speculative evaluation inside training: the loop calls spec_eval_hook at each epoch end (issue 3, item 6).
 
-Same code as scripts/evaluate.py (specdistill.eval.evaluator over specdistill.spec), on a small prompt set
+Same code as scripts/evaluate.py (specdistill.eval.evaluator over specdistill.decoding), on a small prompt set
 (eval.prompts, eval.num_prompts, eval.max_new_tokens), without the batch sweep or the HF comparison. Rank 0 runs it;
 the other ranks wait at a barrier and return {}. Drafts sharded across ranks (FSDP, DeepSpeed ZeRO-3) have no full
 copy on rank 0, so the hook skips them (with a message) rather than hang.
@@ -28,7 +28,7 @@ def spec_eval_hook(c, epoch: int, step: int) -> dict:
 
 
 def final_spec_eval(c, epoch: int, step: int) -> dict:
-    """eval.spec_eval_at=end: the one speculative evaluation after the last step (train/run.py calls it)."""
+    """eval.spec_eval_at=end: the one speculative evaluation after the last step (pipeline/run.py calls it)."""
     if not c.cfg.eval.spec_eval or c.cfg.eval.spec_eval_at != "end":
         return {}
     return run_spec_eval(c, epoch, step, name="final")
@@ -51,9 +51,9 @@ def run_spec_eval(c, epoch: int, step: int, name: str | None = None) -> dict:
 
 def _evaluate_on_this_rank(c, epoch: int, step: int, name: str) -> dict:
     from specdistill.eval.evaluator import evaluate, for_training
-    from specdistill.eval.prompts import load_prompts
+    from specdistill.data.prompts import load_prompts
     from specdistill.eval.report import write_report
-    from specdistill.spec.kv import max_positions
+    from specdistill.decoding.kv import max_positions
 
     acc = c.accelerator
     ecfg = OmegaConf.to_object(c.cfg.eval) if isinstance(c.cfg.eval, DictConfig) else c.cfg.eval

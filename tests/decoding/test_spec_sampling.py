@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdistill.spec.sampling import Sampler, probs_from_logits, sample
+from specdistill.decoding.sampling import Sampler, probs_from_logits, sample
 
 
 def test_temperature_zero_is_one_hot_argmax():

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from specdistill.models.eagle3 import build_eagle3
-from specdistill.spec import Eagle3Drafter, probs_from_logits, speculative_generate, target_generate
-from specdistill.spec.sampling import Sampler
+from specdistill.decoding import Eagle3Drafter, probs_from_logits, speculative_generate, target_generate
+from specdistill.decoding.sampling import Sampler
 from tests.conftest import make_tiny_lm
 
 V = 48

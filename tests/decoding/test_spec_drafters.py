@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from specdistill.spec.drafters import LMDrafter, NGramDrafter
-from specdistill.spec.sampling import Sampler
+from specdistill.decoding.drafters import LMDrafter, NGramDrafter
+from specdistill.decoding.sampling import Sampler
 
 GREEDY = Sampler(0.0)
 

@@ -1,12 +1,14 @@
-"""Entry used by train.py: make the accelerator for the launch mode, build the components, fit (speculative eval at
-each epoch end, hub push after each epoch's checkpoint and at the end), report where the outputs went."""
+"""The training pipeline train.py runs: regenerate (optional) -> build -> fit (speculative eval at each epoch end, hub
+push after each epoch's checkpoint and at the end) -> final speculative eval -> serving export."""
 from __future__ import annotations
 
 from omegaconf import DictConfig
 
 from specdistill.build import build
-from specdistill.eval.in_training import final_spec_eval, spec_eval_hook
+from specdistill.drafts import kind_for_init
+from specdistill.train.spec_eval import final_spec_eval, spec_eval_hook
 from specdistill.hub.push import HubPusher, check_hub_config
+from specdistill.pipeline.regenerate import build_regenerated_data
 from specdistill.train.distributed import check_replicas, make_launch_accelerator
 from specdistill.train.loop import FitResult, fit
 
@@ -15,7 +17,7 @@ def run(cfg: DictConfig) -> FitResult:
     check_hub_config(cfg.hub)  # before any model is loaded
     check_export_config(cfg)
     acc = make_launch_accelerator(cfg)
-    c = build(cfg, accelerator=acc)
+    c = build_components(cfg, accelerator=acc)
     pusher = HubPusher(cfg, c.output_dir, is_main=acc.is_main_process, log=acc.print)
     result = fit(c, epoch_end_hooks=(spec_eval_hook,), checkpoint_hooks=(pusher,) if cfg.hub.push else ())
     pusher.finish(wait=result.preempted is None)
@@ -32,14 +34,19 @@ def run(cfg: DictConfig) -> FitResult:
     return result
 
 
-def export_final(cfg: DictConfig, checkpoint, output_dir, log=print) -> list:
-    """trainer.export_formats: serving exports of the final checkpoint's head, validated, in <output_dir>/export/."""
-    from specdistill.export import export_eagle3
+def build_components(cfg: DictConfig, accelerator=None):
+    """build.build with the pipeline's first stage: data.regenerate.enabled regenerates the data with the target."""
+    return build(cfg, accelerator=accelerator,
+                 make_data=build_regenerated_data if cfg.data.regenerate.enabled else None)
 
+
+def export_final(cfg: DictConfig, checkpoint, output_dir, log=print) -> list:
+    """trainer.export_formats: serving exports of the final checkpoint's draft, validated, in <output_dir>/export/."""
+    kind = kind_for_init(cfg.draft.init)
     written = []
     for fmt in cfg.trainer.export_formats or []:
-        res = export_eagle3(checkpoint / "draft", output_dir / "export" / fmt, fmt=fmt, target_path=str(cfg.target.path),
-                            overwrite=True)
+        res = kind.export(checkpoint / "draft", output_dir / "export" / fmt, fmt=fmt, target_path=str(cfg.target.path),
+                          overwrite=True)
         log(f"[export] {fmt}: {res.out_dir}")
         written.append(res.out_dir)
     return written
@@ -52,7 +59,7 @@ def check_export_config(cfg: DictConfig) -> None:
     bad = [f for f in formats if f not in FORMATS]
     if bad:
         raise ValueError(f"trainer.export_formats {bad}: choose from {list(FORMATS)}")
-    if formats and cfg.draft.init != "eagle3":
+    if formats and not kind_for_init(cfg.draft.init).serving_formats:
         raise ValueError(f"trainer.export_formats={formats} exports EAGLE-3 heads; draft.init={cfg.draft.init!r} is a "
                          "standalone LM (serve its checkpoint folder as is): set trainer.export_formats=[]")
     if cfg.eval.spec_eval_at not in ("every_epoch", "end"):

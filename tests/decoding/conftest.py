@@ -1,4 +1,4 @@
-"""Fixtures for the spec/ tests: seeded tiny Llama models built from configs, and a chi-square p-value."""
+"""Fixtures for the decoding/ tests: seeded tiny Llama models built from configs, and a chi-square p-value."""
 
 import pytest
 import torch

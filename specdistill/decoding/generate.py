@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 
+from specdistill.tokens import check_vocab_compatible
+
 from .drafters import Drafter
 from .kv import BatchKV, TokenBuffer, device_of, logits_dim, max_positions
 from .sampling import Sampler
@@ -133,18 +135,9 @@ class Rollout:
         return self.num_new_tokens.sum().item() / max(self.target_forwards.sum().item(), 1)
 
     @property
-    def tokens_per_second(self) -> float:
-        """Decode throughput over all rows, prefill excluded."""
-        return self.num_new_tokens.sum().item() / max(self.decode_seconds, 1e-9)
-
-    @property
     def acceptance_per_position(self) -> torch.Tensor:
         """P(draft k accepted) = P(drafts 0..k all accepted); accepted[k] / accepted[k-1] is the conditional rate."""
         return self.position_accepted / self.position_proposed.clamp(min=1)  # (max_gamma,)
-
-    @property
-    def alpha_per_position(self) -> torch.Tensor:
-        return self.position_alpha / self.position_proposed.clamp(min=1)     # (max_gamma,)
 
     def tokens(self, row: int) -> list[int]:
         return self.sequences[row, : int(self.num_new_tokens[row])].tolist()
@@ -240,10 +233,9 @@ def speculative_generate(
     device = device_of(target_model)
     input_ids, attention_mask = _check_inputs(target_model, input_ids, attention_mask, max_new_tokens, device)
     V = logits_dim(target_model)
-    if drafter.vocab_size is not None and drafter.vocab_size != V:
-        raise ValueError(f"draft vocab size {drafter.vocab_size} != target vocab size {V}: verification compares "
-                         "distributions token by token; use a draft with the target's tokenizer and output vocab "
-                         "(or a vocab-mapped head)")
+    if drafter.vocab_size is not None:
+        check_vocab_compatible(drafter.vocab_size, V, "verification compares distributions token by token; use a draft "
+                               "with the target's tokenizer and output vocab (or a vocab-mapped head)")
     B = input_ids.shape[0]
     eos = _eos(eos_token_id, device)
     hidden = {"output_hidden_states": True} if drafter.needs_hidden_states else {}

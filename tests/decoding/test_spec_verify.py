@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from specdistill.spec.sampling import probs_from_logits, sample
-from specdistill.spec.verify import PAD, verify_greedy, verify_sampling
+from specdistill.decoding.sampling import probs_from_logits, sample
+from specdistill.decoding.verify import PAD, verify_greedy, verify_sampling
 
 N = 20000  # rows per verify call: one vectorized Monte-Carlo batch
 

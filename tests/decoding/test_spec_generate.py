@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdistill.spec import (DynamicGamma, FixedGamma, LMDrafter, NGramDrafter, probs_from_logits,
+from specdistill.decoding import (DynamicGamma, FixedGamma, LMDrafter, NGramDrafter, probs_from_logits,
                               speculative_generate, target_generate)
 
 MAX_NEW = 16

@@ -1,0 +1,124 @@
+"""The draft adapter interface: everything training, decoding, evaluation and export need from one kind of draft.
+
+One subclass per kind (drafts/lm.py: standalone causal LMs; drafts/eagle3.py: EAGLE-3 heads), registered in
+drafts/__init__.py. Callers ask `draft_adapter(model)` (a built draft) or `kind_for_init(init)` (a config) and never
+test a draft's type themselves, so a new kind (MTP heads, block drafters) is one new file. This package knows
+nothing of objectives, rollouts or the evaluator: they sit above it.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from specdistill.decoding import Drafter, probs_from_logits
+from specdistill.tensors import unwrap
+
+
+class DraftAdapter:
+    """Wraps one draft model (possibly inside a DDP / accelerate wrapper: forwards with grad go through the wrapper).
+
+    Shapes: P drafted positions, R context rows, V the target's vocabulary, Vd the draft's output vocabulary
+    (V for an LM draft, the head's reduced vocabulary for EAGLE-3).
+    """
+
+    kind: str = ""                          # name in reports ("draft", "eagle3")
+    inits: tuple[str, ...] = ()             # draft.init values that build this kind
+    serving_formats: tuple[str, ...] = ()   # export formats (export.py); () = its checkpoint folder is served as is
+    needs_row_features = False              # rollout rows carry target features (DraftedPositions.aux)
+    decodes_alone = True                    # can generate without the target (the assist=false rollout ablation)
+    needs_data_to_build = False             # build() needs training data (so no untrained one can be evaluated)
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return unwrap(self.model)
+
+    # ------------------------------------------------------------------------------------------- building
+    @classmethod
+    def matches(cls, model: torch.nn.Module) -> bool:
+        """Whether an (unwrapped) model is a draft of this kind."""
+        raise NotImplementedError
+
+    @classmethod
+    def build(cls, draft_cfg, target, data) -> torch.nn.Module:
+        """A trainable draft from the `draft` config group for `target` (models.target.Target); `data`
+        (data.dataset.TokenizedData, may be None) for drafts that learn their vocabulary or calibrate on it."""
+        raise NotImplementedError
+
+    @classmethod
+    def prepare_target(cls, target) -> None:
+        """Set up the target (models.target.Target) before it decodes for data regeneration (default: nothing)."""
+
+    # ------------------------------------------------------------------------------------------- decoding
+    def drafter(self, confidence: float = 0.0) -> Drafter:
+        """The decoding engine's proposer for this draft (decoding/)."""
+        raise NotImplementedError
+
+    def check_target(self, target_model: torch.nn.Module, why: str) -> None:
+        """Raise a ValueError saying `why` unless the draft scores the target's token ids."""
+        raise NotImplementedError
+
+    def max_positions(self) -> Optional[int]:
+        raise NotImplementedError
+
+    def check_prompts(self, prompt_mask: torch.Tensor) -> None:  # (B, T) left-padded
+        """Raise if the draft cannot draft after these prompts (default: any non-empty prompt will do)."""
+
+    def attach_row_features(self, target_model, positions, pad_id: int) -> None:
+        """After a rollout: give positions (onpolicy.positions.DraftedPositions) what logits_at needs besides tokens."""
+
+    # ------------------------------------------------------------------------------------------- training
+    def logits_at(self, rows: list[torch.Tensor], row: torch.Tensor, context_len: torch.Tensor, index: torch.Tensor,
+                  features: Optional[torch.Tensor], pad_id: int) -> torch.Tensor:
+        """(P, Vd) the draft's next-token logits after rows[row[p]][:context_len[p]] WITH grad, one forward.
+        rows: R x (L_r,) long; row, context_len, index (0-based draft position in its round): (P,) long;
+        features: (R, L, D) per-row target features (needs_row_features) or None."""
+        raise NotImplementedError
+
+    def restrict(self, p_logits: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Target logits (P, V) -> (logits over the draft vocabulary (P, Vd), (P,) bool whether the target's argmax
+        lies in it, or None when the draft vocabulary is the target's)."""
+        return p_logits, None
+
+    def alpha(self, p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """(P,) sum_x min(p, q) as verification sees it: p (P, V) full, q (P, Vd), after the decoder's processing
+        at `temperature` (one-hot argmax match at 0)."""
+        raise NotImplementedError
+
+    def soft_alpha(self, p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """(P,) sum_x min(p, q) at a loss temperature (> 0): the replay priority is 1 - this."""
+        return self.alpha(p_logits, q_logits, temperature)
+
+    def chain_counts(self, target_out: Any, batch: dict, gamma: int) -> torch.Tensor:
+        """(gamma + 1,) teacher-forced chain counts on a collated batch (eval/simulated.py): reached[k] = chains
+        whose first k drafts all match the target's argmax. target_out: models.target.TargetOutput."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------------- export
+    @classmethod
+    def export(cls, draft_dir, out_dir, fmt: str, target_path: Optional[str], **kwargs) -> Any:
+        """Write the checkpoint's draft folder in a serving format (one of serving_formats)."""
+        raise ValueError(f"a {cls.kind} draft has no serving export formats: serve its checkpoint folder as is")
+
+
+def chain_counts(match: torch.Tensor, valid: torch.Tensor, gamma: int) -> torch.Tensor:
+    """match, valid: (B, T) bool. Returns reached (gamma+1,): reached[k] = #starts whose next k positions all
+    agree (reached[0] = #valid starts). Summed counts, so ratios can be taken after reducing over batches/ranks."""
+    ok = valid.clone()  # (B, T) chains alive at depth 0
+    reached = [ok.sum()]
+    good = match & valid
+    T = match.shape[1]
+    for k in range(gamma):
+        shifted = torch.zeros_like(good)
+        shifted[:, : T - k] = good[:, k:]  # position t+k agrees
+        ok = ok & shifted
+        reached.append(ok.sum())
+    return torch.stack(reached)
+
+
+def min_sum(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """sum_x min(p, q) after the decoder's own processing at `temperature` (one-hot argmax match at 0). (N,)"""
+    return torch.minimum(probs_from_logits(p_logits, temperature), probs_from_logits(q_logits, temperature)).sum(-1)

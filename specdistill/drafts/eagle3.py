@@ -1,0 +1,158 @@
+"""Draft adapter for EAGLE-3 heads (arXiv 2503.01840): drafting through Eagle3Drafter, and, for Draft-OPD
+(arXiv 2605.29343), the with-grad loss forward as the head's training-time-test unroll on its own features.
+
+Bookkeeping (models/eagle3.py, decoding/eagle3_drafter.py): with context x_0 .. x_{N-1} (x_{N-1} pending), the head
+drafts d_1 from slot N-2 (target feature g_{N-2} with token x_{N-1}), and draft step i stays on slot N-2, feeds d_i
+with the head's own previous output, RoPE position N-2+i. The TTT unroll `head(aux, ids, mask, steps)` computes
+exactly this at every slot t and step j (slot t, step j reads token t+1+j): drafted position i of a round whose
+context has N tokens is step i at slot N-2 of a row whose tokens N .. N+i-1 are d_1 .. d_i. On-trajectory positions
+read the final trajectory; positions after a rejection read their round's branch row (the rejected draft in place),
+whose slots <= N-2 carry the trajectory's target features (only those are read: step-0 attention is causal, later
+steps only see their own slot).
+
+The target's aux hidden states for the rows come from one extra no-grad target forward over the final trajectories
+per rollout (counted in RolloutStats.target_tokens). The loss compares q over the draft vocabulary with the target's
+distribution restricted to it (renormalised), masking positions whose target argmax lies outside it, as the eagle3
+objective does; acceptance (weights, priorities) uses the full p against q scattered to target ids, as verification.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from specdistill.decoding import Drafter, Eagle3Drafter, probs_from_logits
+from specdistill.decoding.kv import logits_dim
+from specdistill.drafts.base import DraftAdapter
+from specdistill.export import FORMATS, export_eagle3
+from specdistill.models.eagle3 import (Eagle3Head, build_eagle3, default_aux_layer_ids, frequent_token_vocab,
+                                       restrict_to_draft_vocab)
+from specdistill.moe.draft import init_eagle3_from_config
+from specdistill.tensors import pad_rows, shift_left, unwrap
+from specdistill.tokens import check_vocab_compatible
+
+
+class Eagle3Draft(DraftAdapter):
+    """An Eagle3Head on the target's aux hidden states: q over its draft vocabulary (Vd), mapped to target ids."""
+
+    kind = "eagle3"
+    inits = ("eagle3",)
+    serving_formats = FORMATS
+    needs_row_features = True
+    decodes_alone = False  # every token it conditions on needs the target's hidden states
+    needs_data_to_build = True  # its vocabulary is the training data's most frequent next tokens
+
+    @classmethod
+    def matches(cls, model: torch.nn.Module) -> bool:
+        return isinstance(model, Eagle3Head)
+
+    @classmethod
+    def build(cls, draft_cfg, target, data) -> torch.nn.Module:
+        return build_eagle3_draft(draft_cfg, target, data)
+
+    @classmethod
+    def prepare_target(cls, target) -> None:
+        """Before the target decodes for regeneration: it must return the head's aux hidden states."""
+        if not target.aux_layer_ids:
+            target.set_aux_layer_ids(default_aux_layer_ids(target.config.num_hidden_layers))
+
+    def drafter(self, confidence: float = 0.0) -> Drafter:
+        return Eagle3Drafter(self.module)
+
+    def check_target(self, target_model, why: str) -> None:
+        check_vocab_compatible(self.module.config.vocab_size, logits_dim(target_model), why, what="EAGLE-3 head")
+
+    def max_positions(self) -> Optional[int]:
+        return self.module.config.max_position_embeddings
+
+    def check_prompts(self, prompt_mask: torch.Tensor) -> None:
+        if int(prompt_mask.sum(1).min()) < 2:
+            raise ValueError("EAGLE-3 rollouts need prompts of at least 2 tokens (the head drafts from the target's "
+                             "features of the token before the pending one)")
+
+    def attach_row_features(self, target_model, positions, pad_id: int) -> None:
+        pos = positions
+        pos.aux = target_aux(target_model, pos.rows, pos.source, list(self.module.config.aux_layer_ids), pad_id)
+        pos.stats.target_tokens += sum(len(pos.rows[r]) for r in range(len(pos.rows)) if pos.source[r] == r)
+
+    def logits_at(self, rows, row, context_len, index, features, pad_id: int) -> torch.Tensor:
+        return eagle3_logits_at(self.model, rows, features, row, context_len, index, pad_id)
+
+    def restrict(self, p_logits: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        return restrict_to_draft_vocab(p_logits, self.module.t2d)
+
+    def alpha(self, p_logits, q_logits, temperature: float) -> torch.Tensor:
+        return eagle3_alpha(p_logits, q_logits, self.module.t2d, temperature)
+
+    def chain_counts(self, target_out, batch: dict, gamma: int) -> torch.Tensor:
+        return eagle3_chain_counts(self.model, target_out, batch, gamma)
+
+    @classmethod
+    def export(cls, draft_dir, out_dir, fmt: str, target_path: Optional[str], **kwargs):
+        return export_eagle3(draft_dir, out_dir, fmt=fmt, target_path=target_path, **kwargs)
+
+
+def build_eagle3_draft(draft_cfg, target, data):
+    """An EAGLE-3 head for `target`; sets the target to return the head's aux hidden states from its forward."""
+    if draft_cfg.path:
+        head = Eagle3Head.from_pretrained(draft_cfg.path)
+        check_vocab_compatible(head.config.vocab_size, target.config.vocab_size, "warm-start only from a head "
+                               "trained for this target", what=f"EAGLE-3 head at {draft_cfg.path}")
+    else:
+        vocab = frequent_token_vocab(data.train, target.config.vocab_size, draft_cfg.draft_vocab_size)
+        head = build_eagle3(target.model, vocab, target.aux_layer_ids, draft_cfg.output_from_target)
+        if draft_cfg.moe.eagle3_mlp:  # MoE targets: the MLP starts as a merge of hot experts (specdistill/moe)
+            init_eagle3_from_config(head, draft_cfg, target.model, data)
+    target.set_aux_layer_ids(head.config.aux_layer_ids)
+    return head.train()
+
+
+def target_aux(target_model, rows: list[torch.Tensor], source: list[int], aux_layer_ids: list[int],
+               pad_id: int) -> torch.Tensor:
+    """(R, L, n_aux * Ht) right-padded: the target's aux hidden states over the trajectories (rows whose source is
+    themselves), copied into the branch rows from their source trajectory."""
+    trajs = [r for r, s in enumerate(source) if s == r]
+    L = max(len(r) for r in rows)  # a branch row can outgrow every trajectory
+    ids, mask = pad_rows([rows[r] for r in trajs], pad_id, side="right", length=L)
+    with torch.no_grad():
+        out = target_model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False,
+                           logits_to_keep=1)
+    feats = torch.cat([out.hidden_states[k] for k in aux_layer_ids], dim=-1)  # (B, L, n_aux * Ht)
+    where = {r: k for k, r in enumerate(trajs)}
+    return feats[[where[s] for s in source]]                                   # (R, L, n_aux * Ht)
+
+
+def eagle3_logits_at(head, rows: list[torch.Tensor], aux: torch.Tensor, row: torch.Tensor, context_len: torch.Tensor,
+                     index: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """(P, Vd) the head's draft-vocabulary logits at each drafted position, WITH grad: one TTT unroll of
+    max(index)+1 steps over all rows (right-padded), read at slot context_len - index - 2, step index."""
+    ids, mask = pad_rows(rows, pad_id, side="right", device=aux.device, length=aux.shape[1])
+    steps = int(index.max()) + 1
+    step_logits = torch.stack(head(aux, ids, mask, steps=steps))             # (steps, R, L, Vd)
+    slot = context_len - index - 2
+    return step_logits[index, row, slot]                                     # (P, Vd)
+
+
+def eagle3_alpha(p_logits: torch.Tensor, q_logits: torch.Tensor, t2d: torch.Tensor, temperature: float,
+                 ) -> torch.Tensor:
+    """sum_x min(p, q) as verification sees it: full p (P, V) against q (P, Vd) placed on its target ids (zero
+    elsewhere), both after the decoder's processing at `temperature`. (P,)"""
+    p = probs_from_logits(p_logits, temperature)[:, t2d]                     # (P, Vd): p on the draft's ids
+    q = probs_from_logits(q_logits, temperature)                             # (P, Vd)
+    return torch.minimum(p, q).sum(-1)
+
+
+def eagle3_chain_counts(head, target_out, batch: dict, gamma: int) -> torch.Tensor:
+    """EAGLE-3 heads: unroll gamma steps on the head's own features (as the TTT objective does); a chain started at
+    slot t reaches k if steps 0..k-1 all predict the target's argmax for tokens t+2..t+1+k. Same counts as above."""
+    lm = batch["loss_mask"].bool()
+    step_logits = head(target_out.aux_hidden, batch["input_ids"], batch["attention_mask"], steps=gamma)
+    inner = unwrap(head)
+    target_argmax = target_out.logits.argmax(-1)  # (B, T)
+    ok = shift_left(lm, 1)  # chains start at slots whose first prediction is a loss position
+    reached = [ok.sum()]
+    for j, q in enumerate(step_logits):
+        hit = inner.draft_to_target(q.argmax(-1)) == shift_left(target_argmax, 1 + j, fill=-1)
+        ok = ok & hit & shift_left(lm, 1 + j, fill=False)
+        reached.append(ok.sum())
+    return torch.stack(reached)

@@ -1,0 +1,100 @@
+"""Packages import downward only: the package-level import graph of specdistill/ (imports inside functions count)
+has no cycle, and no draft-kind type check lives outside the draft adapters."""
+import ast
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "specdistill"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts).removesuffix(".__init__")
+
+
+def _unit(module: str) -> str:
+    """specdistill.a.b -> specdistill.a: the top-level subpackage (or top-level module) a module belongs to."""
+    return ".".join(module.split(".")[:2])
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Top-level unit -> the units it imports (anywhere in its files, function bodies included)."""
+    edges: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        module = _module_name(path)
+        src = _unit(module)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level:  # relative: resolve against this module
+                base = module.split(".")
+                base = base[: len(base) - node.level + (1 if path.name == "__init__.py" else 0)]
+                targets = [".".join(base + ([node.module] if node.module else []))]
+            elif isinstance(node, ast.ImportFrom):
+                targets = [node.module or ""]
+            else:
+                continue
+            for t in targets:
+                if t.startswith("specdistill.") and _unit(t) != src:
+                    edges.setdefault(src, set()).add(_unit(t))
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one unit (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_package_level_import_cycle():
+    found = cycles(import_graph())
+    assert not found, ("package-level import cycles (move the helper that closes each one down to the lowest "
+                       f"package both sides may import): {found}")
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_nothing_below_the_pipeline_imports_it():
+    importers = sorted(u for u, deps in import_graph().items() if "specdistill.pipeline" in deps)
+    assert importers == [], f"{importers} import specdistill.pipeline, the top stage package"
+
+
+def test_no_draft_kind_type_checks_outside_the_adapters():
+    """Dispatch on draft kinds goes through drafts/ (DraftAdapter), not isinstance checks or init-name branches."""
+    needles = re.compile(r"is_eagle3\(|isinstance\([^)]*Eagle3Head|init\s*[!=]=\s*[\"']eagle3")
+    offenders = [f"{path.relative_to(PACKAGE)}:{n + 1}: {line.strip()}"
+                 for path in PACKAGE.rglob("*.py") if path.relative_to(PACKAGE).parts[0] != "drafts"
+                 for n, line in enumerate(path.read_text().splitlines()) if needles.search(line)]
+    assert not offenders, offenders
