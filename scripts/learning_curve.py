@@ -1,4 +1,4 @@
-"""Learning curve of a training run: real speculative tau of every kept checkpoint (specdistill.eval.curve).
+"""Learning curve of a training run: real speculative tau of every kept checkpoint (specdistill.pipeline.curve).
 
   python scripts/learning_curve.py --run outputs/eagle3_serve --num-prompts 20 --max-new-tokens 64 --gamma 4
   python scripts/learning_curve.py --merge outputs/eagle3_serve/curve outputs/other/curve --out outputs/curves
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from specdistill.eval.curve import CurvePoint, learning_curve, plot_curves, write_curve
+    from specdistill.pipeline.curve import CurvePoint, learning_curve, plot_curves, write_curve
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -2,7 +2,7 @@
 import json
 
 from specdistill.build import build
-from specdistill.eval.curve import learning_curve, write_curve
+from specdistill.pipeline.curve import learning_curve, write_curve
 from specdistill.train.loop import fit
 from tests.conftest import compose, tiny_overrides
 
