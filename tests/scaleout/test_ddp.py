@@ -2,8 +2,12 @@
 both ranks), and the same losses and weights as one process with the same global batch."""
 import json
 
+import pytest
+
 from tests.conftest import tiny_overrides
 from tests.scaleout.conftest import BIN, STEPS, assert_matches_reference, run_cmd, subprocess_env
+
+pytestmark = pytest.mark.slow  # real multi-process launches (deselect with -m "not slow")
 
 
 def test_ddp_two_processes_equal_one_process_with_the_same_global_batch(tiny_target_dir, tiny_data_file, tmp_path,

@@ -7,6 +7,8 @@ import pytest
 from tests.conftest import tiny_overrides
 from tests.scaleout.conftest import BIN, STEPS, assert_matches_reference, run_cmd, subprocess_env
 
+pytestmark = pytest.mark.slow  # real multi-process launches (deselect with -m "not slow")
+
 try:
     import deepspeed  # noqa: F401
 except ImportError:  # scripts/setup.sh installs the `deepspeed` extra; a bare `pip install -e .` does not
