@@ -129,6 +129,9 @@ class TrainerConfig:
     save_every: int = 50  # optimizer steps; a checkpoint is always written at the end
     keep_checkpoints: int = 2
     resume: Optional[str] = None  # null | auto | PATH to a checkpoint folder
+    # A resume whose config changes model shapes or data order (train/checkpoint.py: EXACTNESS_KEYS) is refused;
+    # true: warn and continue (the result then differs from an uninterrupted run).
+    resume_allow_drift: bool = False
     wandb: bool = False
     wandb_project: str = "specdistill"
     wandb_mode: str = "offline"  # offline | online | disabled
