@@ -1,7 +1,7 @@
 """Schema dataclasses for every Hydra group, and their registration with Hydra's ConfigStore.
 
-Each YAML under specdistill/conf/<group>/ mirrors one dataclass here; Hydra validates keys and types when it composes,
-so a mistyped key fails before any model is loaded. Objectives keep their own knobs in their own dataclass
+Each YAML under specdistill/conf/<group>/ mirrors one dataclass here; Hydra validates keys and types when it
+composes, so a mistyped key fails before any model is loaded. Objectives keep their own knobs in their own dataclass
 (specdistill/objectives/<name>.py); `objective` is validated against it by `validate_objective`.
 """
 from __future__ import annotations

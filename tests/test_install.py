@@ -1,4 +1,4 @@
-"""A non-editable `pip install .` into a fresh venv runs a recipe from outside the checkout (configs are package data)."""
+"""A non-editable `pip install .` into a fresh venv runs a recipe outside the checkout (configs: package data)."""
 import json
 import os
 import shutil
@@ -29,7 +29,7 @@ def _run(cmd: list, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
 
 
 def test_pip_install_into_a_fresh_venv_runs_the_kd_recipe(tiny_target_dir, tiny_data_file, tmp_path):
-    # The sources are copied first: pip builds in the source tree (build/, *.egg-info), which must not touch the checkout.
+    # The sources are copied first: pip builds in the source tree (build/, *.egg-info); the checkout stays untouched.
     src = tmp_path / "src"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(REPO / "specdistill", src / "specdistill", ignore=ignore)

@@ -1,4 +1,4 @@
-"""specdistill-regenerate (cli/regenerate.py): assistant turns are the target's greedy answers; an interrupted file resumes."""
+"""specdistill-regenerate (cli/regenerate.py): assistant turns are the target's greedy answers; a cut file resumes."""
 import json
 
 import torch

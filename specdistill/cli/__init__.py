@@ -1,1 +1,1 @@
-"""Console entry points: specdistill-train, -evaluate, -export, -regenerate, -bench (train.py and scripts/ are shims)."""
+"""Console entry points: specdistill-train, -evaluate, -export, -regenerate, -bench (train.py, scripts/: shims)."""

@@ -1,4 +1,4 @@
-r"""`specdistill-export`: a trained EAGLE-3 head, written for vLLM, SGLang (midlayer format) or vllm-project/speculators.
+r"""`specdistill-export`: a trained EAGLE-3 head written for vLLM, SGLang (midlayer format) or vllm-project/speculators
 
 Thin CLI; the work is specdistill.export.export_eagle3, which validates every tensor and writes nothing on any problem.
 

@@ -2,8 +2,9 @@
 with the checks that catch the silent failure of multi-process launches: ranks that each train alone.
 
 Launch configs live in specdistill/conf/accelerate/ (README "Scale-out"). On a machine without CUDA the process group
-uses gloo (DeepSpeed would otherwise ask for oneCCL); `accelerate launch --cpu --num_processes 2` runs ONE process and some other
-combinations start processes that never form a group, so `check_world` compares accelerate's view with WORLD_SIZE.
+uses gloo (DeepSpeed would otherwise ask for oneCCL); `accelerate launch --cpu --num_processes 2` runs ONE process and
+some other combinations start processes that never form a group, so `check_world` compares accelerate's view with
+WORLD_SIZE.
 """
 from __future__ import annotations
 

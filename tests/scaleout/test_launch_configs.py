@@ -1,4 +1,4 @@
-"""specdistill/conf/accelerate/: every launcher file parses with accelerate's config loader and says what its name says."""
+"""specdistill/conf/accelerate/: every launcher file parses with accelerate's config loader and is as named."""
 import json
 from pathlib import Path
 
