@@ -1,17 +1,8 @@
-"""Train a draft model: `accelerate launch train.py recipe=<name> [overrides]` (or `python train.py ...`)."""
-import hydra
-from omegaconf import DictConfig
+"""Train a draft model (shim over specdistill.cli.train, also installed as `specdistill-train`).
 
-from specdistill.config import register_configs
-
-
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> None:
-    from specdistill.pipeline.run import run
-
-    run(cfg)
-
+  accelerate launch train.py recipe=<name> [overrides]        (or python train.py ..., or specdistill-train ...)
+"""
+from specdistill.cli.train import main
 
 if __name__ == "__main__":
-    register_configs()
     main()

@@ -19,8 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 # Sized for <= 10 minutes on one (shared) CPU core: the MoE target's forward dominates (~3-6 s per 2 x 128 tokens).
 SMALL = ["data.max_rows=300", "data.max_length=128", "data.heldout_size=16", "trainer.max_steps=8",
          "trainer.micro_batch_size=2", "trainer.grad_accum=1", "trainer.warmup_steps=1", "trainer.lr=3e-3",

@@ -13,8 +13,6 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 
 def load_run(folder: Path) -> dict:
     res, outs = folder / "results.json", folder / "outputs.jsonl"

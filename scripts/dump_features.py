@@ -12,12 +12,10 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import hydra
+from omegaconf import DictConfig
 
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from specdistill.config import register_configs  # noqa: E402
+from specdistill.config import CONF_DIR, register_configs
 
 
 def dump(cfg: DictConfig, batch_size: int = 4, shard_mb: int = 256) -> Path:
@@ -70,7 +68,7 @@ def dump(cfg: DictConfig, batch_size: int = 4, shard_mb: int = 256) -> Path:
     return path
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     dump(cfg)
 

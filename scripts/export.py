@@ -1,65 +1,10 @@
-r"""Export a trained EAGLE-3 head for vLLM, SGLang (midlayer format) or vllm-project/speculators (thin CLI; the work is
-specdistill.export.export_eagle3, which validates every tensor and writes nothing on any problem).
+"""Export a trained EAGLE-3 head (shim over specdistill.cli.export, also installed as `specdistill-export`).
 
-  python scripts/export.py --draft outputs/eagle3/checkpoints/step-0000100/draft --format vllm \
-      --target embedded:smollm2-135m-instruct --out exported/eagle3-smollm2
-  python scripts/export.py --draft <draft> --format sglang --target <target> --out <dir>   # SGLang's aux-id convention
-  python scripts/export.py --draft <draft> --format speculators --target <target> --speculative-tokens 4 --out <dir>
-  python scripts/export.py --check exported/eagle3-smollm2 [--target <target>]     # validate an existing export
-
---out is the folder to create (refused if it exists, unless --overwrite). Serve the vllm export with
-  LLM(model=<target>, speculative_config={"method": "eagle3", "model": <out>, "num_speculative_tokens": 4})
+  python scripts/export.py --draft <checkpoint>/draft --format vllm --target <target> --out <dir>
 """
-import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--draft", help="trained head folder (a checkpoint's draft/ folder)")
-    p.add_argument("--out", help="export folder to create")
-    p.add_argument("--format", default="vllm", choices=["vllm", "sglang", "speculators"],
-                   help="vllm = the midlayer format (default); sglang = the same files with SGLang's aux layer ids "
-                        "(each id - 1: SGLang captures config id j after j + 1 layers); speculators = "
-                        "vllm-project/speculators")
-    p.add_argument("--target", default=None,
-                   help="the target the head serves with (HF folder or embedded:<name>): max_position_embeddings and "
-                        "RoPE come from it and aux ids are range-checked against its depth (recommended)")
-    p.add_argument("--include-embeddings", action="store_true",
-                   help="also write embed_tokens.weight (engines reuse the target's when absent)")
-    p.add_argument("--speculative-tokens", type=int, default=3, help="speculators format: proposal length")
-    p.add_argument("--verifier-name", default=None,
-                   help="speculators format: verifier.name_or_path (default: the resolved --target path)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="cast float tensors (default: keep the checkpoint's)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    p.add_argument("--check", metavar="DIR", default=None, help="only validate an existing export folder")
-    a = p.parse_args(argv)
-
-    from specdistill.export import export_eagle3, validate_export
-
-    try:
-        if a.check:
-            res = validate_export(a.check, target_path=a.target)
-            print(res.summary())
-            print(f"OK: {a.check} is a valid {res.format} EAGLE-3 export")
-            return 0
-        if not a.draft or not a.out:
-            p.error("--draft and --out are required (or --check DIR)")
-        res = export_eagle3(a.draft, a.out, fmt=a.format, target_path=a.target,
-                            include_embeddings=a.include_embeddings, speculative_tokens=a.speculative_tokens,
-                            verifier_name=a.verifier_name, overwrite=a.overwrite, dtype=a.dtype)
-    except (ValueError, FileExistsError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(res.summary())
-    print(f"OK: wrote {len(res.tensors)} tensors + config.json to {res.out_dir}")
-    return 0
-
+from specdistill.cli.export import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,15 +8,12 @@ Reads draft.moe: profile (where to write the JSON; null = outputs/profile_moe/pr
 (batches of 4 training rows), token_selection (loss_mask | all) and coverage (hot-expert threshold for the
 summary and heatmap). Writes profile.json and heatmap.png side by side.
 """
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import hydra
+from omegaconf import DictConfig
 
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from specdistill.config import register_configs  # noqa: E402
+from specdistill.config import CONF_DIR, register_configs
 
 DEFAULT_OUT = "outputs/profile_moe/profile.json"
 
@@ -57,7 +54,7 @@ def profile(cfg: DictConfig) -> Path:
     return out
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     profile(cfg)
 

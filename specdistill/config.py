@@ -1,7 +1,7 @@
 """Schema dataclasses for every Hydra group, and their registration with Hydra's ConfigStore.
 
-Each YAML under conf/<group>/ mirrors one dataclass here; Hydra validates keys and types when it composes,
-so a mistyped key fails before any model is loaded. Objectives keep their own knobs in their own dataclass
+Each YAML under specdistill/conf/<group>/ mirrors one dataclass here; Hydra validates keys and types when it
+composes, so a mistyped key fails before any model is loaded. Objectives keep their own knobs in their own dataclass
 (specdistill/objectives/<name>.py); `objective` is validated against it by `objectives.validate_objective`.
 """
 from __future__ import annotations
@@ -12,9 +12,10 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, OmegaConf
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CONF_DIR = REPO_ROOT / "conf"
-RECIPES_DIR = REPO_ROOT / "recipes"
+# The Hydra groups and the recipes ship inside the package (package data), so a non-editable install finds them.
+PACKAGE_DIR = Path(__file__).resolve().parent
+CONF_DIR = PACKAGE_DIR / "conf"
+RECIPES_DIR = PACKAGE_DIR / "recipes"
 
 
 @dataclass
@@ -128,6 +129,9 @@ class TrainerConfig:
     save_every: int = 50  # optimizer steps; a checkpoint is always written at the end
     keep_checkpoints: int = 2
     resume: Optional[str] = None  # null | auto | PATH to a checkpoint folder
+    # A resume whose config changes model shapes or data order (train/checkpoint.py: EXACTNESS_KEYS) is refused;
+    # true: warn and continue (the result then differs from an uninterrupted run).
+    resume_allow_drift: bool = False
     wandb: bool = False
     wandb_project: str = "specdistill"
     wandb_mode: str = "offline"  # offline | online | disabled
@@ -205,12 +209,12 @@ class Config:
 
 
 def register_configs() -> None:
-    """Register the schema and every recipes/*.yaml (as group `recipe`, package _global_) with Hydra."""
+    """Register the schema and every specdistill/recipes/*.yaml (as group `recipe`, package _global_) with Hydra."""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
     cs.store(name="schema", node=Config)
-    # Hydra only searches its config path for groups; recipes/ lives at the top level so users find it,
+    # Hydra only searches its config path for groups; recipes/ sits next to conf/ (not inside it) so users find it,
     # so each recipe file is loaded and stored under group `recipe` here.
     for path in sorted(RECIPES_DIR.glob("*.yaml")):
         node = OmegaConf.load(path)

@@ -109,6 +109,14 @@ def test_objective_is_finite_and_masks_out_of_vocab(target):
     out = Eagle3Objective(steps=3)(batch, Models(head, tgt))
     assert torch.isfinite(out.loss).all()
     assert torch.allclose(out.weight.unique(), torch.tensor([0.64, 0.8, 1.0]))
+    # Step j's loss entries are the loss positions t+1+j in order; the target's argmax there must be in the draft vocab
+    # (30 of 97 ids), else the entry is masked: exactly zero, so it adds neither loss nor gradient.
+    with torch.no_grad():
+        argmax = tgt.outputs(batch).logits.argmax(-1)  # (B, T)
+    in_vocab = torch.cat([head.t2d[argmax[:, 1 + j:]].flatten() for j in range(3)])  # all positions are loss positions
+    assert len(in_vocab) == len(out.loss) and 0 < int(in_vocab.sum()) < len(in_vocab)  # both kinds occur
+    assert torch.equal(out.loss[~in_vocab], torch.zeros(int((~in_vocab).sum())))
+    assert (out.loss[in_vocab] > 0).all()
     out.loss.mul(out.weight).sum().backward()
     assert head.fc.weight.grad is not None and head.embed_tokens.weight.grad is None
 

@@ -1,16 +1,11 @@
-"""scripts/regenerate.py: assistant turns come from the target (its greedy answer), and an interrupted file resumes."""
-import importlib.util
+"""specdistill-regenerate (cli/regenerate.py): assistant turns are the target's greedy answers; a cut file resumes."""
 import json
-from pathlib import Path
 
 import torch
 
+from specdistill.cli import regenerate as regen
 from specdistill.data.chat import prompt_ids
 from tests.conftest import make_tiny_lm, make_tokenizer
-
-spec = importlib.util.spec_from_file_location("regenerate", Path(__file__).parent.parent / "scripts" / "regenerate.py")
-regen = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(regen)
 
 
 def test_turns_are_the_targets_greedy_answers():

@@ -88,6 +88,62 @@ def test_resume_equals_uninterrupted(tiny_target_dir, tiny_data_file, tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path / "full")] == ["step-0000003", "step-0000006"]
 
 
+def test_config_drift_separates_keys_that_break_exactness_from_harmless_ones():
+    from omegaconf import OmegaConf
+
+    from specdistill.train.checkpoint import config_drift
+
+    base = {"target": {"path": "t", "aux_layer_ids": [1, 2, 3], "dtype": "float32"},
+            "draft": {"init": "eagle3", "num_layers": 1, "draft_vocab_size": 64, "path": None},
+            "data": {"path": "d.jsonl", "max_length": 64, "cache_dir": "/c"},
+            "trainer": {"seed": 0, "micro_batch_size": 2, "grad_accum": 2, "max_steps": 3, "log_every": 1, "lr": 1e-3,
+                        "output_dir": "out/a", "resume": None},
+            "eval": {"gamma": 4}}
+    same = OmegaConf.to_yaml(base)
+    assert config_drift(same, same).changed == {}
+    run = OmegaConf.create(base)
+    run.trainer.resume, run.trainer.max_steps, run.trainer.log_every, run.trainer.output_dir = "x", 6, 2, "out/b"
+    run.eval.gamma, run.trainer.lr, run.data.cache_dir, run.draft.path = 3, 2e-3, "/elsewhere", "warm"
+    harmless = config_drift(same, OmegaConf.to_yaml(run))
+    assert "trainer.resume" not in harmless.changed and harmless.changed["trainer.max_steps"] == (3, 6)
+    assert set(harmless.changed) == {"trainer.max_steps", "trainer.log_every", "trainer.output_dir", "eval.gamma",
+                                     "trainer.lr", "data.cache_dir", "draft.path"} and harmless.breaking == []
+    for key, value in [("target.path", "other"), ("target.aux_layer_ids", [0, 1, 2]), ("draft.init", "config"),
+                       ("draft.num_layers", 2), ("draft.draft_vocab_size", 32), ("data.path", "e.jsonl"),
+                       ("data.max_length", 128), ("trainer.seed", 1), ("trainer.micro_batch_size", 4),
+                       ("trainer.grad_accum", 1)]:
+        changed = OmegaConf.create(base)
+        OmegaConf.update(changed, key, value)
+        assert config_drift(same, OmegaConf.to_yaml(changed)).breaking == [key], key
+
+
+def test_resume_lists_config_drift_and_refuses_what_breaks_exactness(tiny_target_dir, tiny_data_file, tmp_path,
+                                                                     capsys):
+    common = ["trainer.max_steps=3", "trainer.save_every=3"]
+    _, res = _run("kd", tiny_target_dir, tiny_data_file, tmp_path, common, "first")
+    ckpt = res.final_checkpoint
+    # longer, logged differently, evaluated differently: listed, then resumed
+    capsys.readouterr()
+    longer = [f"trainer.resume={ckpt}", "trainer.max_steps=4", "trainer.log_every=2", "eval.max_batches=1"]
+    _, res2 = _run("kd", tiny_target_dir, tiny_data_file, tmp_path, longer, "longer")
+    assert res2.step == 4
+    said = capsys.readouterr().out
+    assert "config differs" in said and "trainer.max_steps: 3 -> 4" in said and "eval.max_batches: 2 -> 1" in said
+    assert "trainer.resume:" not in said
+    # another micro-batch size (data order) and another draft depth (shapes): refused before any state is loaded
+    with pytest.raises(ValueError, match=r"draft\.num_layers, trainer\.micro_batch_size differ") as err:
+        _run("kd", tiny_target_dir, tiny_data_file, tmp_path, common + [f"trainer.resume={ckpt}", "draft.num_layers=2",
+                                                                      "trainer.micro_batch_size=1"], "refused")
+    assert "draft.num_layers=1 trainer.micro_batch_size=2" in str(err.value)  # the fix: the checkpoint's values
+    assert "trainer.resume_allow_drift=true" in str(err.value)
+    # asked for explicitly: a data-order change continues, with a warning
+    capsys.readouterr()
+    _, res3 = _run("kd", tiny_target_dir, tiny_data_file, tmp_path,
+                   ["trainer.max_steps=4", f"trainer.resume={ckpt}", "trainer.micro_batch_size=1",
+                    "trainer.resume_allow_drift=true"], "allowed")
+    assert res3.step == 4 and "not exact" in capsys.readouterr().out
+
+
 def test_checkpoint_weights_are_the_hf_draft(tiny_target_dir, tiny_data_file, tmp_path):
     c, res = _run("sft", tiny_target_dir, tiny_data_file, tmp_path, ["trainer.max_steps=1"])
     weights = load_file(res.final_checkpoint / "draft" / "model.safetensors")

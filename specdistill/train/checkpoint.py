@@ -7,7 +7,8 @@ Layout of <output_dir>/checkpoints/step-0000100/:
                       rollout, rollout RNG), so an on-policy run resumes exactly
   trainer_state.json  step, epoch, tokens seen
   metrics.json        the latest metrics (training and held-out acceptance)
-  config.yaml         the fully resolved config of the run
+  config.yaml         the fully resolved config of the run; a resume compares its own with it (check_resume_config):
+                      it lists the keys that differ and refuses those that break exactness (shapes, data order)
 A folder whose name starts with "." is incomplete (a crash mid-save: .step-N.tmp) or being deleted (.step-N.del) and is
 never resumed from; debris of either kind is removed by the next save.
 """
@@ -17,10 +18,22 @@ import json
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 STEP_RE = re.compile(r"^step-(\d+)$")
+
+# Config keys (a prefix ending in "." covers everything under it) whose change on resume breaks exactness: the model
+# shapes (the saved weights and optimizer state would not fit, or fit another model) or the data order (step s would
+# read other examples). Resuming with a change here is refused, unless trainer.resume_allow_drift=true.
+EXACTNESS_KEYS = ("target.path", "target.aux_layer_ids", "draft.", "data.", "trainer.seed", "trainer.micro_batch_size",
+                  "trainer.grad_accum")
+# Under those prefixes, keys that change neither: a warm-start path (the weights come from the checkpoint), where
+# prepared data is cached and how many workers prepare it, the malformed-rows threshold.
+HARMLESS_KEYS = ("draft.path", "data.cache_dir", "data.num_proc", "data.max_malformed_fraction",
+                 "data.regenerate.store_dir")
+SILENT_KEYS = ("trainer.resume", "trainer.resume_allow_drift")  # differ by design between a run and its resume
 
 
 def checkpoint_dir(output_dir: str | Path) -> Path:
@@ -48,6 +61,85 @@ def resolve_resume(resume: Optional[str], output_dir: str | Path) -> Optional[Pa
         raise FileNotFoundError(f"trainer.resume={resume!r} is not a complete checkpoint folder (needs "
                                 "trainer_state.json and state/); use trainer.resume=auto to take the newest one")
     return p
+
+
+@dataclass
+class ConfigDrift:
+    """How a resumed run's config differs from its checkpoint's config.yaml: {dotted key: (checkpoint, now)}."""
+    changed: dict[str, tuple[Any, Any]]
+
+    @property
+    def breaking(self) -> list[str]:
+        """The changed keys that break an exact resume (model shapes, data order)."""
+        return [k for k in self.changed if _matches(k, EXACTNESS_KEYS) and not _matches(k, HARMLESS_KEYS)]
+
+
+def config_drift(checkpoint_yaml: str, run_yaml: str) -> ConfigDrift:
+    """Compare two resolved config YAMLs (a checkpoint's config.yaml and the resumed run's), key by key."""
+    from omegaconf import OmegaConf
+
+    old = _flatten(OmegaConf.to_container(OmegaConf.create(checkpoint_yaml)))
+    new = _flatten(OmegaConf.to_container(OmegaConf.create(run_yaml)))
+    missing = "<absent>"
+    changed = {k: (old.get(k, missing), new.get(k, missing)) for k in sorted(old.keys() | new.keys())
+               if old.get(k, missing) != new.get(k, missing) and not _matches(k, SILENT_KEYS)}
+    return ConfigDrift(changed)
+
+
+def check_resume_config(checkpoint: Path, run_yaml: str, allow_drift: bool = False,
+                        log: Callable[[str], None] = print) -> ConfigDrift:
+    """Say which config keys differ from the checkpoint's config.yaml; refuse (ValueError naming the keys and the fix)
+    where a difference breaks exactness, unless allow_drift."""
+    f = Path(checkpoint) / "config.yaml"
+    if not f.exists():
+        log(f"[train] warning: {f} is missing: the run's config cannot be compared with the checkpoint's")
+        return ConfigDrift({})
+    drift = config_drift(f.read_text(), run_yaml)
+    if drift.changed:
+        log(f"[train] resume: the config differs from {f} in {len(drift.changed)} key(s) (checkpoint -> now): "
+            + ", ".join(f"{k}: {_short(a)} -> {_short(b)}" for k, (a, b) in drift.changed.items()))
+    breaking = drift.breaking
+    if breaking and not allow_drift:
+        back = " ".join(_override(k, drift.changed[k][0]) for k in breaking)
+        raise ValueError(
+            f"trainer.resume={checkpoint}: {', '.join(breaking)} differ from the checkpoint's config.yaml, which "
+            f"breaks an exact resume (model shapes or data order). Fix: resume with the checkpoint's values ({back}), "
+            "or start a fresh run in another trainer.output_dir warm-started with "
+            f"draft.path={Path(checkpoint) / 'draft'} (and draft=pretrained for an LM draft), or pass "
+            "trainer.resume_allow_drift=true to continue anyway (the result then differs from an uninterrupted run)")
+    if breaking:
+        log(f"[train] warning: trainer.resume_allow_drift=true: {', '.join(breaking)} changed, so this resume is not "
+            "exact")
+    return drift
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out or {prefix[:-1]: {}}
+    return {prefix[:-1]: node}
+
+
+def _matches(key: str, patterns: tuple[str, ...]) -> bool:
+    return any(key.startswith(p) if p.endswith(".") else key == p or key.startswith(p + ".") for p in patterns)
+
+
+def _short(value: Any, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _override(key: str, value: Any) -> str:
+    """key=value as a Hydra command-line override."""
+    if value is None:
+        return f"{key}=null"
+    if isinstance(value, bool):
+        return f"{key}={str(value).lower()}"
+    if isinstance(value, (list, dict)):
+        return f"{key}={json.dumps(value).replace(' ', '')}"
+    return f"{key}={value}"
 
 
 def save_checkpoint(accelerator, draft, tokenizer, output_dir, step: int, trainer_state: dict, metrics: dict,

@@ -24,7 +24,8 @@ from specdistill.build import Components
 from specdistill.data.chat import collate
 from specdistill.data.loader import StepBatches
 from specdistill.eval.simulated import simulated_acceptance
-from specdistill.train.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
+from specdistill.train.checkpoint import (check_resume_config, list_checkpoints, load_checkpoint, resolve_resume,
+                                          save_checkpoint)
 from specdistill.train.throughput import Roofline, count_flops, matmul_gflops
 
 
@@ -147,6 +148,7 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
                               ": continue it with trainer.resume=auto, or start fresh in another trainer.output_dir "
                               "(nothing is overwritten)")
     if resume_from is not None:
+        check_resume_config(resume_from, config_yaml, t.resume_allow_drift, log=acc.print)  # refuses a non-exact one
         state = load_checkpoint(acc, resume_from, objective)
         step, tokens_seen = state["step"], state["tokens_seen"]
         wall_before = float(state.get("wall_s", 0.0))

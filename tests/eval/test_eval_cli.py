@@ -3,13 +3,15 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from specdistill.config import REPO_ROOT
 from specdistill.eval.report import PLOTS
 from specdistill.eval.run import run
 from tests.conftest import compose, make_tiny_lm, make_tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _overrides(target_dir, out, *extra):

@@ -194,22 +194,42 @@ SMALL_LM = ["draft=small_lm", "draft.hidden_size=16", "draft.intermediate_size=3
             "draft.num_key_value_heads=1"]
 
 
+@pytest.fixture(scope="module")
+def peaked_target_dir(tmp_path_factory):
+    """The tiny target with its head weights x20: peaked distributions, so at temperature 1 a fresh draft's sampled
+    tokens are often rejected (with the plain tiny target both are near uniform and nearly everything is accepted)."""
+    from tests.conftest import make_tiny_lm, make_tokenizer
+
+    d = tmp_path_factory.mktemp("peaked_target")
+    tok = make_tokenizer()
+    model = make_tiny_lm(len(tok))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("draft", [SMALL_LM, ["draft=eagle3"]], ids=["lm", "eagle3"])
-def test_resume_equals_uninterrupted_with_replay_and_a_cached_rollout(draft, tiny_target_dir, tiny_data_file,
-                                                                       tmp_path):
+def test_resume_equals_uninterrupted_with_replay_and_a_cached_rollout(draft, temperature, tiny_target_dir,
+                                                                       peaked_target_dir, tiny_data_file, tmp_path):
     """The replay buffer (EAGLE-3: with its cached target features), the rollout RNG and a rollout cached across the
     checkpoint (rollout_every=3 with 2 calls per step) are saved per rank: the resumed run ends with the
-    uninterrupted run's weights and buffer."""
+    uninterrupted run's weights and buffer. At temperature 1 (the default) the rollouts after the checkpoint are
+    sampled (drafts, acceptance draws, resampled tokens), so they match only if the rollout RNG's state was restored."""
     from specdistill.build import build
     from specdistill.train.checkpoint import list_checkpoints
     from specdistill.train.loop import fit
 
+    target = peaked_target_dir if temperature > 0 else tiny_target_dir
+
     def run(name, extra=()):
-        cfg = compose("draft_opd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / name, tmp_path / "cache")
+        cfg = compose("draft_opd", tiny_overrides(target, tiny_data_file, tmp_path / name, tmp_path / "cache")
                       + ["trainer.max_steps=4", "trainer.save_every=2", "trainer.keep_checkpoints=5",
                          "trainer.grad_accum=2", "trainer.micro_batch_size=1", "objective.max_new_tokens=6",
                          "objective.gamma=3", "objective.rollout_every=3", "objective.replay_ratio=0.5",
-                         "objective.temperature=0",
+                         f"objective.temperature={temperature}",
                          "trainer.lr=5e-3"] + draft + list(extra))
         c = build(cfg)
         return c, fit(c)

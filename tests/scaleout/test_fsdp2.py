@@ -3,8 +3,12 @@ draft written once by rank 0, the same losses and weights as one process with th
 resume from the sharded (torch.distributed.checkpoint) state."""
 import json
 
+import pytest
+
 from tests.conftest import tiny_overrides
 from tests.scaleout.conftest import BIN, STEPS, assert_matches_reference, run_cmd, subprocess_env
+
+pytestmark = pytest.mark.slow  # real multi-process launches (deselect with -m "not slow")
 
 
 def _torchrun(over, tmp_path):

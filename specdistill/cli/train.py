@@ -1,0 +1,26 @@
+"""`specdistill-train recipe=<name> [overrides]`: compose the config (Hydra), build, fit (thin; the work is pipeline.run).
+
+Under accelerate: `accelerate launch train.py recipe=kd` (the repo's shim) or
+`accelerate launch -m specdistill.cli.train recipe=kd`. Configs come from the package (specdistill/conf/,
+specdistill/recipes/), wherever it is installed.
+"""
+import hydra
+from omegaconf import DictConfig
+
+from specdistill.config import CONF_DIR, register_configs
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def _train(cfg: DictConfig) -> None:
+    from specdistill.pipeline.run import run
+
+    run(cfg)
+
+
+def main() -> None:
+    register_configs()
+    _train()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""A non-editable `pip install .` into a fresh venv runs a recipe outside the checkout (configs: package data)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_overrides
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _dependency_dirs() -> list[str]:
+    """The site-packages folders the running interpreter takes torch, transformers... from (not the checkout)."""
+    return [p for p in sys.path if Path(p).is_dir() and Path(p).name in ("site-packages", "dist-packages")
+            and not Path(p).resolve().is_relative_to(REPO)]
+
+
+def _run(cmd: list, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.update(OMP_NUM_THREADS="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INDEX="1")
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{cmd[:4]} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_pip_install_into_a_fresh_venv_runs_the_kd_recipe(tiny_target_dir, tiny_data_file, tmp_path):
+    # The sources are copied first: pip builds in the source tree (build/, *.egg-info); the checkout stays untouched.
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(REPO / "specdistill", src / "specdistill", ignore=ignore)
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / f, src / f)
+    # A fresh venv without pip; its dependencies come from this interpreter's site-packages through a .pth of plain
+    # paths (a .pth inside those folders is not run, so an editable install of the checkout there stays inactive).
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", venv], tmp_path, 120)
+    py = venv / "bin" / "python"
+    site = Path(_run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp_path, 60)
+                .stdout.strip())
+    (site / "_specdistill_test_deps.pth").write_text("\n".join(_dependency_dirs()) + "\n")
+    _run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", src], tmp_path, 300)
+
+    work = tmp_path / "elsewhere"  # neither the checkout nor the copied sources are on the path from here
+    work.mkdir()
+    where = json.loads(_run([py, "-c", "import json, sys, specdistill.config as c; print(json.dumps("
+                             "[c.__file__, str(c.CONF_DIR), sys.path]))"], work, 60).stdout)
+    assert Path(where[0]).resolve().is_relative_to(site.resolve()), where[0]
+    assert Path(where[1], "config.yaml").is_file() and Path(where[1]).parent.joinpath("recipes", "kd.yaml").is_file()
+    assert not any(p and Path(p).resolve().is_relative_to(REPO) for p in where[2]), where[2]
+
+    out = tmp_path / "run"
+    over = tiny_overrides(tiny_target_dir, tiny_data_file, out, tmp_path / "cache") + ["trainer.max_steps=2"]
+    _run([venv / "bin" / "specdistill-train", "recipe=kd", *over], work, 400)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["step"] == 2
+    assert (out / "checkpoints" / "step-0000002" / "draft" / "model.safetensors").exists()
