@@ -94,6 +94,9 @@ def build(cfg: DictConfig, accelerator=None) -> Components:
     from specdistill.models.draft import build_draft, check_tokenizers_match
     from specdistill.objectives import Models
 
+    from specdistill.validation import validate_config
+
+    validate_config(cfg, log=(accelerator.print if accelerator is not None else print))  # before loading anything
     objective = validate_objective(cfg)  # fail on a bad objective before loading anything
     accelerator = accelerator or make_accelerator(cfg)
     torch.manual_seed(cfg.trainer.seed)

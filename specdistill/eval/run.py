@@ -47,6 +47,9 @@ def run(cfg: DictConfig, log=print) -> tuple[EvalResult, dict[str, Path]]:
     from specdistill.models.target import load_causal_lm
     from specdistill.spec.kv import max_positions
 
+    from specdistill.validation import validate_config
+
+    validate_config(cfg, log=log)  # required keys, ranges, local paths: before loading anything
     ecfg = OmegaConf.to_object(cfg.eval)
     check_eval_config(ecfg)  # fail before loading anything
     device = resolve_device(ecfg.device)
