@@ -75,6 +75,9 @@ def save_model_folder(model, tokenizer, out: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        from specdistill.files import follow_umask
+
+        follow_umask(tmp)  # mkdtemp made it 0700
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

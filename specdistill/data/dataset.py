@@ -39,7 +39,7 @@ def _fingerprint(cfg: DataConfig, tokenizer) -> str:
     vocab = json.dumps(sorted(tokenizer.get_vocab().items())[:: max(1, len(tokenizer) // 2000)])
     key = json.dumps({"src": _source_id(cfg.path), "cfg": {k: v for k, v in asdict(cfg).items()
                                                            if k not in ("cache_dir", "num_proc", "offline_dir")},
-                      "template": tokenizer.chat_template, "vocab": vocab, "v": 2}, sort_keys=True, default=str)
+                      "template": tokenizer.chat_template, "vocab": vocab, "v": 3}, sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

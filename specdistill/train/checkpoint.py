@@ -8,6 +8,8 @@ Layout of <output_dir>/checkpoints/step-0000100/:
   trainer_state.json  step, epoch, tokens seen
   metrics.json        the latest metrics (training and held-out acceptance)
   config.yaml         the fully resolved config of the run
+  manifest.json       size and SHA-256 of every file above (resume verifies them; a corrupt step-N is renamed
+                      step-N.corrupt and the previous one is used)
 A folder whose name starts with "." is incomplete (a crash mid-save: .step-N.tmp) or being deleted (.step-N.del) and is
 never resumed from; debris of either kind is removed by the next save.
 """
@@ -19,6 +21,9 @@ import re
 import shutil
 from pathlib import Path
 from typing import Optional
+
+from specdistill.files import follow_umask
+from specdistill.train.integrity import write_manifest
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 
@@ -80,6 +85,8 @@ def save_checkpoint(accelerator, draft, tokenizer, output_dir, step: int, traine
         (tmp / "config.yaml").write_text(config_yaml)
         # trainer_state.json is written last: its presence marks the content complete, the rename makes it visible.
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        write_manifest(tmp)  # sizes + SHA-256 of every file: resume verifies them (train/integrity.py)
+        follow_umask(tmp)
         _fsync_dir(tmp)
         if final.exists():  # a re-save of this step: move the old copy aside first (a kill here keeps it whole)
             _discard(final)

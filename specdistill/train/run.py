@@ -18,6 +18,8 @@ def run(cfg: DictConfig) -> FitResult:
     c = build(cfg, accelerator=acc)
     pusher = HubPusher(cfg, c.output_dir, is_main=acc.is_main_process, log=acc.print)
     result = fit(c, epoch_end_hooks=(spec_eval_hook,), checkpoint_hooks=(pusher,) if cfg.hub.push else ())
+    if result.nothing_to_do:  # a finished run: no eval, export or push rewrites its results
+        return result
     pusher.finish(wait=result.preempted is None)
     check_replicas(acc, c.models.draft)
     if result.preempted is None and result.final_checkpoint is not None:
