@@ -295,8 +295,9 @@ def main(argv=None) -> dict:
     from specdistill.spec.kv import max_positions
 
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from specdistill.threads import configure_threads
+
+    configure_threads(args.threads, "--threads")
     log = print
     results: dict = {}
     prompts = None

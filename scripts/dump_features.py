@@ -72,6 +72,9 @@ def dump(cfg: DictConfig, batch_size: int = 4, shard_mb: int = 256) -> Path:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from specdistill.threads import configure_threads
+
+    configure_threads(cfg.trainer.threads, "trainer.threads")
     dump(cfg)
 
 

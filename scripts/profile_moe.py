@@ -59,6 +59,9 @@ def profile(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from specdistill.threads import configure_threads
+
+    configure_threads(cfg.trainer.threads, "trainer.threads")
     profile(cfg)
 
 

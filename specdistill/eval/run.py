@@ -56,8 +56,9 @@ def run(cfg: DictConfig, log=print) -> tuple[EvalResult, dict[str, Path]]:
     ecfg = OmegaConf.to_object(cfg.eval)
     check_eval_config(ecfg)  # fail before loading anything
     device = resolve_device(ecfg.device)
-    if ecfg.threads:
-        torch.set_num_threads(ecfg.threads)
+    from specdistill.threads import configure_threads
+
+    threads = configure_threads(ecfg.threads, "eval.threads", log=log)  # deliberate and printed, never torch's default
     torch.manual_seed(ecfg.seed)
     target = load_causal_lm(cfg.target.path, cfg.target.dtype).to(device).eval().requires_grad_(False)
     tokenizer = build_tokenizer(cfg)
@@ -73,7 +74,7 @@ def run(cfg: DictConfig, log=print) -> tuple[EvalResult, dict[str, Path]]:
         f"T={ecfg.temperature} max_new_tokens={ecfg.max_new_tokens} batch={ecfg.batch_size}")
     result = evaluate(target, tokenizer, spec, prompts, ecfg, log=log)
     extra = {"target_path": cfg.target.path, "draft_path": ecfg.draft_path,
-             "prompts_skipped_too_long": prompts.skipped_too_long,
+             "prompts_skipped_too_long": prompts.skipped_too_long, "threads": threads.to_dict(),
              "config": OmegaConf.to_container(cfg.eval, resolve=True)}
     paths = write_report(result, ecfg.output_dir, extra=extra)
     log(summary_line(result))

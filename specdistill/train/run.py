@@ -7,6 +7,7 @@ from omegaconf import DictConfig
 from specdistill.build import build
 from specdistill.eval.in_training import final_spec_eval, spec_eval_hook
 from specdistill.hub.push import HubPusher, check_hub_config
+from specdistill.threads import configure_threads
 from specdistill.train.distributed import check_replicas, make_launch_accelerator
 from specdistill.train.loop import FitResult, fit
 
@@ -15,6 +16,7 @@ def run(cfg: DictConfig) -> FitResult:
     check_hub_config(cfg.hub)  # before any model is loaded
     check_export_config(cfg)
     acc = make_launch_accelerator(cfg)
+    configure_threads(cfg.trainer.threads, "trainer.threads", log=acc.print)  # deliberate, printed (threads.py)
     c = build(cfg, accelerator=acc)
     pusher = HubPusher(cfg, c.output_dir, is_main=acc.is_main_process, log=acc.print)
     result = fit(c, epoch_end_hooks=(spec_eval_hook,), checkpoint_hooks=(pusher,) if cfg.hub.push else ())
