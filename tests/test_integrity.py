@@ -181,6 +181,6 @@ def test_rerunning_a_finished_run_leaves_every_file_byte_identical(finished, tin
     after = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
     assert after == before
     assert "nothing to do" in out and "summary.json" in out
-    assert "[threads] torch uses 1 CPU thread(s) per process (OMP_NUM_THREADS" in out or "[threads] torch uses" in out
+    assert "[threads] torch uses" in out  # train.py sets and prints its threads
     assert res.nothing_to_do and res.final_checkpoint == run / "checkpoints" / "step-0000006"
     assert res.heldout_after == json.loads((run / "summary.json").read_text())["heldout_after"]
