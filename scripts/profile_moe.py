@@ -60,7 +60,9 @@ def profile(cfg: DictConfig) -> Path:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from specdistill.threads import configure_threads
+    from specdistill.validation import validate_config
 
+    validate_config(cfg)  # required keys, ranges, local paths: before any model loads
     configure_threads(cfg.trainer.threads, "trainer.threads")
     profile(cfg)
 

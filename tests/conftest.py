@@ -97,7 +97,9 @@ def tiny_overrides(target_dir, data_file, out_dir, cache_dir) -> list[str]:
             "draft.num_layers=1", f"trainer.output_dir={out_dir}", "trainer.micro_batch_size=2", "trainer.grad_accum=2",
             "trainer.max_steps=3", "trainer.log_every=1", "trainer.save_every=100", "trainer.eval_every=0",
             "trainer.warmup_steps=1", "eval.max_batches=2", "eval.num_prompts=2", "eval.max_new_tokens=8",
-            "eval.spec_eval=false"]
+            "eval.spec_eval=false", f"data.regenerate.prompts={data_file}", "data.regenerate.max_prompts=24",
+            "data.regenerate.max_new_tokens=12", "data.regenerate.batch_size=8",
+            f"data.regenerate.store_dir={Path(cache_dir) / 'regenerated'}"]
 
 
 def compose(recipe: str | None, overrides: list[str]):
