@@ -184,3 +184,14 @@ def test_rerunning_a_finished_run_leaves_every_file_byte_identical(finished, tin
     assert "[threads] torch uses" in out  # train.py sets and prints its threads
     assert res.nothing_to_do and res.final_checkpoint == run / "checkpoints" / "step-0000006"
     assert res.heldout_after == json.loads((run / "summary.json").read_text())["heldout_after"]
+
+
+def test_a_warm_start_from_a_corrupt_draft_is_refused_before_loading(finished, tiny_target_dir, tiny_data_file,
+                                                                     tmp_path):
+    run = _copy_run(finished, tmp_path)
+    draft = run / "checkpoints" / "step-0000006" / "draft"
+    _truncate(draft / "model.safetensors")
+    cfg = compose("kd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "o", tmp_path / "c")
+                  + ["draft=pretrained", f"draft.path={draft}"])
+    with pytest.raises(CorruptCheckpoint, match="draft.path draft"):
+        build(cfg)
