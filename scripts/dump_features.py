@@ -70,6 +70,11 @@ def dump(cfg: DictConfig, batch_size: int = 4, shard_mb: int = 256) -> Path:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from specdistill.threads import configure_threads
+    from specdistill.validation import validate_config
+
+    validate_config(cfg)  # required keys, ranges, local paths: before any model loads
+    configure_threads(cfg.trainer.threads, "trainer.threads")
     dump(cfg)
 
 

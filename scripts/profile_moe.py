@@ -56,6 +56,11 @@ def profile(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
+    from specdistill.threads import configure_threads
+    from specdistill.validation import validate_config
+
+    validate_config(cfg)  # required keys, ranges, local paths: before any model loads
+    configure_threads(cfg.trainer.threads, "trainer.threads")
     profile(cfg)
 
 

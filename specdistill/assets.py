@@ -36,6 +36,20 @@ EMBEDDED_MODELS = {
 }
 
 
+# The Hub id each embedded model was converted from: what a serving engine (vLLM, SGLang) loads instead.
+EMBEDDED_MODEL_ORIGINS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def serving_model_id(path: str) -> str:
+    """The id an engine can load for a target path: the original Hub id of an embedded model, the absolute path of a
+    local folder, a Hub id as is."""
+    if is_embedded(path):
+        name = str(path)[len(EMBEDDED_PREFIX):]
+        return EMBEDDED_MODEL_ORIGINS.get(name, str(path))
+    p = Path(str(path)).expanduser()
+    return str(p.resolve()) if p.exists() else str(path)
+
+
 def resolve_model_path(path: str) -> str:
     """Return a path from_pretrained can open: embedded models are converted once and cached."""
     if not is_embedded(path):
@@ -75,6 +89,9 @@ def save_model_folder(model, tokenizer, out: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        from specdistill.files import follow_umask
+
+        follow_umask(tmp)  # mkdtemp made it 0700
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

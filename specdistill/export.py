@@ -348,6 +348,9 @@ def export_eagle3(head_dir, out_dir, fmt: str = "vllm", target_path: Optional[st
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} exists: pass overwrite=True (--overwrite) or choose another --out")
+    from specdistill.train.integrity import check_draft_folder
+
+    check_draft_folder(head_dir, what="draft to export")  # a truncated head is refused by name, not by safetensors
     ck = read_checkpoint(head_dir)
     raw_in, cfg, sd = ck.raw, ck.config, ck.state_dict
     warnings: list[str] = []
@@ -425,6 +428,8 @@ def export_eagle3(head_dir, out_dir, fmt: str = "vllm", target_path: Optional[st
 def _write_atomic(out_dir: Path, config: dict, tensors: dict, overwrite: bool, target_layers: Optional[int]) -> None:
     from safetensors.torch import save_file
 
+    from specdistill.files import follow_umask
+
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
@@ -432,6 +437,7 @@ def _write_atomic(out_dir: Path, config: dict, tensors: dict, overwrite: bool, t
                   metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         validate_export(tmp, target_layers=target_layers)  # what an engine will read, re-read from disk
+        follow_umask(tmp)  # mkdtemp made it 0700: exports are read by other users and serving containers
         if out_dir.exists():
             if not overwrite:
                 raise FileExistsError(f"{out_dir} appeared while exporting; not replacing it")

@@ -116,3 +116,53 @@ def test_loader_is_a_function_of_the_step_and_shards_disjointly():
     assert not set(s0) & set(s1) and len(s0) == len(s1) == 20
     with pytest.raises(ValueError, match="too few"):
         StepBatches(ds[:3], 2, 2, 0)
+
+
+def test_one_malformed_line_is_one_skipped_row_named_by_its_line(tok, tmp_path):
+    """Issue 16: one bad JSON line among 20 good rows used to refuse the whole file (DatasetGenerationError)."""
+    lines = [json.dumps(r) for r in conversations(20)]
+    lines.insert(6, '{"conversations": [{"from": "human", "value": "hi"')  # line 7: cut off mid-object
+    p = tmp_path / "one_bad.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    logged = []
+    d = build_data(DataConfig(path=str(p), max_rows=None, heldout_size=4, cache_dir=str(tmp_path / "c")), tok,
+                   log=logged.append)
+    print("\n".join(logged))
+    assert d.report["rows"] == 21 and d.report["kept"] == 20
+    assert d.report["malformed"] == {"invalid JSON": 1}
+    assert d.report["malformed_rows"][0]["line"] == 7 and d.report["malformed_rows"][0]["reason"].startswith("invalid JSON")
+    assert len(d.train) + len(d.heldout) == 20
+    assert any("line 7" in m for m in logged)
+
+
+def test_a_mostly_unreadable_jsonl_is_still_refused(tok, tmp_path):
+    p = tmp_path / "mostly_bad.jsonl"
+    p.write_text("\n".join([json.dumps(conversations(1)[0])] + ["{not json"] * 5))
+    with pytest.raises(ValueError, match="max_malformed_fraction") as e:
+        build_data(DataConfig(path=str(p), max_rows=None, cache_dir=str(tmp_path / "c")), tok, log=lambda *_: None)
+    print(e.value)
+
+
+@pytest.mark.parametrize("name,text", [("empty.jsonl", ""), ("blank.jsonl", "\n\n  \n"), ("empty.json", ""),
+                                       ("empty.parquet", "")])
+def test_an_empty_data_file_gets_a_clear_error(tok, tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    with pytest.raises(ValueError, match="is empty|holds no rows") as e:
+        build_data(DataConfig(path=str(p), max_rows=None, cache_dir=str(tmp_path / "c")), tok, log=lambda *_: None)
+    print(e.value)
+
+
+def test_an_empty_prompts_file_gets_a_clear_error(tmp_path):
+    from specdistill.eval.prompts import load_prompt_messages
+
+    p = tmp_path / "prompts.jsonl"
+    p.write_text("")
+    with pytest.raises(ValueError, match="is empty") as e:
+        load_prompt_messages(str(p), num_prompts=3)
+    print(e.value)
+
+
+def test_a_missing_relative_data_path_is_local(tok, tmp_path):
+    with pytest.raises(FileNotFoundError, match="never looked up on the Hub"):
+        build_data(DataConfig(path="data/typo.jsonl", cache_dir=str(tmp_path / "c")), tok, log=lambda *_: None)

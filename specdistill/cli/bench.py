@@ -299,8 +299,9 @@ def run_bench(argv: list[str] | None = None) -> dict:
     from specdistill.decoding.kv import max_positions
 
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from specdistill.threads import configure_threads
+
+    configure_threads(args.threads, "--threads")
     log = print
     results: dict = {}
     prompts = None

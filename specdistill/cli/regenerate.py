@@ -91,9 +91,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: physical cores)")
     args = ap.parse_args(argv)
 
     import torch
+
+    from specdistill.threads import configure_threads
+
+    configure_threads(args.threads, "--threads")
     from tqdm.auto import tqdm
 
     from specdistill.data.chat import prompt_ids

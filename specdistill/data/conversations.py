@@ -18,6 +18,22 @@ class MalformedRow(ValueError):
 
 
 @dataclass
+class UnreadableLine:
+    """A line of a .jsonl file that is not a JSON object: kept in place of its row so that it is counted, reported
+    with its line number and skipped like any other malformed row."""
+    line: int  # 1-based line number in the file
+    error: str
+
+
+class Rows(list):
+    """Rows read from a file, with the 1-based line number of each (JSON lines) for error reports."""
+    lines: Optional[list[int]] = None
+
+
+MAX_REPORTED = 10  # malformed rows listed one by one (line, reason) in the data report
+
+
+@dataclass
 class Conversations:
     conversations: list[list[dict]]  # each: [{"role": ..., "content": ...}, ...]
     num_rows: int
@@ -25,15 +41,19 @@ class Conversations:
     repaired: int = 0  # rows kept after dropping leading assistant turns
     indices: list[int] = field(default_factory=list)  # source row index of each kept conversation
     examples: dict = field(default_factory=dict)  # reason -> first row index with it
+    malformed_rows: list = field(default_factory=list)  # the first MAX_REPORTED: {"row", "line"?, "reason"}
 
     def report(self) -> dict:
         return {"rows": self.num_rows, "kept": len(self.conversations), "repaired_leading_assistant": self.repaired,
                 "malformed": dict(self.malformed),
-                "first_malformed_row": self.examples}
+                "first_malformed_row": self.examples,
+                "malformed_rows": self.malformed_rows}
 
 
-def load_rows(path: str, split: str = "train", max_rows: Optional[int] = None) -> list[dict]:
-    """Rows as dicts from embedded:<name>, a local json/jsonl/parquet file, or a hub dataset (datasets)."""
+def load_rows(path: str, split: str = "train", max_rows: Optional[int] = None, keep_bad: bool = False) -> list[dict]:
+    """Rows as dicts from embedded:<name>, a local json/jsonl/parquet file, or a hub dataset (datasets).
+    A JSON-lines line that does not parse raises ValueError naming it, or with keep_bad=True becomes an
+    UnreadableLine row (normalize counts and reports it)."""
     if is_embedded(path):
         name = path[len(EMBEDDED_PREFIX):]
         if name not in EMBEDDED_DATA:
@@ -41,23 +61,63 @@ def load_rows(path: str, split: str = "train", max_rows: Optional[int] = None) -
         return EMBEDDED_DATA[name](max_rows)
     import datasets
 
+    from specdistill.validation import looks_local
+
     p = Path(path).expanduser()
     if p.exists():
         kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(p.suffix)
         if kind is None:
             raise ValueError(f"data file {p} must be .json, .jsonl or .parquet")
+        if p.is_file() and _blank(p):
+            raise ValueError(f"data file {p} is empty: it holds no rows. Each row must be a JSON object with "
+                             "`conversations` (ShareGPT), `messages` (OpenAI) or `prompt`")
+        if p.suffix == ".jsonl":  # line by line: one bad line is one malformed row, not a refused file
+            return _read_jsonl(p, max_rows, keep_bad)
         try:
             ds = datasets.load_dataset(kind, data_files=str(p), split="train")
         except Exception as e:  # pyarrow's JSON errors are not user-friendly: say what is wrong and where
+            if kind == "json":  # a .json file of JSON lines: read it line by line too
+                return _read_jsonl(p, max_rows, keep_bad)
             raise ValueError(f"could not read {p} as {kind}: {type(e).__name__}: {str(e)[:300]}. Each row must be a "
                              "JSON object with `conversations` (ShareGPT), `messages` (OpenAI) or `prompt`") from None
-    elif path.startswith(("/", ".", "~")):
-        raise FileNotFoundError(f"data file {path!r} does not exist")
+    elif looks_local(path):
+        raise FileNotFoundError(f"data file {path!r} does not exist ({p.resolve()}); a local-looking path is never "
+                                "looked up on the Hub")
     else:
         ds = datasets.load_dataset(path, split=split)
     if max_rows is not None:
         ds = ds.select(range(min(max_rows, len(ds))))
     return ds.to_list()
+
+
+def _blank(p: Path) -> bool:
+    with p.open("rb") as f:
+        head = f.read(4096)
+    return not head.strip() and p.stat().st_size <= 4096
+
+
+def _read_jsonl(p: Path, max_rows: Optional[int], keep_bad: bool) -> Rows:
+    import json
+
+    rows, lines = Rows(), []
+    with p.open(encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, start=1):
+            if max_rows is not None and len(rows) >= max_rows:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                if not keep_bad:
+                    raise ValueError(f"{p}, line {n}: not valid JSON ({e.msg} at column {e.colno})") from None
+                row = UnreadableLine(n, f"invalid JSON ({e.msg})")
+            rows.append(row)
+            lines.append(n)
+    if not rows:
+        raise ValueError(f"data file {p} holds no rows (only blank lines)")
+    rows.lines = lines
+    return rows
 
 
 def detect_format(row: dict) -> str:
@@ -132,11 +192,14 @@ def _check_messages(msgs, need_assistant: bool = True) -> list[dict]:
 
 
 def normalize(rows: Iterable[dict], fmt: str = "auto", need_assistant: bool = True) -> Conversations:
-    convs, kept, bad, first = [], [], Counter(), {}
+    convs, kept, bad, first, listed = [], [], Counter(), {}, []
     n = repaired = 0
+    lines = getattr(rows, "lines", None)
     for i, row in enumerate(rows):
         n += 1
         try:
+            if isinstance(row, UnreadableLine):
+                raise MalformedRow("invalid JSON")
             msgs = to_messages(row, fmt)
             raw = row.get("conversations") or row.get("messages") or []
             first_raw = raw[0] if isinstance(raw, list) and raw else {}
@@ -149,5 +212,10 @@ def normalize(rows: Iterable[dict], fmt: str = "auto", need_assistant: bool = Tr
         except MalformedRow as e:
             bad[str(e)] += 1
             first.setdefault(str(e), i)
+            if len(listed) < MAX_REPORTED:
+                entry = {"row": i, "reason": row.error if isinstance(row, UnreadableLine) else str(e)}
+                if lines is not None:
+                    entry["line"] = lines[i]
+                listed.append(entry)
     return Conversations(convs, n, malformed=bad, examples=first, repaired=repaired,
-                         indices=kept)
+                         indices=kept, malformed_rows=listed)

@@ -39,7 +39,7 @@ def _fingerprint(cfg: DataConfig, tokenizer) -> str:
     vocab = json.dumps(sorted(tokenizer.get_vocab().items())[:: max(1, len(tokenizer) // 2000)])
     key = json.dumps({"src": _source_id(cfg.path), "cfg": {k: v for k, v in asdict(cfg).items()
                                                            if k not in ("cache_dir", "num_proc", "offline_dir")},
-                      "template": tokenizer.chat_template, "vocab": vocab, "v": 2}, sort_keys=True, default=str)
+                      "template": tokenizer.chat_template, "vocab": vocab, "v": 3}, sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -53,19 +53,23 @@ def build_data(cfg: DataConfig, tokenizer, log=print) -> TokenizedData:
         return TokenizedData(datasets.load_from_disk(str(cache / "train")), datasets.load_from_disk(str(cache / "heldout")),
                              json.loads((cache / "heldout_messages.json").read_text()), report, cache.name)
 
-    rows = load_rows(cfg.path, cfg.split, cfg.max_rows)
+    rows = load_rows(cfg.path, cfg.split, cfg.max_rows, keep_bad=True)
     convs = normalize(rows, cfg.format)
     report = convs.report()
+    if convs.num_rows == 0:
+        raise ValueError(f"data.path={cfg.path!r} holds no rows (split {cfg.split!r}): point data.path at a file or "
+                         "dataset of conversations")
     bad = sum(convs.malformed.values())
     if bad:
         reasons = ", ".join(f"{n} {r}" for r, n in convs.malformed.most_common())
-        log(f"[data] {bad} of {convs.num_rows} rows are malformed and skipped ({reasons}); "
-            f"first offending row per reason: {convs.examples}")
+        where = ", ".join(f"line {m['line']}" if "line" in m else f"row {m['row']}" for m in convs.malformed_rows)
+        log(f"[data] {bad} of {convs.num_rows} rows are malformed and skipped ({reasons}); first ones: {where} "
+            "(listed in data_report.json)")
     if not convs.conversations or bad > cfg.max_malformed_fraction * max(1, convs.num_rows):
         raise ValueError(f"{bad} of {convs.num_rows} rows in {cfg.path} are malformed ({dict(convs.malformed)}), more "
                          f"than data.max_malformed_fraction={cfg.max_malformed_fraction}. Check data.format (auto | "
-                         "sharegpt | messages | prompt) and the rows named in first_malformed_row: "
-                         f"{convs.examples}")
+                         "sharegpt | messages | prompt) and the first malformed rows: "
+                         f"{convs.malformed_rows}")
 
     conversations = list(convs.conversations)
     random.Random(cfg.seed).shuffle(conversations)

@@ -107,6 +107,18 @@ def markdown(r: EvalResult) -> str:
     return "\n".join(lines)
 
 
+def curve(ax, xs: list, ys: list, ns: list, n_label: str = "n") -> None:
+    """Points with their sample count written beside each; joined by a line only when there are two or more (a
+    single point is not a curve). The y-axis starts at 0, so small differences are not drawn as large ones."""
+    ax.plot(xs, ys, "o-" if len(xs) > 1 else "o")
+    for x, y, n in zip(xs, ys, ns):
+        ax.annotate(f"{n_label}={n}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+    top = max([y for y in ys if y == y] + [1.0])
+    ax.set_ylim(0, top * 1.15)
+    if len(xs) == 1:
+        ax.text(0.5, 0.05, "one point only: no curve", transform=ax.transAxes, ha="center", fontsize=8, color="grey")
+
+
 def write_plots(r: EvalResult, out: Path) -> dict[str, Path]:
     import matplotlib
 
@@ -126,20 +138,21 @@ def write_plots(r: EvalResult, out: Path) -> dict[str, Path]:
     ax.bar([x - 0.2 for x in k], r.accept_rate_per_pos, width=0.4, label="a_k (given accepted prefix)")
     ax.bar([x + 0.2 for x in k], r.reach_rate_per_pos, width=0.4, label="P(accepted | drafted)")
     ax.set(xlabel="draft position k", ylabel="acceptance", ylim=(0, 1.05), xticks=k,
-           title=f"{r.drafter}: tau {r.mean_accept_len:.2f}")
+           title=f"{r.drafter}: tau {r.mean_accept_len:.2f} (n={r.target_forwards} rounds, {r.num_prompts} prompts)")
     ax.legend(fontsize=8)
     save(fig, "accept_rate_per_pos.png")
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     total = max(sum(r.accept_len_hist), 1)
-    ax.bar(range(len(r.accept_len_hist)), [h / total for h in r.accept_len_hist])
+    bars = ax.bar(range(len(r.accept_len_hist)), [h / total for h in r.accept_len_hist])
+    ax.bar_label(bars, labels=[f"n={h}" for h in r.accept_len_hist], fontsize=7)
     ax.set(xlabel="accepted drafts per round", ylabel="share of rounds", xticks=range(len(r.accept_len_hist)),
            title="accepted-length histogram")
     save(fig, "accept_len_hist.png")
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     pts = sorted(r.batch_sweep, key=lambda p: p.batch_size)
-    ax.plot([p.batch_size for p in pts], [p.speedup for p in pts], "o-")
+    curve(ax, [p.batch_size for p in pts], [p.speedup for p in pts], [p.num_prompts for p in pts], "prompts")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set(xlabel="batch size", ylabel="speedup vs target-only", title="speedup against batch size")
     ax.set_xscale("log", base=2)
@@ -147,7 +160,7 @@ def write_plots(r: EvalResult, out: Path) -> dict[str, Path]:
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     buckets = r.accept_by_output_position
-    ax.plot([b["start"] for b in buckets], [b["tau"] for b in buckets], "o-")
+    curve(ax, [b["start"] for b in buckets], [b["tau"] for b in buckets], [b["rounds"] for b in buckets], "rounds")
     ax.set(xlabel="output position (round start, tokens)", ylabel="tau", title="acceptance against output position")
     save(fig, "accept_by_output_position.png")
     return paths

@@ -28,6 +28,9 @@ def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
         if not (Path(path).expanduser() / "config.json").exists() and Path(path).expanduser().exists():
             raise FileNotFoundError(f"eval.draft_path={path} has no config.json: point it at a checkpoint's draft/ "
                                     "folder, e.g. outputs/kd/checkpoints/step-0000040/draft")
+        from specdistill.train.integrity import check_draft_folder
+
+        check_draft_folder(path, what="eval.draft_path draft")  # sizes, checksums, safetensors headers
         draft = load_trained_draft(path)  # a standalone LM or an EAGLE-3 head
         draft_adapter(draft).check_target(target_model, "a draft must share the target's tokenizer and output "
                                           "layer size")
@@ -50,11 +53,15 @@ def run(cfg: DictConfig, log=print) -> tuple[EvalResult, dict[str, Path]]:
     from specdistill.models.target import load_causal_lm
     from specdistill.decoding.kv import max_positions
 
+    from specdistill.validation import validate_config
+
+    validate_config(cfg, log=log)  # required keys, ranges, local paths: before loading anything
     ecfg = OmegaConf.to_object(cfg.eval)
     check_eval_config(ecfg)  # fail before loading anything
     device = resolve_device(ecfg.device)
-    if ecfg.threads:
-        torch.set_num_threads(ecfg.threads)
+    from specdistill.threads import configure_threads
+
+    threads = configure_threads(ecfg.threads, "eval.threads", log=log)  # deliberate and printed, never torch's default
     torch.manual_seed(ecfg.seed)
     target = load_causal_lm(cfg.target.path, cfg.target.dtype).to(device).eval().requires_grad_(False)
     tokenizer = build_tokenizer(cfg)
@@ -70,7 +77,7 @@ def run(cfg: DictConfig, log=print) -> tuple[EvalResult, dict[str, Path]]:
         f"T={ecfg.temperature} max_new_tokens={ecfg.max_new_tokens} batch={ecfg.batch_size}")
     result = evaluate(target, tokenizer, spec, prompts, ecfg, log=log)
     extra = {"target_path": cfg.target.path, "draft_path": ecfg.draft_path,
-             "prompts_skipped_too_long": prompts.skipped_too_long,
+             "prompts_skipped_too_long": prompts.skipped_too_long, "threads": threads.to_dict(),
              "config": OmegaConf.to_container(cfg.eval, resolve=True)}
     paths = write_report(result, ecfg.output_dir, extra=extra)
     log(summary_line(result))

@@ -74,7 +74,10 @@ python -m sglang.launch_server --model-path {target} --speculative-algorithm STA
 
 def model_card(cfg, repo_id: str, metrics: dict, step: int, epoch: int, eagle3: bool,
                exports: Optional[list[str]] = None) -> str:
+    from specdistill.assets import serving_model_id
+
     target = str(_get(cfg, "target.path", "?"))
+    served = serving_model_id(target)  # what vLLM / SGLang load: never embedded:<name>
     objective = OmegaConf.to_container(cfg.objective, resolve=True) if isinstance(cfg, DictConfig) else {}
     trainer = {k: _get(cfg, f"trainer.{k}") for k in ("lr", "max_steps", "micro_batch_size", "grad_accum", "seed")}
     data = {k: _get(cfg, f"data.{k}") for k in ("path", "max_rows", "max_length", "packing")}
@@ -82,8 +85,8 @@ def model_card(cfg, repo_id: str, metrics: dict, step: int, epoch: int, eagle3: 
     tags = ["speculative-decoding", "draft-model", "specdistill"] + (["eagle3"] if eagle3 else [])
     front = ["---", "library_name: transformers" if not eagle3 else "library_name: specdistill",
              "tags:", *[f"- {t}" for t in tags]]
-    if "/" in target and not target.startswith(("/", ".", "embedded:", "~")):
-        front.append(f"base_model: {target}")  # a hub id, not a local path
+    if "/" in served and not served.startswith(("/", ".", "embedded:", "~")):
+        front.append(f"base_model: {served}")  # a hub id, not a local path
     front.append("---")
     return "\n".join(front) + f"""
 
@@ -97,7 +100,7 @@ Step {step}, epoch {epoch}.
 
 ## Training
 
-- Target: `{target}`
+- Target: `{target}`{f" (served as `{served}`)" if served != target else ""}
 - Objective: `{json.dumps(objective)}`
 - Data: `{json.dumps(data)}`
 - Trainer: `{json.dumps(trainer)}`
@@ -109,4 +112,4 @@ The full resolved config is `specdistill/config.yaml`; the latest metrics are `s
 {tau_table(metrics, gamma)}
 ## Serving
 
-{serving_section(repo_id, target, eagle3, exports or [], gamma)}"""
+{serving_section(repo_id, served, eagle3, exports or [], gamma)}"""

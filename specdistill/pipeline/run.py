@@ -9,6 +9,7 @@ from specdistill.drafts import kind_for_init
 from specdistill.train.spec_eval import final_spec_eval, spec_eval_hook
 from specdistill.hub.push import HubPusher, check_hub_config
 from specdistill.pipeline.regenerate import build_regenerated_data
+from specdistill.threads import configure_threads
 from specdistill.train.distributed import check_replicas, make_launch_accelerator
 from specdistill.train.loop import FitResult, fit
 
@@ -17,9 +18,12 @@ def run(cfg: DictConfig) -> FitResult:
     check_hub_config(cfg.hub)  # before any model is loaded
     check_export_config(cfg)
     acc = make_launch_accelerator(cfg)
+    configure_threads(cfg.trainer.threads, "trainer.threads", log=acc.print)  # deliberate, printed (threads.py)
     c = build_components(cfg, accelerator=acc)
     pusher = HubPusher(cfg, c.output_dir, is_main=acc.is_main_process, log=acc.print)
     result = fit(c, epoch_end_hooks=(spec_eval_hook,), checkpoint_hooks=(pusher,) if cfg.hub.push else ())
+    if result.nothing_to_do:  # a finished run: no eval, export or push rewrites its results
+        return result
     pusher.finish(wait=result.preempted is None)
     check_replicas(acc, c.models.draft)
     if result.preempted is None and result.final_checkpoint is not None:

@@ -9,6 +9,8 @@ Layout of <output_dir>/checkpoints/step-0000100/:
   metrics.json        the latest metrics (training and held-out acceptance)
   config.yaml         the fully resolved config of the run; a resume compares its own with it (check_resume_config):
                       it lists the keys that differ and refuses those that break exactness (shapes, data order)
+  manifest.json       size and SHA-256 of every file above (resume verifies them; a corrupt step-N is renamed
+                      step-N.corrupt and the previous one is used)
 A folder whose name starts with "." is incomplete (a crash mid-save: .step-N.tmp) or being deleted (.step-N.del) and is
 never resumed from; debris of either kind is removed by the next save.
 """
@@ -21,6 +23,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+from specdistill.files import follow_umask
+from specdistill.train.integrity import write_manifest
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 
@@ -173,6 +178,8 @@ def save_checkpoint(accelerator, draft, tokenizer, output_dir, step: int, traine
         (tmp / "config.yaml").write_text(config_yaml)
         # trainer_state.json is written last: its presence marks the content complete, the rename makes it visible.
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        write_manifest(tmp)  # sizes + SHA-256 of every file: resume verifies them (train/integrity.py)
+        follow_umask(tmp)
         _fsync_dir(tmp)
         if final.exists():  # a re-save of this step: move the old copy aside first (a kill here keeps it whole)
             _discard(final)

@@ -24,8 +24,9 @@ from specdistill.build import Components
 from specdistill.data.chat import collate
 from specdistill.data.loader import StepBatches
 from specdistill.eval.simulated import simulated_acceptance
-from specdistill.train.checkpoint import (check_resume_config, list_checkpoints, load_checkpoint, resolve_resume,
-                                          save_checkpoint)
+from specdistill.train.checkpoint import check_resume_config, list_checkpoints, load_checkpoint, save_checkpoint
+from specdistill.train.integrity import select_resume
+from specdistill.train.results import finished_run, nothing_to_do_message
 from specdistill.train.throughput import Roofline, count_flops, matmul_gflops
 
 
@@ -37,6 +38,7 @@ class FitResult:
     heldout_before: Optional[dict] = None
     heldout_after: Optional[dict] = None
     preempted: Optional[str] = None  # "SIGTERM" / "SIGINT" when a signal stopped the run (a resumable checkpoint exists)
+    nothing_to_do: bool = False  # resumed at max_steps: no file was written (train/results.py)
 
 
 @dataclass
@@ -131,6 +133,15 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
                           acc.process_index, acc.num_processes)
     max_steps = t.max_steps if t.epochs is None else min(t.max_steps, t.epochs * batches.steps_per_epoch)
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    resume_from = select_resume(t.resume, out_dir, acc, log=acc.print)  # verified; corrupt ones moved aside
+    if resume_from is None and list_checkpoints(out_dir):
+        raise FileExistsError(f"{out_dir} already holds checkpoints of an earlier run ({list_checkpoints(out_dir)[-1].name})"
+                              ": continue it with trainer.resume=auto, or start fresh in another trainer.output_dir "
+                              "(nothing is overwritten)")
+    done = finished_run(resume_from, max_steps, out_dir)
+    if done is not None:  # a finished run: every result file stays as it is
+        acc.print(nothing_to_do_message(done, out_dir, max_steps))
+        return done
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(config_yaml)
@@ -142,11 +153,6 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
     step, tokens_seen, last_saved = 0, 0, -1
     t_fit, wall_before = time.perf_counter(), 0.0  # training wall clock, carried across resumes (learning curves)
     result = FitResult(0, None)
-    resume_from = resolve_resume(t.resume, out_dir)
-    if resume_from is None and list_checkpoints(out_dir):
-        raise FileExistsError(f"{out_dir} already holds checkpoints of an earlier run ({list_checkpoints(out_dir)[-1].name})"
-                              ": continue it with trainer.resume=auto, or start fresh in another trainer.output_dir "
-                              "(nothing is overwritten)")
     if resume_from is not None:
         check_resume_config(resume_from, config_yaml, t.resume_allow_drift, log=acc.print)  # refuses a non-exact one
         state = load_checkpoint(acc, resume_from, objective)

@@ -68,7 +68,10 @@ def _evaluate_on_this_rank(c, epoch: int, step: int, name: str) -> dict:
                                context=max_positions(target), max_prompt_tokens=cfg.max_prompt_tokens,
                                split=cfg.prompts_split, heldout=getattr(c.data, "heldout_messages", None))
         spec = draft if cfg.drafter == "draft" else cfg.drafter
-        result = evaluate(target, tokenizer, spec, prompts, cfg, progress=name == "final", log=acc.print)
+        acc.print(f"[spec-eval] {name} step {step}: speculative decoding of {len(prompts)} prompts x up to "
+                  f"{cfg.max_new_tokens} tokens, then the target alone (eval.num_prompts, eval.max_new_tokens)")
+        # its own progress bar (with an ETA): the training bar sits at 100% meanwhile
+        result = evaluate(target, tokenizer, spec, prompts, cfg, progress=True, log=acc.print)
     finally:
         draft.train(was_training)
     final = name == "final"

@@ -1,0 +1,250 @@
+"""Config checks in one place, run by every entry point before any model or data is loaded.
+
+Knows nothing about models or tensors: it reads the composed config only. Hydra already refuses unknown keys and
+wrong types (and, since `recipe` is not optional in conf/config.yaml, an unknown recipe, listing the known ones);
+what is left is checked here:
+  - required values (`???` in a group YAML: data=jsonl needs data.path, target=local needs target.path);
+  - the range of every numeric setting, the key named in the message;
+  - paths that look local (./x, ~/x, /x, *.jsonl ...) must exist: a typo is a local error, never a Hub lookup;
+  - settings that another setting makes useless (eval.draft_path with eval.drafter=ngram) give a warning.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from specdistill.assets import is_embedded
+
+
+class ConfigError(ValueError):
+    """A config a run must not start with; the message names every bad key and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Range:
+    lo: Optional[float] = None  # None: unbounded
+    hi: Optional[float] = None
+    lo_open: bool = False  # True: lo itself is not allowed (lr > 0)
+    hi_open: bool = False
+    nullable: bool = False  # null is a legal value (it means "all" / "default")
+
+    def check(self, v) -> Optional[str]:
+        if v is None:
+            return None if self.nullable else "must be set (got null)"
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return f"must be a number (got {v!r})"
+        if isinstance(v, float) and math.isnan(v):
+            return "must be a number (got nan)"
+        if ((self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo)))
+                or (self.hi is not None and (v > self.hi or (self.hi_open and v == self.hi)))):
+            return self.describe()
+        return None
+
+    def describe(self) -> str:
+        parts = []
+        if self.lo is not None:
+            parts.append(f"{'>' if self.lo_open else '>='} {self.lo:g}")
+        if self.hi is not None:
+            parts.append(f"{'<' if self.hi_open else '<='} {self.hi:g}")
+        return "must be " + " and ".join(parts) + (" (or null)" if self.nullable else "")
+
+
+POSITIVE = Range(1)  # an integer count of at least one
+NON_NEGATIVE = Range(0)
+FRACTION = Range(0, 1)
+
+# Every numeric setting of the schema (specdistill/config.py). A list value is checked element by element.
+RANGES: dict[str, Range] = {
+    "draft.num_layers": POSITIVE,
+    "draft.draft_vocab_size": POSITIVE,
+    "data.max_rows": Range(1, nullable=True),
+    "data.max_length": Range(2),
+    "data.heldout_size": NON_NEGATIVE,
+    "data.max_malformed_fraction": FRACTION,
+    "data.num_proc": POSITIVE,
+    "data.regenerate.max_prompts": POSITIVE,
+    "data.regenerate.max_prompt_tokens": POSITIVE,
+    "data.regenerate.max_new_tokens": POSITIVE,
+    "data.regenerate.temperature": NON_NEGATIVE,
+    "data.regenerate.batch_size": POSITIVE,
+    "trainer.lr": Range(0, lo_open=True),
+    "trainer.weight_decay": NON_NEGATIVE,
+    "trainer.betas": Range(0, 1, hi_open=True),
+    "trainer.warmup_steps": NON_NEGATIVE,
+    "trainer.min_lr_ratio": FRACTION,
+    "trainer.max_steps": POSITIVE,
+    "trainer.epochs": Range(1, nullable=True),
+    "trainer.micro_batch_size": POSITIVE,
+    "trainer.grad_accum": POSITIVE,
+    "trainer.max_grad_norm": NON_NEGATIVE,  # 0 = no clipping
+    "trainer.log_every": POSITIVE,
+    "trainer.save_every": POSITIVE,
+    "trainer.keep_checkpoints": NON_NEGATIVE,  # 0 = keep all
+    "trainer.eval_every": NON_NEGATIVE,  # 0 = only at the end
+    "trainer.threads": Range(1, nullable=True),
+    "eval.gamma": NON_NEGATIVE,
+    "eval.max_batches": POSITIVE,
+    "eval.num_prompts": Range(1, nullable=True),
+    "eval.max_prompt_tokens": Range(1, nullable=True),
+    "eval.max_new_tokens": POSITIVE,
+    "eval.temperature": NON_NEGATIVE,
+    "eval.top_p": Range(0, 1, lo_open=True),
+    "eval.ngram_max": POSITIVE,
+    "eval.ngram_min": POSITIVE,
+    "eval.max_gamma": POSITIVE,
+    "eval.draft_confidence": FRACTION,
+    "eval.batch_size": POSITIVE,
+    "eval.batch_sizes": POSITIVE,
+    "eval.sweep_prompts": POSITIVE,
+    "eval.warmup_prompts": NON_NEGATIVE,
+    "eval.position_bucket": POSITIVE,
+    "eval.threads": Range(1, nullable=True),
+    "hub.max_retries": NON_NEGATIVE,
+    "hub.backoff_s": NON_NEGATIVE,
+}
+
+LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".safetensors", ".gguf", ".yaml")
+
+
+def looks_local(path: str, hub_ids_have_one_slash: bool = True) -> bool:
+    """True when `path` can only mean a file or folder on this machine: ./x, ../x, ~/x, /x, a data-file suffix,
+    or (hub ids being org/name) a path with two or more slashes. `embedded:*` and bare names are not local."""
+    s = str(path)
+    if not s or is_embedded(s) or "://" in s:
+        return False
+    if s.startswith(("/", "./", "../", "~", ".")) or s.lower().endswith(LOCAL_SUFFIXES):
+        return True
+    return hub_ids_have_one_slash and s.count("/") >= 2
+
+
+def missing_local_path(key: str, path: str) -> Optional[str]:
+    """An error line when `path` looks local but does not exist (checked instead of asking the Hub)."""
+    if path and looks_local(path) and not Path(str(path)).expanduser().exists():
+        where = Path(str(path)).expanduser()
+        return (f"{key}={path!r} looks like a local path but {where.resolve() if not where.is_absolute() else where} "
+                "does not exist (nothing is looked up on the Hub for a local-looking path): fix the path, or give "
+                "a Hub id as org/name")
+    return None
+
+
+def _get(cfg: DictConfig, dotted: str) -> tuple[bool, Any]:
+    node: Any = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, DictConfig) or part not in node:
+            return False, None
+        if OmegaConf.is_missing(node, part):
+            return False, None
+        node = node[part]
+    if isinstance(node, (DictConfig, ListConfig)):
+        node = OmegaConf.to_container(node, resolve=True)
+    return True, node
+
+
+def missing_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """Every `???` value left in the composed config (dotted keys)."""
+    out = []
+    for k in cfg.keys():
+        key = f"{prefix}{k}"
+        if OmegaConf.is_missing(cfg, k):
+            out.append(key)
+        else:
+            v = cfg._get_node(k)
+            if isinstance(v, DictConfig):
+                out.extend(missing_keys(v, key + "."))
+    return out
+
+
+REQUIRED_HINTS = {
+    "data.path": "data=jsonl reads your own file: pass data.path=path/to/conversations.jsonl "
+                 "(or drop data=jsonl to train on the embedded ShareGPT)",
+    "target.path": "target=local loads your own model: pass target.path=/path/to/hf_model_folder (or a Hub id "
+                   "org/name; or drop target=local for the embedded SmolLM2)",
+    "draft.path": "draft=pretrained loads a draft model: pass draft.path=/path/to/hf_model_folder",
+    "objective": "pick an objective: objective=kd (or a recipe: recipe=kd)",
+}
+
+
+def required_errors(cfg: DictConfig) -> list[str]:
+    return [f"{k} is required and not set: {REQUIRED_HINTS.get(k, f'pass {k}=<value>')}" for k in missing_keys(cfg)]
+
+
+def _schema_default(key: str):
+    from specdistill.config import Config
+
+    try:
+        return OmegaConf.select(OmegaConf.structured(Config), key, throw_on_missing=False)
+    except Exception:  # noqa: BLE001 - a hint only
+        return None
+
+
+def range_errors(cfg: DictConfig, ranges: dict[str, Range] = RANGES) -> list[str]:
+    errors = []
+    for key, rng in ranges.items():
+        present, v = _get(cfg, key)
+        if not present:
+            continue
+        for i, item in enumerate(v if isinstance(v, list) else [v]):
+            why = rng.check(item)
+            if why:
+                default = _schema_default(key)
+                hint = f" (the default is {key}={OmegaConf.to_container(default) if isinstance(default, ListConfig) else default})" \
+                    if default is not None else ""
+                errors.append(f"{key}{f'[{i}]' if isinstance(v, list) else ''}={item!r} {why}{hint}")
+    present_min, nmin = _get(cfg, "eval.ngram_min")
+    present_max, nmax = _get(cfg, "eval.ngram_max")
+    if present_min and present_max and isinstance(nmin, int) and isinstance(nmax, int) and nmin > nmax:
+        errors.append(f"eval.ngram_min={nmin} must be <= eval.ngram_max={nmax}")
+    return errors
+
+
+def path_errors(cfg: DictConfig) -> list[str]:
+    """Local-looking paths that do not exist. Only paths the run will read are checked."""
+    keys = ["target.path", "data.path" if not _get(cfg, "data.regenerate.enabled")[1] else "data.regenerate.prompts",
+            "eval.prompts"]
+    present, init = _get(cfg, "draft.init")
+    if present and init in ("pretrained", "eagle3"):
+        keys.append("draft.path")
+    present, drafter = _get(cfg, "eval.drafter")
+    if drafter == "draft":
+        keys.append("eval.draft_path")
+    errors = []
+    for key in keys:
+        present, v = _get(cfg, key)
+        if present and isinstance(v, str):
+            e = missing_local_path(key, v)
+            if e:
+                errors.append(e)
+    return errors
+
+
+def warnings(cfg: DictConfig) -> list[str]:
+    out = []
+    present, drafter = _get(cfg, "eval.drafter")
+    present_p, draft_path = _get(cfg, "eval.draft_path")
+    if present and present_p and draft_path and drafter != "draft":
+        out.append(f"eval.draft_path={draft_path!r} is ignored with eval.drafter={drafter!r} (only eval.drafter=draft "
+                   "loads a draft): drop eval.draft_path, or set eval.drafter=draft to evaluate that draft")
+    return out
+
+
+def validate_config(cfg: DictConfig, log: Optional[Callable[[str], None]] = print,
+                    checks: Iterable[Callable[[DictConfig], list[str]]] = (required_errors, range_errors,
+                                                                           path_errors)) -> list[str]:
+    """Raise ConfigError listing every problem at once; log and return the warnings. Cheap: no model, no data."""
+    errors: list[str] = []
+    for check in checks:
+        errors.extend(check(cfg))
+    if errors:
+        text = "bad config (nothing was loaded):\n  - " + "\n  - ".join(errors)
+        if all("does not exist" in e for e in errors):
+            raise FileNotFoundError(text)  # only missing files: the error callers of path checks expect
+        raise ConfigError(text)
+    found = warnings(cfg)
+    for w in found:
+        if log is not None:
+            log(f"[config] warning: {w}")
+    return found
