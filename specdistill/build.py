@@ -82,7 +82,7 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
 
     validate_config(cfg, log=(accelerator.print if accelerator is not None else print))  # before loading anything
     if cfg.draft.path and cfg.draft.init in ("pretrained", "eagle3"):  # a warm start from a corrupt draft is refused
-        from specdistill.train.integrity import check_draft_folder
+        from specdistill.files import check_draft_folder
 
         check_draft_folder(cfg.draft.path, what="draft.path draft")
     objective = validate_objective(cfg)  # fail on a bad objective before loading anything

@@ -348,7 +348,7 @@ def export_eagle3(head_dir, out_dir, fmt: str = "vllm", target_path: Optional[st
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} exists: pass overwrite=True (--overwrite) or choose another --out")
-    from specdistill.train.integrity import check_draft_folder
+    from specdistill.files import check_draft_folder
 
     check_draft_folder(head_dir, what="draft to export")  # a truncated head is refused by name, not by safetensors
     ck = read_checkpoint(head_dir)

@@ -154,7 +154,7 @@ def test_an_empty_data_file_gets_a_clear_error(tok, tmp_path, name, text):
 
 
 def test_an_empty_prompts_file_gets_a_clear_error(tmp_path):
-    from specdistill.eval.prompts import load_prompt_messages
+    from specdistill.data.prompts import load_prompt_messages
 
     p = tmp_path / "prompts.jsonl"
     p.write_text("")

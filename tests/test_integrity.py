@@ -12,7 +12,7 @@ import torch
 
 from specdistill.build import build
 from specdistill.train.checkpoint import list_checkpoints
-from specdistill.train.integrity import MANIFEST, CorruptCheckpoint, check_draft_folder, verify_folder
+from specdistill.files import MANIFEST, CorruptCheckpoint, check_draft_folder, verify_folder
 from specdistill.train.loop import fit
 from tests.conftest import compose, make_tiny_lm, tiny_overrides
 
@@ -170,7 +170,7 @@ def test_exports_and_checkpoints_follow_the_umask(finished, tmp_path):
 def test_rerunning_a_finished_run_leaves_every_file_byte_identical(finished, tiny_target_dir, tiny_data_file,
                                                                    tmp_path, capsys):
     """Issue 16: re-running a finished run with trainer.resume=auto overwrote summary.json with nulls."""
-    from specdistill.train.run import run as train_run
+    from specdistill.pipeline.run import run as train_run
 
     run = _copy_run(finished, tmp_path)
     before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}

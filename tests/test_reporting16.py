@@ -63,7 +63,7 @@ def test_curves_show_n_per_point_and_start_at_zero(ax):
 
 
 def test_in_training_speculative_eval_has_its_own_progress_bar(tiny_target_dir, tiny_data_file, tmp_path, capfd):
-    from specdistill.train.run import run
+    from specdistill.pipeline.run import run
 
     cfg = compose("kd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "o", tmp_path / "cache")
                   + ["trainer.max_steps=2", "eval.spec_eval=true", "eval.prompts=heldout", "eval.num_prompts=2",

@@ -28,7 +28,7 @@ def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
         if not (Path(path).expanduser() / "config.json").exists() and Path(path).expanduser().exists():
             raise FileNotFoundError(f"eval.draft_path={path} has no config.json: point it at a checkpoint's draft/ "
                                     "folder, e.g. outputs/kd/checkpoints/step-0000040/draft")
-        from specdistill.train.integrity import check_draft_folder
+        from specdistill.files import check_draft_folder
 
         check_draft_folder(path, what="eval.draft_path draft")  # sizes, checksums, safetensors headers
         draft = load_trained_draft(path)  # a standalone LM or an EAGLE-3 head

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from specdistill.files import follow_umask
-from specdistill.train.integrity import write_manifest
+from specdistill.files import write_manifest
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 

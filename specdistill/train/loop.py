@@ -138,6 +138,8 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
         raise FileExistsError(f"{out_dir} already holds checkpoints of an earlier run ({list_checkpoints(out_dir)[-1].name})"
                               ": continue it with trainer.resume=auto, or start fresh in another trainer.output_dir "
                               "(nothing is overwritten)")
+    if resume_from is not None:  # a resume that would not be exact is refused before anything else happens
+        check_resume_config(resume_from, config_yaml, t.resume_allow_drift, log=acc.print)
     done = finished_run(resume_from, max_steps, out_dir)
     if done is not None:  # a finished run: every result file stays as it is
         acc.print(nothing_to_do_message(done, out_dir, max_steps))
@@ -154,7 +156,6 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
     t_fit, wall_before = time.perf_counter(), 0.0  # training wall clock, carried across resumes (learning curves)
     result = FitResult(0, None)
     if resume_from is not None:
-        check_resume_config(resume_from, config_yaml, t.resume_allow_drift, log=acc.print)  # refuses a non-exact one
         state = load_checkpoint(acc, resume_from, objective)
         step, tokens_seen = state["step"], state["tokens_seen"]
         wall_before = float(state.get("wall_s", 0.0))
