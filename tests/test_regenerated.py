@@ -89,3 +89,29 @@ def test_a_missing_part_is_a_clear_error(tiny, tiny_data_file, tmp_path):
     part_path(root, 2).unlink()
     with pytest.raises(FileNotFoundError, match="lacks parts"):
         RegeneratedStore(root, 3)
+
+
+def test_the_serving_recipe_runs_end_to_end_on_a_tiny_target(tiny_target_dir, tiny_data_file, tmp_path):
+    """recipe=eagle3_serve as a user runs it: regenerate (with features) -> train -> one final speculative eval ->
+    vLLM and SGLang exports; a second run reuses the regenerated store."""
+    from specdistill.pipeline.run import run
+    from tests.conftest import compose, tiny_overrides
+
+    out = tmp_path / "run"
+    over = tiny_overrides(tiny_target_dir, tiny_data_file, out, tmp_path / "cache") + [
+        "trainer.max_steps=2", "trainer.epochs=null", "eval.spec_eval=true", "eval.spec_eval_at=end",
+        "eval.num_prompts=2", "eval.max_new_tokens=6", "eval.prompts=" + str(tiny_data_file), "eval.gamma=2"]
+    res = run(compose("eagle3_serve", over))
+    assert res.step == 2 and res.preempted is None
+    final = json.loads((out / "eval" / "final" / "results.json").read_text())
+    assert final["mean_accept_len"] >= 1.0 and final["greedy_mismatches"] == 0
+    for fmt in ("vllm", "sglang"):
+        cfg = json.loads((out / "export" / fmt / "config.json").read_text())
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    report = json.loads((out / "data_report.json").read_text())
+    assert report["source"].startswith("regenerated:") and report["train_loss_tokens"] > 0
+    stores = list((tmp_path / "cache" / "regenerated").iterdir())
+    assert len(stores) == 1
+    stamps = {p.name: p.stat().st_mtime_ns for p in stores[0].glob("part-*")}
+    run(compose("eagle3_serve", over[:-8] + ["trainer.max_steps=1", f"trainer.output_dir={tmp_path / 'again'}"]))
+    assert {p.name: p.stat().st_mtime_ns for p in stores[0].glob("part-*")} == stamps  # reused, not decoded again
