@@ -133,6 +133,9 @@ def markdown(r: dict) -> str:
 
 
 def main(argv=None) -> None:
+    from specdistill.threads import configure_threads
+
+    configure_threads(None, "trainer.threads")  # physical cores / local processes, printed
     args = list(sys.argv[1:] if argv is None else argv)
     out = Path("outputs/bench_moe")
     for a in list(args):

@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: physical cores)")
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", default=None, help="default: <run>/curve")
     ap.add_argument("--merge", nargs="+", default=None, help="curve dirs to draw together (with --out)")
@@ -33,8 +33,9 @@ def main(argv=None) -> int:
 
     from specdistill.pipeline.curve import CurvePoint, learning_curve, plot_curves, write_curve
 
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    from specdistill.threads import configure_threads
+
+    configure_threads(a.threads, "--threads")
     if a.merge:
         if not a.out:
             ap.error("--merge needs --out")

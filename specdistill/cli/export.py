@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default=None,
                    help="the target the head serves with (HF folder or embedded:<name>): max_position_embeddings and "
                         "RoPE come from it and aux ids are range-checked against its depth (recommended)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: physical cores)")
     p.add_argument("--include-embeddings", action="store_true",
                    help="also write embed_tokens.weight (engines reuse the target's when absent)")
     p.add_argument("--speculative-tokens", type=int, default=3, help="speculators format: proposal length")
@@ -37,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--check", metavar="DIR", default=None, help="only validate an existing export folder")
     a = p.parse_args(argv)
+    from specdistill.threads import configure_threads
+
+    configure_threads(a.threads, "--threads")
 
     from specdistill.export import export_eagle3, validate_export
 

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Callable, Optional
 
-from specdistill.files import MANIFEST, CorruptCheckpoint, check_draft_folder, verify_folder, write_manifest  # noqa: F401
+from specdistill.files import MANIFEST, CorruptCheckpoint, verify_folder
 
 CORRUPT_SUFFIX = ".corrupt"
 
