@@ -1,6 +1,7 @@
 """Learning curve of a training run: real speculative tau of every kept checkpoint (specdistill.pipeline.curve).
 
   python scripts/learning_curve.py --run outputs/eagle3_serve --num-prompts 20 --max-new-tokens 64 --gamma 4
+  python scripts/learning_curve.py --run outputs/eagle3_serve --last --temperature 1 --out outputs/tau_t1   # final only
   python scripts/learning_curve.py --merge outputs/eagle3_serve/curve outputs/other/curve --out outputs/curves
 
 Writes <run>/curve/curve.json, curve.md, curve.png (tau against training tokens and wall minutes); --merge draws
@@ -24,6 +25,7 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: physical cores)")
     ap.add_argument("--label", default=None)
+    ap.add_argument("--last", action="store_true", help="only the newest checkpoint (tau of the final draft)")
     ap.add_argument("--out", default=None, help="default: <run>/curve")
     ap.add_argument("--merge", nargs="+", default=None, help="curve dirs to draw together (with --out)")
     a = ap.parse_args(argv)
@@ -63,7 +65,7 @@ def main(argv=None) -> int:
     ps = load_prompts(a.prompts, tok, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
                       context=max_positions(model), max_prompt_tokens=1024)
     pts = learning_curve(run, model, tok, ps.ids, gamma=a.gamma, max_new_tokens=a.max_new_tokens,
-                         temperature=a.temperature)
+                         temperature=a.temperature, last_only=a.last)
     out = write_curve(pts, a.out or run / "curve", command, label=a.label or cfg.run_name,
                       extra={"prompts": a.prompts, "num_prompts": len(ps.ids), "gamma": a.gamma,
                              "max_new_tokens": a.max_new_tokens, "temperature": a.temperature,

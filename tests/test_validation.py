@@ -52,7 +52,9 @@ def test_target_local_without_target_path_is_refused(no_model_loads):
                                           ("trainer.grad_accum=0", "trainer.grad_accum=0 must be >= 1"),
                                           ("data.max_malformed_fraction=1.5", "data.max_malformed_fraction=1.5"),
                                           ("eval.top_p=0", "eval.top_p=0.0 must be > 0"),
-                                          ("trainer.betas=[0.9,1.0]", "trainer.betas[1]=1.0 must be >= 0 and < 1")])
+                                          ("trainer.betas=[0.9,1.0]", "trainer.betas[1]=1.0 must be >= 0 and < 1"),
+                                          ("draft.moe.coverage=1.5", "draft.moe.coverage=1.5 must be > 0 and <= 1"),
+                                          ("draft.hidden_size=0", "draft.hidden_size=0 must be >= 1")])
 def test_numeric_ranges_name_the_key(override, key, tiny_target_dir, tiny_data_file, tmp_path, no_model_loads):
     with pytest.raises(ConfigError) as e:
         build(_cfg(tiny_target_dir, tiny_data_file, tmp_path, [override]))

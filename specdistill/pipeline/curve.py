@@ -62,7 +62,7 @@ def tau_of(target_model, draft, prompt_ids: list[list[int]], *, gamma: int, max_
 
 def learning_curve(run_dir, target_model, tokenizer, prompt_ids: list[list[int]], *, gamma: int = 4,
                    max_new_tokens: int = 64, temperature: float = 0.0, log: Callable[[str], None] = print,
-                   progress: bool = True) -> list[CurvePoint]:
+                   progress: bool = True, last_only: bool = False) -> list[CurvePoint]:
     from tqdm.auto import tqdm
 
     from specdistill.tokens import eos_ids
@@ -74,6 +74,7 @@ def learning_curve(run_dir, target_model, tokenizer, prompt_ids: list[list[int]]
     if not ckpts:
         raise FileNotFoundError(f"{run_dir} has no complete checkpoint (checkpoints/step-N/): train first, or keep more "
                                 "with trainer.keep_checkpoints")
+    ckpts = ckpts[-1:] if last_only else ckpts
     eos = eos_ids(tokenizer, target_model, False)
     points = []
     for ck in tqdm(ckpts, desc="learning curve", unit="ckpt", disable=not progress):
