@@ -162,7 +162,7 @@ def train(args, name: str, steps: int, log=print) -> dict:
     res = fit(c)
     seconds = time.perf_counter() - t0
     if recipe == "draft_opd":
-        fwd, trained = c.objective.target_tokens_total, int(res.history[-1].get("tokens_seen", 0))
+        fwd, trained = c.objective.state.target_tokens_total, int(res.history[-1].get("tokens_seen", 0))
     else:
         fwd, trained = data_target_tokens(c, res.step)
     log(f"[bench] {name}: {res.step} steps, {fwd} target-forward tokens, {trained} trained positions, {seconds:.1f} s")
