@@ -39,7 +39,7 @@ def test_every_recipe_trains_and_writes_a_checkpoint(recipe, tiny_target_dir, ti
     metrics = json.loads((ck / "metrics.json").read_text())
     assert 1.0 <= metrics["heldout/mean_accept_len"] <= 1 + c.cfg.eval.gamma
     # the saved HF draft reloads to the trained weights
-    from specdistill.models.draft import load_trained_draft
+    from specdistill.drafts import load_trained_draft
     reloaded = load_trained_draft(ck / "draft")
     for k, v in reloaded.state_dict().items():
         assert torch.equal(v, _params(c)[k]), k

@@ -155,7 +155,7 @@ def test_warm_start_from_a_kd_checkpoint(tiny_target_dir, tiny_data_file, tmp_pa
     cfg = compose("draft_opd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "opd", tmp_path / "cache")
                   + ["trainer.max_steps=1", "objective.max_new_tokens=6", "draft=pretrained", f"draft.path={path}"])
     c = build(cfg)
-    from specdistill.models.draft import load_trained_draft
+    from specdistill.drafts import load_trained_draft
     warm = load_trained_draft(path).state_dict()
     assert all(torch.equal(v, warm[k]) for k, v in c.models.draft.state_dict().items())
     assert fit(c).step == 1
