@@ -65,6 +65,11 @@ class DraftAdapter:
         raise NotImplementedError
 
     @classmethod
+    def warm_start_overrides(cls, path) -> list[str]:
+        """Config overrides that build this kind from the draft saved in `path` (a warm start, a re-evaluation)."""
+        raise NotImplementedError
+
+    @classmethod
     def prepare_target(cls, target) -> None:
         """Set up the target (models.target.Target) before it decodes for data regeneration (default: nothing)."""
 

@@ -68,6 +68,10 @@ class Eagle3Draft(DraftAdapter):
         return Eagle3Head.from_pretrained(path)
 
     @classmethod
+    def warm_start_overrides(cls, path) -> list[str]:
+        return ["draft=eagle3", f"draft.path={path}"]
+
+    @classmethod
     def prepare_target(cls, target) -> None:
         """Before the target decodes for regeneration: it must return the head's aux hidden states."""
         if not target.aux_layer_ids:

@@ -42,6 +42,10 @@ class LMDraft(DraftAdapter):
         return load_causal_lm(path)
 
     @classmethod
+    def warm_start_overrides(cls, path) -> list[str]:
+        return ["draft=pretrained", f"draft.path={path}"]
+
+    @classmethod
     def card_section(cls, repo_id: str, target: str, exports: list[str], gamma: int) -> str:
         return f"""A standalone draft model (same tokenizer as the target):
 

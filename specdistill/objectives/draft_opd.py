@@ -45,7 +45,7 @@ from typing import Callable, Optional
 import torch
 
 from specdistill.data.prompts import load_prompts
-from specdistill.drafts import Eagle3Draft, LMDraft, draft_adapter
+from specdistill.drafts import draft_adapter
 from specdistill.losses import DIVERGENCES, divergence
 from specdistill.objectives.eagle3 import Eagle3Objective
 from specdistill.objectives.base import Models, Objective, StepOutput, keep_positions, masked_logits
@@ -259,7 +259,7 @@ class DraftOPDObjective(Objective):
         losses, weights = [loss], [weight]
         # 3. Off-policy mix: the same divergence on the data batch's own loss tokens (a second draft forward).
         if self.kd_weight > 0 and bool(batch["loss_mask"].any()):
-            kd, kd_w = OFF_POLICY[draft_adapter(models.draft).kind].loss(self, batch, models)     # (N,) each
+            kd, kd_w = OFF_POLICY[draft_adapter(models.draft).data_objective].loss(self, batch, models)  # (N,) each
             losses.append(kd)
             weights.append(kd_w.detach())
             metrics["kd_loss_sum"] = kd.detach().sum()
@@ -375,7 +375,7 @@ class DraftOPDObjective(Objective):
         replay = state.buffer.sample(round(self.replay_ratio * len(fresh)), state.refreshes) if self.replay else []
         n = len(fresh) + len(replay)
         if self.kd_weight > 0:  # the data batch's loss positions (a head: one per unroll step reaching one)
-            n += OFF_POLICY[draft_adapter(draft).kind].count(self, batch["loss_mask"].bool())
+            n += OFF_POLICY[draft_adapter(draft).data_objective].count(self, batch["loss_mask"].bool())
         return _Prepared(batch, fresh, replay, refresh, metrics, f(n))
 
     def _rollout(self, batch, models, draft, target) -> DraftedPositions:
@@ -457,7 +457,7 @@ def _sharded(model) -> bool:
 # ----------------------------------------------------------------------------------------------- off-policy mix
 @dataclass(frozen=True)
 class _OffPolicy:
-    """kd_weight's term on the data batch for one draft kind: its per-token loss and weight (N,) each, and N."""
+    """kd_weight's term on the data batch: a data objective's per-token loss and weight (N,) each, and N."""
 
     loss: Callable[["DraftOPDObjective", dict, Models], tuple[torch.Tensor, torch.Tensor]]
     count: Callable[["DraftOPDObjective", torch.Tensor], int]  # loss_mask (B, T) bool -> N
@@ -478,8 +478,9 @@ def _ttt_loss(obj: "DraftOPDObjective", batch: dict, models: Models) -> tuple[to
     return off.loss, off.weight * obj.kd_weight                                            # (N,) each
 
 
-# Keyed by DraftAdapter.kind: the off-policy loss of a head is its own training loss, not a token-level KD.
+# Keyed by the objective a draft kind trains with on data (DraftAdapter.data_objective, drafts/): token-level KD with
+# this objective's divergence, or recipe eagle3's TTT unroll (a head's off-policy loss is its own training loss).
 OFF_POLICY = {
-    LMDraft.kind: _OffPolicy(_kd_loss, lambda obj, lm: int(lm.sum())),
-    Eagle3Draft.kind: _OffPolicy(_ttt_loss, lambda obj, lm: sum(int(lm[:, 1 + j:].sum()) for j in range(obj.gamma))),
+    "kd": _OffPolicy(_kd_loss, lambda obj, lm: int(lm.sum())),
+    "eagle3": _OffPolicy(_ttt_loss, lambda obj, lm: sum(int(lm[:, 1 + j:].sum()) for j in range(obj.gamma))),
 }
