@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from specdistill.tokens import check_vocab_compatible
+from specdistill.tokens import check_vocab_compatible, pad_id
 
 from .drafters import Drafter
 from .kv import BatchKV, TokenBuffer, device_of, logits_dim, max_positions
@@ -194,9 +194,9 @@ def _emit_counts(tokens, num_emitted, generated, max_new_tokens, eos, active):
 
 
 def _pad_id(eos_token_id) -> int:
-    if eos_token_id is None:
-        return 0
-    return eos_token_id if isinstance(eos_token_id, int) else list(eos_token_id)[0]
+    """What fills a row's sequence after it ended: tokens.pad_id's rule without a tokenizer (first eos id, else 0)."""
+    eos = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+    return pad_id(None, None if eos is None else list(eos))
 
 
 def _counters(batch: int, max_gamma: int, device) -> dict[str, torch.Tensor]:
