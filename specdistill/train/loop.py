@@ -306,25 +306,28 @@ def accumulate(c: Components, micro: list[dict], sums: dict) -> tuple[torch.Tens
       keeps the backward's magnitude near that of a mean: no fp16 overflow from an unnormalised sum). After the last
       backward (and so after DDP's all-reduce-average), every .grad is multiplied by n_est / n_global. Since gradients
       are linear in the loss, that equals backpropagating with world / n_global: exact, up to rounding. It needs the
-      gradients in hand after backward: one process, DDP or FSDP (linear on shards alike); DeepSpeed steps its
-      optimizer inside the last backward, so that path is refused there (Draft-OPD refuses sharded drafts anyway).
+      gradients in hand after backward: one process, DDP or FSDP (linear on shards alike). DeepSpeed steps its
+      optimizer inside the last backward, so there (ZeRO-1/2; Draft-OPD refuses sharded drafts) every micro-batch is
+      prepared first and held until its backward, as before: exact, but all of a step's rollouts are alive at once.
     """
     acc, objective, draft, world = c.accelerator, c.objective, c.models.draft, c.accelerator.num_processes
     before = [objective.num_tokens_before_prepare(b) for b in micro]
     known = all(n is not None for n in before)
     scale = n_est = None
+    held: Optional[list] = None
+    if not known and _deepspeed(acc):  # no gradients to rescale after DeepSpeed's last backward: count first
+        held = [objective.prepare(b, c.models) for b in micro]
+        before, known = [objective.num_tokens(p) for p in held], True
+    n_local = sum(before) if known else 0
     if known:
-        n_local = sum(before)
         n_global = _global_sum(acc, n_local).clamp_min(1)
         scale = world / n_global
-    elif _deepspeed(acc):
-        raise ValueError(f"objective={getattr(objective, 'name', type(objective).__name__)} counts its loss tokens only "
-                         "after its rollouts, and the loop then rescales the gradients after the last backward, which "
-                         "DeepSpeed (it steps inside that backward) does not allow: use one process or DDP")
-    n_local = 0
     for i, b in enumerate(micro):
-        p = objective.prepare(b, c.models)
-        if not known:
+        if held is not None:
+            p, held[i] = held[i], None  # dropped after its backward
+        else:
+            p = objective.prepare(b, c.models)
+        if not known:  # counted after prepare
             n_i = objective.num_tokens(p)
             n_local = n_local + n_i
             if scale is None:  # the step's provisional scale, from the first micro-batch (see above)
