@@ -7,7 +7,6 @@ import torch
 from specdistill.config import EvalConfig
 from specdistill.eval.evaluator import evaluate
 from specdistill.eval.report import PLOTS, REQUIRED_KEYS, write_report
-from specdistill.decoding import LMDrafter, speculative_generate
 
 
 def _cfg(**kw):
