@@ -64,6 +64,7 @@ def main(argv=None) -> int:
             n += int(obj.num_tokens(p))
             out_ = obj.loss(p, models)
             (out_.loss * (1 if out_.weight is None else out_.weight)).sum().div(max(n, 1)).backward()
+        obj.end_step()  # deferred state updates (Draft-OPD: the replay buffer)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return n

@@ -74,14 +74,14 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
     from specdistill.data.dataset import build_data
-    from specdistill.drafts import kind_for_init
+    from specdistill.drafts import kind_for_init, reads_draft_path
     from specdistill.models.draft import check_tokenizers_match
     from specdistill.objectives import Models
 
     from specdistill.validation import validate_config
 
     validate_config(cfg, log=(accelerator.print if accelerator is not None else print))  # before loading anything
-    if cfg.draft.path and cfg.draft.init in ("pretrained", "eagle3"):  # a warm start from a corrupt draft is refused
+    if cfg.draft.path and reads_draft_path(cfg.draft.init):  # a warm start from a corrupt draft is refused
         from specdistill.files import check_draft_folder
 
         check_draft_folder(cfg.draft.path, what="draft.path draft")

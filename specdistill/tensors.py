@@ -47,3 +47,8 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module inside a DDP / FSDP / accelerate wrapper (`.module`), or the model itself."""
     return getattr(model, "module", model)
+
+
+def unwrap_target(target: torch.nn.Module) -> torch.nn.Module:
+    """The HF model inside a target wrapper (specdistill.models.target.Target keeps it in `.model`), or the model."""
+    return getattr(target, "model", target)

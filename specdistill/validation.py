@@ -210,12 +210,10 @@ def range_errors(cfg: DictConfig, ranges: dict[str, Range] = RANGES) -> list[str
 
 
 def path_errors(cfg: DictConfig) -> list[str]:
-    """Local-looking paths that do not exist. Only paths the run will read are checked."""
+    """Local-looking paths that do not exist: the ones the run reads, and draft.path whenever it is set."""
     keys = ["target.path", "data.path" if not _get(cfg, "data.regenerate.enabled")[1] else "data.regenerate.prompts",
             "eval.prompts"]
-    present, init = _get(cfg, "draft.init")
-    if present and init in ("pretrained", "eagle3"):
-        keys.append("draft.path")
+    keys.append("draft.path")  # checked whenever set: the draft groups whose init ignores it leave it null
     present, drafter = _get(cfg, "eval.drafter")
     if drafter == "draft":
         keys.append("eval.draft_path")

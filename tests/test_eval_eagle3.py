@@ -3,7 +3,7 @@ import torch
 
 from specdistill.config import EvalConfig
 from specdistill.eval.evaluator import evaluate
-from specdistill.models.draft import load_trained_draft
+from specdistill.drafts import load_trained_draft
 from specdistill.models.eagle3 import Eagle3Head, build_eagle3
 from tests.conftest import make_tiny_lm, make_tokenizer
 

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from specdistill.drafts import Eagle3Draft, LMDraft
 from tests.conftest import compose, tiny_overrides
 
 
@@ -11,8 +12,8 @@ def test_card_serving_commands_name_the_original_hub_id_of_the_embedded_target()
     from specdistill.hub.card import model_card
 
     cfg = compose("kd", [])  # target.path=embedded:smollm2-135m-instruct; nothing is loaded
-    for eagle3 in (False, True):
-        card = model_card(cfg, "me/draft", {}, step=1, epoch=0, eagle3=eagle3, exports=["vllm", "sglang"])
+    for kind in (LMDraft, Eagle3Draft):
+        card = model_card(cfg, "me/draft", {}, step=1, epoch=0, kind=kind, exports=["vllm", "sglang"])
         serving = card.split("## Serving")[1]
         assert "embedded:" not in serving, serving
         assert "vllm serve HuggingFaceTB/SmolLM2-135M-Instruct" in serving
@@ -27,7 +28,7 @@ def test_card_for_a_local_target_names_its_absolute_path(tmp_path, monkeypatch):
     (tmp_path / "my_target").mkdir()
     monkeypatch.chdir(tmp_path)
     cfg = compose("kd", ["target.path=./my_target"])
-    card = model_card(cfg, "me/draft", {}, step=1, epoch=0, eagle3=False)
+    card = model_card(cfg, "me/draft", {}, step=1, epoch=0, kind=LMDraft)
     assert f"vllm serve {tmp_path / 'my_target'}" in card
 
 

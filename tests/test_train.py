@@ -39,7 +39,7 @@ def test_every_recipe_trains_and_writes_a_checkpoint(recipe, tiny_target_dir, ti
     metrics = json.loads((ck / "metrics.json").read_text())
     assert 1.0 <= metrics["heldout/mean_accept_len"] <= 1 + c.cfg.eval.gamma
     # the saved HF draft reloads to the trained weights
-    from specdistill.models.draft import load_trained_draft
+    from specdistill.drafts import load_trained_draft
     reloaded = load_trained_draft(ck / "draft")
     for k, v in reloaded.state_dict().items():
         assert torch.equal(v, _params(c)[k]), k
@@ -65,6 +65,33 @@ def test_grad_accum_1x8_equals_8x1(recipe, tiny_target_dir, tiny_data_file, tmp_
     for k in pa:
         assert torch.allclose(pa[k], pb[k], atol=2e-5, rtol=1e-4), k
     assert any(not torch.equal(pa[k], init[k]) for k in pa)  # they did move
+
+
+@pytest.mark.parametrize("deepspeed", [False, True], ids=["rescaled", "deepspeed_counts_first"])
+def test_a_count_known_only_after_prepare_gives_the_same_weights(deepspeed, tiny_target_dir, tiny_data_file, tmp_path,
+                                                                  monkeypatch):
+    """An objective that counts its loss tokens only after prepare (on-policy, like Draft-OPD) is prepared and
+    backpropagated one micro-batch at a time, its gradients rescaled by the global count after the last backward:
+    the same weights as counting first, and never two micro-batches prepared at once. Under DeepSpeed (which steps
+    inside the last backward) the step's micro-batches are all prepared first instead."""
+    from specdistill.train import loop
+
+    common = ["trainer.max_steps=2", "trainer.lr=1e-2", "trainer.max_grad_norm=0", "trainer.micro_batch_size=2",
+              "trainer.grad_accum=4"]
+    a, _ = _run("kd", tiny_target_dir, tiny_data_file, tmp_path, common, "a")
+    c = build_components(compose("kd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "b",
+                                                      tmp_path / "cache") + common))
+    obj, order = c.objective, []
+    prepare, loss = obj.prepare, obj.loss
+    obj.num_tokens_before_prepare = lambda batch: None  # instance attributes shadow the protocol's methods
+    obj.prepare = lambda batch, models: (order.append("prepare"), prepare(batch, models))[1]
+    obj.loss = lambda prepared, models: (order.append("loss"), loss(prepared, models))[1]
+    monkeypatch.setattr(loop, "_deepspeed", lambda acc: deepspeed)
+    fit(c)
+    assert order == (["prepare"] * 4 + ["loss"] * 4) * 2 if deepspeed else ["prepare", "loss"] * 8
+    pa, pb = _params(a), _params(c)
+    for k in pa:
+        assert torch.allclose(pa[k], pb[k], atol=1e-6, rtol=1e-5), k
 
 
 def test_resume_equals_uninterrupted(tiny_target_dir, tiny_data_file, tmp_path):

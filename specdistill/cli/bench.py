@@ -44,6 +44,7 @@ VARIANTS = {
     "draft_opd_eagle3": ("draft_opd", ["draft=eagle3", "objective.replay=false"]),
 }
 INIT_RECIPES = {"init": "kd", "init_eagle3": "eagle3"}  # whose draft group builds each untrained baseline
+OFF_POLICY_VARIANTS = ("kd", "eagle3")  # the variants trained on the data alone (no rollouts)
 DEFAULT = ["init", "kd", "eagle3", "draft_opd", "draft_opd_no_replay", "draft_opd_no_weighting", "draft_opd_no_assist"]
 
 
@@ -144,12 +145,16 @@ def train(args, name: str, steps: int, log=print) -> dict:
     from specdistill.pipeline.run import build_components as build  # with the regeneration stage
     from specdistill.train.loop import fit
 
+    from specdistill.drafts import saved_kind
+
     recipe, extra = VARIANTS[name]
-    if args.opd_warm_start and recipe == "draft_opd" and "draft=eagle3" not in extra:
-        extra = extra + ["draft=pretrained", f"draft.path={args.opd_warm_start}"]
+    listed = compose(recipe, common_overrides(args, name, steps) + extra)  # the variant as VARIANTS lists it
+    kind = variant_kind(listed)
+    if args.opd_warm_start and recipe == "draft_opd" and saved_kind(args.opd_warm_start) is kind:
+        extra = extra + kind.warm_start_overrides(args.opd_warm_start)  # the variants of the saved draft's kind
     if recipe == "draft_opd":
         extra = extra + [f"objective.max_new_tokens={args.rollout_tokens}", f"objective.gamma={args.gamma}"]
-    if recipe == "eagle3":  # the training-time-test unroll covers the gamma drafts the evaluation makes
+    if "steps" in listed.objective:  # a training-time-test unroll (eagle3) covers the gamma drafts the eval makes
         extra = extra + [f"objective.steps={args.gamma}"]
     run_dir = Path(args.out) / "runs" / name
     if run_dir.exists():
@@ -162,7 +167,7 @@ def train(args, name: str, steps: int, log=print) -> dict:
     res = fit(c)
     seconds = time.perf_counter() - t0
     if recipe == "draft_opd":
-        fwd, trained = c.objective.target_tokens_total, int(res.history[-1].get("tokens_seen", 0))
+        fwd, trained = c.objective.state.target_tokens_total, int(res.history[-1].get("tokens_seen", 0))
     else:
         fwd, trained = data_target_tokens(c, res.step)
     log(f"[bench] {name}: {res.step} steps, {fwd} target-forward tokens, {trained} trained positions, {seconds:.1f} s")
@@ -176,10 +181,17 @@ def reeval_recipe(args, name: str, run: dict) -> tuple[str, list[str]]:
     if name in INIT_RECIPES:
         return INIT_RECIPES[name], common_overrides(args, name + "_reeval", 1)
     recipe, extra = VARIANTS[name]
-    head = recipe == "eagle3" or "draft=eagle3" in extra
-    path = f"draft.path={Path(run['checkpoint']) / 'draft'}"
-    return ("eagle3" if head else "kd",
-            common_overrides(args, name + "_reeval", 1) + ([path] if head else ["draft=pretrained", path]))
+    kind = variant_kind(compose(recipe, common_overrides(args, name, 1) + extra))
+    # The recipe named after the kind's data objective (kd / eagle3) builds it; its saved draft replaces the built one.
+    return (kind.data_objective,
+            common_overrides(args, name + "_reeval", 1) + kind.warm_start_overrides(Path(run["checkpoint"]) / "draft"))
+
+
+def variant_kind(cfg):
+    """The draft kind (drafts/: its adapter class) a composed variant config trains."""
+    from specdistill.drafts import kind_for_init
+
+    return kind_for_init(cfg.draft.init)
 
 
 def run_config(cfg) -> dict:
@@ -247,7 +259,7 @@ def write_outputs(args, results: dict, budget: dict, knobs: dict) -> dict[str, P
             row += [tau, f"{e['alpha']:.3f}", f"{e['speedup']:.3f}"]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "tau: tokens per target forward, [95% bootstrap interval over prompts] where recorded."]
-    off = [n for n in ("kd", "eagle3") if n in results]
+    off = [n for n in OFF_POLICY_VARIANTS if n in results]
     on = [n for n in results if n.startswith("draft_opd")]
     if off and on:  # the issue's goal: draft_opd's tau >= 1.15 x the best off-policy recipe's at equal budget
         lines.append("")

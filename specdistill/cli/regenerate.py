@@ -39,10 +39,10 @@ def done_ids(out: Path) -> set[str]:
 def regenerate_batch(model, tokenizer, convs: list[list[dict]], max_new_tokens: int, temperature: float,
                      max_context: int, generator=None) -> list[list[dict]]:
     """Replace every assistant turn of each conversation, turn by turn, batching rows at the same turn index."""
-    import torch
-
     from specdistill.data.chat import prompt_ids
     from specdistill.decoding import target_generate
+    from specdistill.tensors import pad_rows
+    from specdistill.tokens import pad_id
 
     out: list[list[dict]] = [[] for _ in convs]
     user_turns = [[i for i, m in enumerate(c) if m["role"] == "user"] for c in convs]
@@ -60,13 +60,7 @@ def regenerate_batch(model, tokenizer, convs: list[list[dict]], max_new_tokens: 
             rows.append(r), prompts.append(ids)
         if not rows:
             break
-        L = max(len(p) for p in prompts)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        input_ids = torch.full((len(prompts), L), pad, dtype=torch.long)
-        mask = torch.zeros_like(input_ids)
-        for b, p in enumerate(prompts):  # left padding
-            input_ids[b, L - len(p):] = torch.tensor(p)
-            mask[b, L - len(p):] = 1
+        input_ids, mask = pad_rows(prompts, pad_id(tokenizer), side="left")  # (B, L) each
         dev = next(model.parameters()).device
         roll = target_generate(model, input_ids.to(dev), mask.to(dev), max_new_tokens=max_new_tokens,
                                temperature=temperature, eos_token_id=tokenizer.eos_token_id, generator=generator)

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from specdistill.tokens import check_vocab_compatible
+from specdistill.tokens import check_vocab_compatible, pad_id
 
 from .drafters import Drafter
 from .kv import BatchKV, TokenBuffer, device_of, logits_dim, max_positions
@@ -101,10 +101,9 @@ class RoundRecord:
     next_token: torch.Tensor     # (B,) correction or bonus (meaningless where not active)
     num_emitted: torch.Tensor    # (B,) tokens appended to sequences (num_accepted + 1, cut at EOS / budget)
     alpha: torch.Tensor          # (B, K) sum_x min(p, q) per drafted position, after a rejection too; 0 if inactive
-    # record=True only: what an on-policy trainer builds its loss from.
+    # record=True only: what an on-policy trainer builds its loss from (p after processing is
+    # sampling.probs_from_logits(target_logits, temperature, top_p); q is the drafter's to recompute).
     target_logits: torch.Tensor | None = None  # (B, K+1, V) raw target logits at [pending, d_1..d_K]
-    target_probs: torch.Tensor | None = None   # (B, K, V) processed p at the drafted positions (one-hot at T=0)
-    draft_probs: torch.Tensor | None = None    # (B, K, V) processed q; None = one-hot at draft_tokens
 
 
 @dataclass
@@ -195,9 +194,9 @@ def _emit_counts(tokens, num_emitted, generated, max_new_tokens, eos, active):
 
 
 def _pad_id(eos_token_id) -> int:
-    if eos_token_id is None:
-        return 0
-    return eos_token_id if isinstance(eos_token_id, int) else list(eos_token_id)[0]
+    """What fills a row's sequence after it ended: tokens.pad_id's rule without a tokenizer (first eos id, else 0)."""
+    eos = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+    return pad_id(None, None if eos is None else list(eos))
 
 
 def _counters(batch: int, max_gamma: int, device) -> dict[str, torch.Tensor]:
@@ -265,7 +264,7 @@ def speculative_generate(
         # 3. Verify: one target forward over [pending, d_1..d_K] scores every draft plus the bonus position.
         out_t = target.step(torch.cat([pending[:, None], drafts], dim=1), **hidden)
         logits = out_t.logits                                               # (B, K+1, V)
-        p = None if sampler.greedy and not record else sampler.probs(logits)
+        p = None if sampler.greedy else sampler.probs(logits)              # (B, K+1, V) processed
         verdict = verify_greedy(drafts, logits) if sampler.greedy else verify_sampling(drafts, q, p, generator)
         n = verdict.num_accepted                                            # (B,)
 
@@ -293,8 +292,6 @@ def speculative_generate(
             num_accepted=n * active, next_token=verdict.next_token, num_emitted=count,
             alpha=verdict.alpha * active[:, None],
             target_logits=logits if record else None,
-            target_probs=p[:, :K] if record else None,
-            draft_probs=q if record else None,
         ))
 
         # Loop control in one host sync (commit() also syncs once for its crop size; nothing syncs per token).

@@ -27,4 +27,20 @@ def kind_for_init(init: str) -> type[DraftAdapter]:
     return next((kind for kind in KINDS if init in kind.inits), LMDraft)
 
 
-__all__ = ["KINDS", "DraftAdapter", "Eagle3Draft", "LMDraft", "draft_adapter", "kind_for_init"]
+def reads_draft_path(init: str) -> bool:
+    """Whether `draft.init=<init>` reads draft.path (a pretrained draft, a warm-started head)."""
+    return init in kind_for_init(init).path_inits
+
+
+def saved_kind(path) -> type[DraftAdapter]:
+    """The draft kind saved in a draft folder written by training (checkpoint/draft)."""
+    return next(kind for kind in KINDS if kind.saved_in(path))  # LMDraft takes any folder
+
+
+def load_trained_draft(path) -> torch.nn.Module:
+    """A draft folder written by training, loaded by its kind's adapter (an EAGLE-3 head, a standalone HF LM)."""
+    return saved_kind(path).load(path)
+
+
+__all__ = ["KINDS", "DraftAdapter", "Eagle3Draft", "LMDraft", "draft_adapter", "kind_for_init", "load_trained_draft",
+           "reads_draft_path", "saved_kind"]

@@ -28,6 +28,12 @@ class DraftAdapter:
     needs_row_features = False              # rollout rows carry target features (DraftedPositions.aux)
     decodes_alone = True                    # can generate without the target (the assist=false rollout ablation)
     needs_data_to_build = False             # build() needs training data (so no untrained one can be evaluated)
+    path_inits: tuple[str, ...] = ()        # draft.init values that read draft.path (a warm start or the weights)
+    data_objective: str = "kd"              # the objective (objectives/) that trains this kind on data batches:
+                                            # Draft-OPD's kd_weight term uses it
+    card_title = "A draft model"            # how the model card (hub/card.py) names it
+    card_library = "transformers"           # the card's library_name: who loads the folder
+    card_tags: tuple[str, ...] = ()         # the card's extra hub tags
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -46,6 +52,21 @@ class DraftAdapter:
     def build(cls, draft_cfg, target, data) -> torch.nn.Module:
         """A trainable draft from the `draft` config group for `target` (models.target.Target); `data`
         (data.dataset.TokenizedData, may be None) for drafts that learn their vocabulary or calibrate on it."""
+        raise NotImplementedError
+
+    @classmethod
+    def saved_in(cls, path) -> bool:
+        """Whether a draft folder written by training (checkpoint/draft) holds this kind."""
+        raise NotImplementedError
+
+    @classmethod
+    def load(cls, path) -> torch.nn.Module:
+        """The draft saved in `path` (a folder for which saved_in is true)."""
+        raise NotImplementedError
+
+    @classmethod
+    def warm_start_overrides(cls, path) -> list[str]:
+        """Config overrides that build this kind from the draft saved in `path` (a warm start, a re-evaluation)."""
         raise NotImplementedError
 
     @classmethod
@@ -102,6 +123,11 @@ class DraftAdapter:
     def export(cls, draft_dir, out_dir, fmt: str, target_path: Optional[str], **kwargs) -> Any:
         """Write the checkpoint's draft folder in a serving format (one of serving_formats)."""
         raise ValueError(f"a {cls.kind} draft has no serving export formats: serve its checkpoint folder as is")
+
+    @classmethod
+    def card_section(cls, repo_id: str, target: str, exports: list[str], gamma: int) -> str:
+        """The model card's "how to serve it" section (markdown), for vLLM and SGLang."""
+        raise NotImplementedError
 
 
 def chain_counts(match: torch.Tensor, valid: torch.Tensor, gamma: int) -> torch.Tensor:

@@ -17,6 +17,8 @@ objective does; acceptance (weights, priorities) uses the full p against q scatt
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -41,6 +43,12 @@ class Eagle3Draft(DraftAdapter):
     needs_row_features = True
     decodes_alone = False  # every token it conditions on needs the target's hidden states
     needs_data_to_build = True  # its vocabulary is the training data's most frequent next tokens
+    path_inits = ("eagle3",)    # draft.path: a warm start
+    data_objective = "eagle3"   # its data loss is the training-time-test unroll, not a token-level KD
+    card_title = "An EAGLE-3 head"
+    card_library = "specdistill"
+    card_tags = ("eagle3",)
+    ARCHITECTURE = "LlamaForCausalLMEagle3"  # config.json architectures of a saved head (midlayer format)
 
     @classmethod
     def matches(cls, model: torch.nn.Module) -> bool:
@@ -49,6 +57,19 @@ class Eagle3Draft(DraftAdapter):
     @classmethod
     def build(cls, draft_cfg, target, data) -> torch.nn.Module:
         return build_eagle3_draft(draft_cfg, target, data)
+
+    @classmethod
+    def saved_in(cls, path) -> bool:
+        cfg_file = Path(path) / "config.json"
+        return cfg_file.exists() and cls.ARCHITECTURE in json.loads(cfg_file.read_text()).get("architectures", [])
+
+    @classmethod
+    def load(cls, path) -> torch.nn.Module:
+        return Eagle3Head.from_pretrained(path)
+
+    @classmethod
+    def warm_start_overrides(cls, path) -> list[str]:
+        return ["draft=eagle3", f"draft.path={path}"]
 
     @classmethod
     def prepare_target(cls, target) -> None:
@@ -90,6 +111,25 @@ class Eagle3Draft(DraftAdapter):
     @classmethod
     def export(cls, draft_dir, out_dir, fmt: str, target_path: Optional[str], **kwargs):
         return export_eagle3(draft_dir, out_dir, fmt=fmt, target_path=target_path, **kwargs)
+
+    @classmethod
+    def card_section(cls, repo_id: str, target: str, exports: list[str], gamma: int) -> str:
+        v = "serving/vllm" if "vllm" in exports else "<export with scripts/export.py --format vllm>"
+        s = "serving/sglang" if "sglang" in exports else "<export with scripts/export.py --format sglang>"
+        return f"""This is an EAGLE-3 head. The repository root holds specdistill's own format (warm starts, evaluation);
+the serving engines read the exports in `serving/` (SGLang numbers aux layers one lower than vLLM, so use its own
+folder).
+
+```bash
+huggingface-cli download {repo_id} --local-dir draft
+# vLLM
+vllm serve {target} --speculative-config '{{"method": "eagle3", "model": "draft/{v}", "num_speculative_tokens": {gamma}}}'
+# SGLang
+python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 \\
+    --speculative-draft-model-path draft/{s} --speculative-num-steps {gamma} --speculative-eagle-topk 1 \\
+    --speculative-num-draft-tokens {gamma + 1}
+```
+"""
 
 
 def build_eagle3_draft(draft_cfg, target, data):

@@ -23,6 +23,7 @@ class LMDraft(DraftAdapter):
 
     kind = "draft"
     inits = ("from_target", "config", "pretrained", "moe_experts")
+    path_inits = ("pretrained",)
 
     @classmethod
     def matches(cls, model: torch.nn.Module) -> bool:
@@ -31,6 +32,32 @@ class LMDraft(DraftAdapter):
     @classmethod
     def build(cls, draft_cfg, target, data) -> torch.nn.Module:
         return build_draft(draft_cfg, target.model, data)
+
+    @classmethod
+    def saved_in(cls, path) -> bool:
+        return True  # the fallback kind: any HF causal LM folder
+
+    @classmethod
+    def load(cls, path) -> torch.nn.Module:
+        return load_causal_lm(path)
+
+    @classmethod
+    def warm_start_overrides(cls, path) -> list[str]:
+        return ["draft=pretrained", f"draft.path={path}"]
+
+    @classmethod
+    def card_section(cls, repo_id: str, target: str, exports: list[str], gamma: int) -> str:
+        return f"""A standalone draft model (same tokenizer as the target):
+
+```bash
+# vLLM
+vllm serve {target} --speculative-config '{{"model": "{repo_id}", "num_speculative_tokens": {gamma}}}'
+# SGLang
+python -m sglang.launch_server --model-path {target} --speculative-algorithm STANDALONE \\
+    --speculative-draft-model-path {repo_id} --speculative-num-steps {gamma} --speculative-eagle-topk 1 \\
+    --speculative-num-draft-tokens {gamma + 1}
+```
+"""
 
     def drafter(self, confidence: float = 0.0) -> Drafter:
         return LMDrafter(self.module, confidence=confidence)

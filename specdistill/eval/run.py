@@ -19,8 +19,8 @@ def resolve_device(name: str) -> torch.device:
 
 def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
     """eval.draft_path (a trained HF draft folder) if set, else a draft built from the `draft` group (untrained)."""
-    from specdistill.drafts import draft_adapter, kind_for_init
-    from specdistill.models.draft import check_tokenizers_match, load_trained_draft
+    from specdistill.drafts import draft_adapter, kind_for_init, load_trained_draft
+    from specdistill.models.draft import check_tokenizers_match
     from specdistill.models.target import Target
 
     path = cfg.eval.draft_path

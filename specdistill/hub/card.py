@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from omegaconf import DictConfig, OmegaConf
+
+if TYPE_CHECKING:  # annotations only: the draft kinds are passed in
+    from specdistill.drafts import DraftAdapter
 
 
 def _get(cfg, dotted: str, default=None):
@@ -41,39 +44,10 @@ def tau_table(metrics: dict, gamma: int) -> str:
     return "\n".join(rows) if rows else "No evaluation results yet.\n"
 
 
-def serving_section(repo_id: str, target: str, eagle3: bool, exports: list[str], gamma: int) -> str:
-    if eagle3:
-        v = "serving/vllm" if "vllm" in exports else "<export with scripts/export.py --format vllm>"
-        s = "serving/sglang" if "sglang" in exports else "<export with scripts/export.py --format sglang>"
-        return f"""This is an EAGLE-3 head. The repository root holds specdistill's own format (warm starts, evaluation);
-the serving engines read the exports in `serving/` (SGLang numbers aux layers one lower than vLLM, so use its own
-folder).
-
-```bash
-huggingface-cli download {repo_id} --local-dir draft
-# vLLM
-vllm serve {target} --speculative-config '{{"method": "eagle3", "model": "draft/{v}", "num_speculative_tokens": {gamma}}}'
-# SGLang
-python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 \\
-    --speculative-draft-model-path draft/{s} --speculative-num-steps {gamma} --speculative-eagle-topk 1 \\
-    --speculative-num-draft-tokens {gamma + 1}
-```
-"""
-    return f"""A standalone draft model (same tokenizer as the target):
-
-```bash
-# vLLM
-vllm serve {target} --speculative-config '{{"model": "{repo_id}", "num_speculative_tokens": {gamma}}}'
-# SGLang
-python -m sglang.launch_server --model-path {target} --speculative-algorithm STANDALONE \\
-    --speculative-draft-model-path {repo_id} --speculative-num-steps {gamma} --speculative-eagle-topk 1 \\
-    --speculative-num-draft-tokens {gamma + 1}
-```
-"""
-
-
-def model_card(cfg, repo_id: str, metrics: dict, step: int, epoch: int, eagle3: bool,
+def model_card(cfg, repo_id: str, metrics: dict, step: int, epoch: int, kind: type[DraftAdapter],
                exports: Optional[list[str]] = None) -> str:
+    """The card of a draft of `kind` (its adapter, drafts/: title, library, tags, serving section); `exports`: the
+    serving formats staged next to it."""
     from specdistill.assets import serving_model_id
 
     target = str(_get(cfg, "target.path", "?"))
@@ -82,8 +56,8 @@ def model_card(cfg, repo_id: str, metrics: dict, step: int, epoch: int, eagle3: 
     trainer = {k: _get(cfg, f"trainer.{k}") for k in ("lr", "max_steps", "micro_batch_size", "grad_accum", "seed")}
     data = {k: _get(cfg, f"data.{k}") for k in ("path", "max_rows", "max_length", "packing")}
     gamma = int(_get(cfg, "eval.gamma", 4))
-    tags = ["speculative-decoding", "draft-model", "specdistill"] + (["eagle3"] if eagle3 else [])
-    front = ["---", "library_name: transformers" if not eagle3 else "library_name: specdistill",
+    tags = ["speculative-decoding", "draft-model", "specdistill", *kind.card_tags]
+    front = ["---", f"library_name: {kind.card_library}",
              "tags:", *[f"- {t}" for t in tags]]
     if "/" in served and not served.startswith(("/", ".", "embedded:", "~")):
         front.append(f"base_model: {served}")  # a hub id, not a local path
@@ -92,7 +66,7 @@ def model_card(cfg, repo_id: str, metrics: dict, step: int, epoch: int, eagle3: 
 
 # {repo_id.split('/')[-1]}
 
-{'An EAGLE-3 head' if eagle3 else 'A draft model'} for speculative decoding of **{target}**, trained with specdistill
+{kind.card_title} for speculative decoding of **{target}**, trained with specdistill
 (run `{_get(cfg, 'run_name', '?')}`, objective `{objective.get('name', '?')}`). Speculative decoding with this draft is
 lossless: outputs follow the target's distribution exactly; the draft only changes speed.
 
@@ -112,4 +86,4 @@ The full resolved config is `specdistill/config.yaml`; the latest metrics are `s
 {tau_table(metrics, gamma)}
 ## Serving
 
-{serving_section(repo_id, served, eagle3, exports or [], gamma)}"""
+{kind.card_section(repo_id, served, exports or [], gamma)}"""

@@ -18,9 +18,12 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from specdistill.hub.card import model_card
+
+if TYPE_CHECKING:  # annotations only: the draft kinds are passed in
+    from specdistill.drafts import DraftAdapter
 
 SERVING_FORMATS = ("vllm", "sglang")
 NO_RETRY_STATUS = (400, 401, 403, 404)  # a bad token, no permission, a bad repo id: retrying cannot help
@@ -86,9 +89,10 @@ def with_retries(fn: Callable[[], object], max_retries: int, backoff_s: float, l
     raise AssertionError("unreachable")
 
 
-def stage(checkpoint: Path, out: Path, card: str, eagle3: bool, formats: tuple[str, ...], target_path: Optional[str],
-          gamma: int, log=print) -> list[str]:
-    """Lay out the repository in `out` from a complete checkpoint folder; returns the serving formats exported."""
+def stage(checkpoint: Path, out: Path, card: str, kind: type[DraftAdapter], formats: tuple[str, ...],
+          target_path: Optional[str], gamma: int, log=print) -> list[str]:
+    """Lay out the repository in `out` from a complete checkpoint folder; returns the serving formats exported (those
+    of `formats` the draft's kind exports to, drafts/: DraftAdapter.export)."""
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(checkpoint / "draft", out, copy_function=_link_or_copy)
@@ -97,13 +101,11 @@ def stage(checkpoint: Path, out: Path, card: str, eagle3: bool, formats: tuple[s
         if (checkpoint / name).exists():
             _link_or_copy(checkpoint / name, out / "specdistill" / name)
     exported = []
-    if eagle3:
-        from specdistill.export import export_eagle3
-
+    if kind.serving_formats:
         for fmt in formats:
             try:
-                export_eagle3(checkpoint / "draft", out / "serving" / fmt, fmt=fmt, target_path=target_path,
-                              speculative_tokens=gamma)
+                kind.export(checkpoint / "draft", out / "serving" / fmt, fmt=fmt, target_path=target_path,
+                            speculative_tokens=gamma)
                 exported.append(fmt)
             except Exception as e:  # a failed export must not block the push of the weights
                 log(f"[hub] {fmt} export skipped: {type(e).__name__}: {e}")
@@ -138,19 +140,19 @@ class HubPusher:
         from specdistill.drafts import draft_adapter
 
         # A draft with serving export formats (an EAGLE-3 head) gets them staged and a card that serves them.
-        eagle3 = bool(draft_adapter(c.accelerator.unwrap_model(c.models.draft)).serving_formats)
-        self.push(saved.path, saved.step, saved.epoch, saved.final, saved.metrics, eagle3, background=True)
+        kind = type(draft_adapter(c.accelerator.unwrap_model(c.models.draft)))
+        self.push(saved.path, saved.step, saved.epoch, saved.final, saved.metrics, kind, background=True)
 
-    def push(self, checkpoint: Path, step: int, epoch: int, final: bool, metrics: dict, eagle3: bool,
+    def push(self, checkpoint: Path, step: int, epoch: int, final: bool, metrics: dict, kind: type[DraftAdapter],
              background: bool = False) -> None:
         gamma = int(self.cfg.eval.gamma)
         staging = self.root / f"staging-step-{step:07d}"
         formats = tuple(self.hub.serving_formats)
-        exports = list(formats) if eagle3 else []
-        card = model_card(self.cfg, self.hub.repo_id, metrics, step, epoch, eagle3, exports)
-        exported = stage(Path(checkpoint), staging, card, eagle3, formats, str(self.cfg.target.path), gamma, self.log)
+        exports = list(formats) if kind.serving_formats else []
+        card = model_card(self.cfg, self.hub.repo_id, metrics, step, epoch, kind, exports)
+        exported = stage(Path(checkpoint), staging, card, kind, formats, str(self.cfg.target.path), gamma, self.log)
         if exported != exports:  # the card must only point at folders that exist
-            (staging / "README.md").write_text(model_card(self.cfg, self.hub.repo_id, metrics, step, epoch, eagle3,
+            (staging / "README.md").write_text(model_card(self.cfg, self.hub.repo_id, metrics, step, epoch, kind,
                                                           exported))
         job = lambda: self._upload(staging, step, epoch, final)  # noqa: E731
         if background:

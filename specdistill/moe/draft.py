@@ -6,6 +6,7 @@ from typing import Optional
 from specdistill.moe.build import build_moe_draft, init_eagle3_mlp_from_experts, select_experts
 from specdistill.moe.profiler import RoutingProfile, calibration_batches, profile_routing
 from specdistill.moe.routing import require_moe
+from specdistill.tokens import pad_id
 
 
 def routing_profile(moe_cfg, target_model, data=None, log=print) -> RoutingProfile:
@@ -21,7 +22,8 @@ def routing_profile(moe_cfg, target_model, data=None, log=print) -> RoutingProfi
     if data is None:
         raise ValueError("draft.init=moe_experts needs a routing profile: set draft.moe.profile=<profile.json from "
                          "scripts/profile_moe.py>, or build through specdistill.build (it profiles the training data)")
-    pad = target_model.config.pad_token_id or 0
+    p = target_model.config.pad_token_id
+    pad = pad_id(None, None if p is None else [p])  # the config's pad id, else 0 (padded slots are masked)
     batches = calibration_batches(data.train, pad, moe_cfg.profile_batches)
     prof = profile_routing(target_model, batches, moe_cfg.token_selection,
                            source={"data": getattr(data, "fingerprint", ""), "rows": sum(len(b["input_ids"]) for b in batches)})

@@ -18,7 +18,7 @@ class Models:
 @dataclass
 class StepOutput:
     """Per-token losses; the loop sums (loss * weight) and divides once by the global count of loss tokens, the sum
-    of the objective's num_tokens(prepared) over the step's micro-batches and ranks, known before any backward."""
+    of the objective's num_tokens over the step's micro-batches and ranks (train/loop.py: accumulate)."""
     loss: torch.Tensor  # (N,) per loss token, differentiable
     weight: Optional[torch.Tensor] = None  # (N,) detached weights (acceptance weighting); None = all ones
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # detached SUMS over this micro-batch; ratios later
@@ -46,17 +46,22 @@ def labels_at_loss(batch: dict) -> torch.Tensor:
 
 
 class Objective:
-    """The protocol between the loop (train/loop.py) and an objective. Per micro-batch the loop calls, in order:
+    """The protocol between the loop (train/loop.py: accumulate) and an objective. Per micro-batch, ONE micro-batch
+    at a time, the loop calls:
 
+      n        = objective.num_tokens_before_prepare(batch)  # () loss tokens, when the data alone tells; else None
       prepared = objective.prepare(batch, models)   # no-grad work before the loss (Draft-OPD: rollouts, replay)
-      n        = objective.num_tokens(prepared)     # () loss tokens it will return, for the global normalisation
-      prepared = objective.offload(prepared)        # only while other micro-batches are prepared: bulky tensors off
+      n        = objective.num_tokens(prepared)     # () loss tokens loss(prepared) returns (used when n was None)
       out      = objective.loss(prepared, models)   # StepOutput with grad; the loop backpropagates it
 
-    and state_dict() / load_state_dict() at checkpoints (per rank). Subclasses are dataclasses of their config
-    knobs (validated by objectives.validate_objective); runtime state (buffers, RNG, counters) lives in a separate
-    object that state_dict() saves. The defaults suit objectives on the data's own loss tokens.
+    then, after the step's last micro-batch, `metrics = objective.end_step()` (deferred state updates: Draft-OPD's
+    replay buffer), and state_dict() / load_state_dict() at checkpoints (per rank). Subclasses are dataclasses of
+    their config knobs (validated by objectives.validate_objective); runtime state (buffers, RNG, counters) lives in a
+    separate object that state_dict() saves. The defaults suit objectives on the data's own loss tokens.
     """
+
+    def num_tokens_before_prepare(self, batch: dict) -> Optional[torch.Tensor]:
+        return batch["loss_mask"].sum()
 
     def prepare(self, batch: dict, models: Models) -> Any:
         return batch
@@ -64,11 +69,12 @@ class Objective:
     def num_tokens(self, prepared: Any) -> torch.Tensor:
         return prepared["loss_mask"].sum()
 
-    def offload(self, prepared: Any) -> Any:
-        return prepared
-
     def loss(self, prepared: Any, models: Models) -> StepOutput:
         raise NotImplementedError
+
+    def end_step(self) -> dict[str, torch.Tensor]:
+        """After the optimizer step's last micro-batch: apply deferred state updates; detached metric sums."""
+        return {}
 
     def state_dict(self) -> dict:
         return {}
@@ -77,5 +83,7 @@ class Objective:
         """Restore what state_dict() returned (stateless objectives ignore it)."""
 
     def __call__(self, batch: dict, models: Models) -> StepOutput:
-        """prepare + loss in one call (tests, and the objectives that reuse another's loss)."""
-        return self.loss(self.prepare(batch, models), models)
+        """One micro-batch as a whole step: prepare + loss + end_step (tests, and objectives reusing another's loss)."""
+        out = self.loss(self.prepare(batch, models), models)
+        out.metrics.update(self.end_step())
+        return out

@@ -21,10 +21,16 @@ drafts + the round's drafts); the draft runs on it with grad like on any other r
 exactly the context it was proposed in. Extra draft compute: one row per round with a rejection before its last
 draft (about rounds x context tokens). off_trajectory=drop skips those positions instead.
 
-Normalisation: the loss is a mean over positions (fresh + replayed + data tokens when kd_weight > 0). The loop must
-know that count before any backward, so steps 1-2 are `prepare()` (objectives/base.py's protocol) and the count is
-`num_tokens(prepared)`; under gradient accumulation the loop prepares every micro-batch of the step first and holds
-them offloaded (their target logits on the CPU) until each one's loss() and backward.
+Normalisation: the loss is a mean over positions (fresh + replayed + data tokens when kd_weight > 0). That count is
+known only after the rollout, so steps 1-2 are `prepare()` (objectives/base.py's protocol), the count is
+`num_tokens(prepared)` and `num_tokens_before_prepare` is None: the loop then prepares and backpropagates one
+micro-batch at a time and rescales the gradients by the step's global count after the last backward
+(train/loop.py: accumulate). The replay buffer's updates of a step's micro-batches (priorities, new rejections) wait
+for end_step(), so every micro-batch of a step samples the buffer as it was when the step began, whatever the split.
+
+Config and state: DraftOPDObjective's fields mirror conf/objective/draft_opd.yaml; everything a run accumulates
+(replay buffer, counters, the rollout RNG, a cached rollout, the prompt cursor) is a DraftOPDState (`objective.state`)
+with state_dict() / load_state_dict().
 
 EAGLE-3 heads (draft=eagle3): rollouts through Eagle3Drafter; the loss forward is the head's training-time-test
 unroll on its own features at each round's drafting slot, branch rows and replayed positions included
@@ -33,13 +39,13 @@ term is recipe eagle3's own loss on the data batch (objectives/eagle3.py: the TT
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
 from specdistill.data.prompts import load_prompts
-from specdistill.drafts import Eagle3Draft, LMDraft, draft_adapter
+from specdistill.drafts import draft_adapter
 from specdistill.losses import DIVERGENCES, divergence
 from specdistill.objectives.eagle3 import Eagle3Objective
 from specdistill.objectives.base import Models, Objective, StepOutput, keep_positions, masked_logits
@@ -48,7 +54,7 @@ from specdistill.onpolicy.positions import CATEGORIES, FIRST_REJECTED, DraftedPo
 from specdistill.onpolicy.rollout import collect_rollout, left_pad, prompts_from_batch
 from specdistill.onpolicy.weights import WEIGHTINGS, position_weights
 from specdistill.decoding.kv import max_positions
-from specdistill.tensors import unwrap
+from specdistill.tensors import unwrap, unwrap_target
 from specdistill.tokens import eos_ids, pad_id
 
 OFF_TRAJECTORY = ("branch", "drop")
@@ -70,6 +76,58 @@ def parse_divergence(spec: str) -> list[tuple[str, float]]:
             raise ValueError(f"objective.divergence={spec!r}: weights must be >= 0")
         out.append((name, weight))
     return out
+
+
+@dataclass
+class _BufferUpdate:
+    """What one micro-batch's loss() has for the replay buffer, applied at end_step(): the replayed positions' new
+    priorities, and (a refreshed rollout) its rejected positions with their cached target logits."""
+    replayed: list[int]                 # uids of the replayed positions
+    replayed_priority: torch.Tensor     # (Q,) 1 - alpha under the current draft
+    add: Optional[dict] = None          # ReplayBuffer.add's arguments, or None
+
+
+@dataclass
+class DraftOPDState:
+    """Draft-OPD's runtime state, apart from its config: what a resumed run must restore to continue exactly
+    (state_dict), and caches rebuilt on use (the prompt list, the draft check)."""
+    buffer: ReplayBuffer
+    calls: int = 0                  # objective calls (micro-batches) so far
+    refreshes: int = 0              # rollouts collected so far (the replay buffer's clock)
+    target_tokens_total: int = 0    # tokens the target ran forwards over in rollouts (compute accounting)
+    fresh: Optional[DraftedPositions] = None  # the current rollout (served rollout_every calls)
+    prompt_pos: int = 0             # cursor into objective.prompts
+    generator: Optional[torch.Generator] = None          # the rollout RNG, made on the rollout's device
+    generator_state: Optional[torch.Tensor] = None       # from a checkpoint, applied when the generator is made
+    pending: list[_BufferUpdate] = field(default_factory=list)  # this step's buffer updates (end_step applies them)
+    checked: bool = False
+    prompt_ids: Optional[list[torch.Tensor]] = None
+
+    def rollout_generator(self, device, seed: int) -> torch.Generator:
+        if self.generator is None:
+            self.generator = torch.Generator(device=device).manual_seed(seed)
+            if self.generator_state is not None:  # resumed: continue the saved stream
+                self.generator.set_state(self.generator_state)
+                self.generator_state = None
+        return self.generator
+
+    def state_dict(self) -> dict:
+        """The replay buffer, the cached rollout (rollout_every > 1), the counters, the rollout RNG and the prompt
+        cursor. Saved per rank by train/checkpoint.py (pickled; tensors as they are, moved back to the batch's device
+        on use). Checkpoints are written between steps, when nothing is pending."""
+        return {"buffer": self.buffer, "calls": self.calls, "refreshes": self.refreshes,
+                "target_tokens_total": self.target_tokens_total, "fresh": self.fresh,
+                "generator": None if self.generator is None else self.generator.get_state(),
+                "prompt_pos": self.prompt_pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer = state["buffer"]
+        self.calls, self.refreshes = state["calls"], state["refreshes"]
+        self.target_tokens_total, self.prompt_pos = state["target_tokens_total"], state["prompt_pos"]
+        self.fresh = state["fresh"]
+        self.generator_state = state["generator"]  # applied when the generator is made on the rollout's device
+        self.generator = None
+        self.pending = []
 
 
 @dataclass
@@ -148,38 +206,31 @@ class DraftOPDObjective(Objective):
         if not 0 <= self.beta <= 1:
             raise ValueError(f"objective.beta must be in [0, 1], got {self.beta}")
         self.mix = parse_divergence(self.divergence)
-        # State (not config): lives in the instance for the whole run.
-        self.buffer = ReplayBuffer(self.replay_capacity, self.replay_max_age)
-        self.calls = 0                  # objective calls so far
-        self.refreshes = 0              # rollouts collected so far (the replay buffer's clock)
-        self.target_tokens_total = 0    # tokens the target ran forwards over in rollouts (compute accounting)
-        self._fresh: Optional[DraftedPositions] = None
-        self._generator: Optional[torch.Generator] = None
-        self._generator_state: Optional[torch.Tensor] = None  # from a checkpoint, applied at the next rollout
-        self._checked = False
-        self._prompt_ids: Optional[list[torch.Tensor]] = None
-        self._prompt_pos = 0
+
+    @property
+    def state(self) -> DraftOPDState:
+        """The run's state (made at first use; not a dataclass field, so the fields stay the YAML's mirror)."""
+        state = self.__dict__.get("_state")
+        if state is None:
+            state = self.__dict__["_state"] = DraftOPDState(ReplayBuffer(self.replay_capacity, self.replay_max_age))
+        return state
 
     # ------------------------------------------------------------------------------------------- the protocol
     def prepare(self, batch: dict, models: Models) -> _Prepared:
         """Steps 1-2 (no grad): the rollout (refreshed every rollout_every calls) and the replayed positions."""
         return self._prepare(batch, models)
 
+    def num_tokens_before_prepare(self, batch: dict) -> None:
+        """Unknown before the rollout: the loop counts after prepare() (num_tokens) and rescales the gradients."""
+        return None
+
     def num_tokens(self, prepared: _Prepared) -> torch.Tensor:
         """() loss positions loss(prepared) returns: fresh + replayed (+ the data's loss tokens when kd_weight > 0)."""
         return prepared.num_tokens
 
-    def offload(self, prepared: _Prepared) -> _Prepared:
-        """While the loop prepares the step's other micro-batches: the rollout's target logits, (P, V) each and the
-        bulk of a rollout, wait on the CPU (copied back exactly in loss())."""
-        fresh = replace(prepared.fresh, target=prepared.fresh.target.to("cpu"))
-        return replace(prepared, fresh=fresh)
-
     def loss(self, prepared: _Prepared, models: Models) -> StepOutput:
         prep, batch = prepared, prepared.batch
         fresh, replay = prep.fresh, prep.replay
-        if fresh.target.values.device != fresh.row.device:  # offloaded while other micro-batches were prepared
-            fresh = replace(fresh, target=fresh.target.to(fresh.row.device))
         P, device = len(fresh), fresh.row.device
 
         # 1-2. Per-position loss (with grad) and, detached, alpha at the rollout temperature (reach weights) and
@@ -189,8 +240,7 @@ class DraftOPDObjective(Objective):
             weight_fresh = position_weights(self.weighting, alpha=alpha_roll[:P], category=fresh.category,
                                             round_id=fresh.round_id, index=fresh.index, decay=self.decay)
             weight = torch.cat([weight_fresh, torch.full((len(replay),), self.replay_weight, device=device)])
-            if replay:
-                self.buffer.update([it.uid for it in replay], priority[P:])
+            update = _BufferUpdate([it.uid for it in replay], priority[P:])
             if prep.add_to_buffer and self.replay:
                 # The positions verification rejected: each round's first rejected draft. Later drafts of the round
                 # were discarded unverified (their context holds the rejected token, off the trajectory, and their
@@ -201,14 +251,15 @@ class DraftOPDObjective(Objective):
                     src = [fresh.source[r] for r in fresh.row[missed].tolist()]
                     traj = {s: fresh.aux[s, : len(fresh.rows[s])].clone() for s in set(src)}
                     features = {"aux": [traj[s] for s in src], "index": fresh.index[missed].tolist()}
-                self.buffer.add(fresh.contexts(missed), fresh.target.select(missed), priority[:P][missed].cpu(),
-                                self.refreshes, **features)
+                update.add = dict(contexts=fresh.contexts(missed), targets=fresh.target.select(missed),
+                                  priorities=priority[:P][missed].cpu(), **features)
+            self.state.pending.append(update)
 
         metrics = dict(prep.metrics)
         losses, weights = [loss], [weight]
         # 3. Off-policy mix: the same divergence on the data batch's own loss tokens (a second draft forward).
         if self.kd_weight > 0 and bool(batch["loss_mask"].any()):
-            kd, kd_w = OFF_POLICY[draft_adapter(models.draft).kind].loss(self, batch, models)     # (N,) each
+            kd, kd_w = OFF_POLICY[draft_adapter(models.draft).data_objective].loss(self, batch, models)  # (N,) each
             losses.append(kd)
             weights.append(kd_w.detach())
             metrics["kd_loss_sum"] = kd.detach().sum()
@@ -223,31 +274,38 @@ class DraftOPDObjective(Objective):
             for c, name in enumerate(CATEGORIES):
                 metrics[f"frac_{name}_sum"], metrics[f"frac_{name}_count"] = (fresh.category == c).sum().float(), f(P)
             if self.replay:
-                pr = self.buffer.priorities()
-                metrics["replay_size_sum"], metrics["replay_size_count"] = f(len(self.buffer)), f(1)
-                metrics["replay_priority_sum"], metrics["replay_priority_count"] = f(pr.sum()), f(len(pr))
                 metrics["replay_used_sum"], metrics["replay_used_count"] = f(len(replay)), f(1)
                 if replay:
                     metrics["replay_loss_sum"], metrics["replay_loss_count"] = loss[P:].detach().sum(), f(len(replay))
         return StepOutput(torch.cat(losses), torch.cat(weights), metrics)
 
+    def end_step(self) -> dict:
+        """After the step's last micro-batch: the replay buffer takes each micro-batch's updates in order (new
+        priorities, then its rejected positions, all at the step's clock); per micro-batch, the buffer's size and
+        priorities after its update are the metrics (detached sums)."""
+        state, metrics = self.state, {}
+        for u in state.pending:
+            if u.replayed:
+                state.buffer.update(u.replayed, u.replayed_priority)
+            if u.add is not None:
+                state.buffer.add(now=state.refreshes, **u.add)
+            if self.replay:
+                device = u.replayed_priority.device
+                f = lambda x: torch.as_tensor(float(x), device=device)  # noqa: E731
+                pr = state.buffer.priorities()
+                for k, v in {"replay_size_sum": f(len(state.buffer)), "replay_size_count": f(1),
+                             "replay_priority_sum": f(pr.sum()), "replay_priority_count": f(len(pr))}.items():
+                    metrics[k] = metrics[k] + v if k in metrics else v
+        state.pending = []
+        return metrics
+
     # ------------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
-        """What a resumed run needs to continue exactly as an uninterrupted one: the replay buffer, the cached
-        rollout (rollout_every > 1), the counters, the rollout RNG and the prompt cursor. Saved per rank by
-        train/checkpoint.py (pickled; tensors as they are, moved back to the batch's device on use)."""
-        return {"buffer": self.buffer, "calls": self.calls, "refreshes": self.refreshes,
-                "target_tokens_total": self.target_tokens_total, "fresh": self._fresh,
-                "generator": None if self._generator is None else self._generator.get_state(),
-                "prompt_pos": self._prompt_pos}
+        """What a resumed run needs to continue exactly as an uninterrupted one (DraftOPDState.state_dict)."""
+        return self.state.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.buffer = state["buffer"]
-        self.calls, self.refreshes = state["calls"], state["refreshes"]
-        self.target_tokens_total, self._prompt_pos = state["target_tokens_total"], state["prompt_pos"]
-        self._fresh = state["fresh"]
-        self._generator_state = state["generator"]  # applied when the generator is made on the rollout's device
-        self._generator = None
+        self.state.load_state_dict(state)
 
     # ------------------------------------------------------------------------------------------- internals
     def _score(self, fresh: DraftedPositions, replay: list[ReplayItem], models: Models):
@@ -292,31 +350,32 @@ class DraftOPDObjective(Objective):
 
     @torch.no_grad()
     def _prepare(self, batch: dict, models: Models) -> _Prepared:
-        draft, target = unwrap(models.draft), getattr(models.target, "model", models.target)
-        if not self._checked:
+        draft, target = unwrap(models.draft), unwrap_target(models.target)
+        state = self.state
+        if not state.checked:
             self._check_draft(draft, target)
-            self._checked = True
+            state.checked = True
         device = batch["input_ids"].device
-        self.calls += 1
+        state.calls += 1
         f = lambda x: torch.as_tensor(float(x), device=device)  # noqa: E731
         metrics: dict = {}
-        refresh = self._fresh is None or (self.calls - 1) % self.rollout_every == 0
+        refresh = state.fresh is None or (state.calls - 1) % self.rollout_every == 0
         if refresh:
-            self._fresh = self._rollout(batch, models, draft, target)
-            self.refreshes += 1
-            s = self._fresh.stats
-            self.target_tokens_total += s.target_tokens
+            state.fresh = self._rollout(batch, models, draft, target)
+            state.refreshes += 1
+            s = state.fresh.stats
+            state.target_tokens_total += s.target_tokens
             metrics.update({"rollout_accept_rate_sum": f(s.accepted), "rollout_accept_rate_count": f(s.drafted),
                             "rollout_tau_sum": f(s.emitted), "rollout_tau_count": f(s.target_forwards),
                             "rollout_alpha_sum": f(s.alpha), "rollout_alpha_count": f(s.drafted),
                             "rollout_target_tokens_sum": f(s.target_tokens), "rollout_target_tokens_count": f(1)})
-        if self._fresh.row.device != device:  # a cached rollout restored from a checkpoint (loaded on CPU)
-            self._fresh = _positions_to(self._fresh, device)
-        fresh = self._fresh
-        replay = self.buffer.sample(round(self.replay_ratio * len(fresh)), self.refreshes) if self.replay else []
+        if state.fresh.row.device != device:  # a cached rollout restored from a checkpoint (loaded on CPU)
+            state.fresh = _positions_to(state.fresh, device)
+        fresh = state.fresh
+        replay = state.buffer.sample(round(self.replay_ratio * len(fresh)), state.refreshes) if self.replay else []
         n = len(fresh) + len(replay)
         if self.kd_weight > 0:  # the data batch's loss positions (a head: one per unroll step reaching one)
-            n += OFF_POLICY[draft_adapter(draft).kind].count(self, batch["loss_mask"].bool())
+            n += OFF_POLICY[draft_adapter(draft).data_objective].count(self, batch["loss_mask"].bool())
         return _Prepared(batch, fresh, replay, refresh, metrics, f(n))
 
     def _rollout(self, batch, models, draft, target) -> DraftedPositions:
@@ -327,18 +386,14 @@ class DraftOPDObjective(Objective):
         else:
             ids, mask = prompts_from_batch(batch, pad, self.max_prompt_tokens, context=max_positions(target),
                                            max_new_tokens=self.max_new_tokens)
-        if self._generator is None:
-            self._generator = torch.Generator(device=ids.device).manual_seed(self.seed)
-            if self._generator_state is not None:  # resumed: continue the saved stream
-                self._generator.set_state(self._generator_state)
-                self._generator_state = None
+        generator = self.state.rollout_generator(ids.device, self.seed)
         eos = eos_ids(models.tokenizer, target, ignore_eos=False) if models.tokenizer is not None else None
         was_training = draft.training
         draft.eval()
         try:
             return collect_rollout(target, draft, ids, mask, gamma=self.gamma, max_new_tokens=self.max_new_tokens,
                                    temperature=self.temperature, assist=self.assist, eos_token_id=eos,
-                                   generator=self._generator, pad_id=pad, top_k=self.target_top_k,
+                                   generator=generator, pad_id=pad, top_k=self.target_top_k,
                                    branches=self.off_trajectory == "branch")
         finally:
             draft.train(was_training)
@@ -346,7 +401,8 @@ class DraftOPDObjective(Objective):
 
     def _next_prompts(self, n: int, models: Models, target, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The next n prompts of `self.prompts` (cycled), left-padded (n, T)."""
-        if self._prompt_ids is None:
+        state = self.state
+        if state.prompt_ids is None:
             if models.tokenizer is None:
                 raise ValueError("objective.prompts needs the target's tokenizer (its chat template) in Models")
             context = max_positions(target)
@@ -355,9 +411,9 @@ class DraftOPDObjective(Objective):
                 limit = self.max_prompt_tokens if limit is None else min(limit, self.max_prompt_tokens)
             ps = load_prompts(self.prompts, models.tokenizer, num_prompts=None, max_new_tokens=self.max_new_tokens,
                               context=context, max_prompt_tokens=limit)
-            self._prompt_ids = [torch.tensor(p, dtype=torch.long) for p in ps.ids]
-        picked = [self._prompt_ids[(self._prompt_pos + k) % len(self._prompt_ids)] for k in range(n)]
-        self._prompt_pos = (self._prompt_pos + n) % len(self._prompt_ids)
+            state.prompt_ids = [torch.tensor(p, dtype=torch.long) for p in ps.ids]
+        picked = [state.prompt_ids[(state.prompt_pos + k) % len(state.prompt_ids)] for k in range(n)]
+        state.prompt_pos = (state.prompt_pos + n) % len(state.prompt_ids)
         ids, mask, _ = left_pad(picked, pad)
         return ids, mask
 
@@ -401,7 +457,7 @@ def _sharded(model) -> bool:
 # ----------------------------------------------------------------------------------------------- off-policy mix
 @dataclass(frozen=True)
 class _OffPolicy:
-    """kd_weight's term on the data batch for one draft kind: its per-token loss and weight (N,) each, and N."""
+    """kd_weight's term on the data batch: a data objective's per-token loss and weight (N,) each, and N."""
 
     loss: Callable[["DraftOPDObjective", dict, Models], tuple[torch.Tensor, torch.Tensor]]
     count: Callable[["DraftOPDObjective", torch.Tensor], int]  # loss_mask (B, T) bool -> N
@@ -422,8 +478,9 @@ def _ttt_loss(obj: "DraftOPDObjective", batch: dict, models: Models) -> tuple[to
     return off.loss, off.weight * obj.kd_weight                                            # (N,) each
 
 
-# Keyed by DraftAdapter.kind: the off-policy loss of a head is its own training loss, not a token-level KD.
+# Keyed by the objective a draft kind trains with on data (DraftAdapter.data_objective, drafts/): token-level KD with
+# this objective's divergence, or recipe eagle3's TTT unroll (a head's off-policy loss is its own training loss).
 OFF_POLICY = {
-    LMDraft.kind: _OffPolicy(_kd_loss, lambda obj, lm: int(lm.sum())),
-    Eagle3Draft.kind: _OffPolicy(_ttt_loss, lambda obj, lm: sum(int(lm[:, 1 + j:].sum()) for j in range(obj.gamma))),
+    "kd": _OffPolicy(_kd_loss, lambda obj, lm: int(lm.sum())),
+    "eagle3": _OffPolicy(_ttt_loss, lambda obj, lm: sum(int(lm[:, 1 + j:].sum()) for j in range(obj.gamma))),
 }

@@ -24,6 +24,7 @@ from specdistill.losses import DIVERGENCES, acceptance_rate, cross_entropy, dive
 from specdistill.moe.routing import decoder_layers, expert_forward, require_moe
 from specdistill.objectives.base import (Models, Objective, StepOutput, keep_positions, labels_at_loss,
                                         masked_logits)
+from specdistill.tensors import unwrap
 
 
 class SourceCapture:
@@ -115,7 +116,7 @@ class MoEKDObjective(Objective):
             raise ValueError("objective weights (kd_weight, expert_weight, sft_weight) must be >= 0")
 
     def loss(self, batch: dict, models: Models) -> StepOutput:
-        draft = getattr(models.draft, "module", models.draft)
+        draft = unwrap(models.draft)
         meta = getattr(draft.config, "specdistill_moe", None)
         if self.expert_weight and not meta:
             raise ValueError("objective=moe_kd with expert_weight > 0 needs a draft built from the target's experts "

@@ -17,6 +17,7 @@ import torch
 from specdistill.objectives.base import Models, StepOutput
 from specdistill.objectives.draft_opd import DraftOPDObjective
 from specdistill.objectives.moe_kd import SourceCapture, expert_level_loss
+from specdistill.tensors import unwrap, unwrap_target
 
 
 @dataclass
@@ -30,7 +31,7 @@ class MoEOPDObjective(DraftOPDObjective):
             raise ValueError("objective.expert_weight must be >= 0")
 
     def _meta(self, models: Models):
-        draft = getattr(models.draft, "module", models.draft)
+        draft = unwrap(models.draft)
         meta = getattr(getattr(draft, "config", None), "specdistill_moe", None)
         if self.expert_weight and not meta:
             raise ValueError("objective=moe_opd with expert_weight > 0 needs a draft built from the target's experts "
@@ -56,11 +57,11 @@ class MoEOPDObjective(DraftOPDObjective):
         if "final_hidden" in batch:
             raise ValueError("objective=moe_opd's expert loss needs the target's forward (its expert inputs): unset "
                              "data.offline_dir or set objective.expert_weight=0")
-        tmodel = getattr(models.target, "model", models.target)
+        tmodel = unwrap_target(models.target)
         with SourceCapture(tmodel, meta["source_layers"]) as cap, torch.no_grad():
             tmodel(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
                    logits_to_keep=1)
-        draft = getattr(models.draft, "module", models.draft)
+        draft = unwrap(models.draft)
         sel = batch["loss_mask"].reshape(-1).bool()
         expert, kept_share = expert_level_loss(draft, tmodel, meta, cap, sel)  # (N,) each
         weight = out.weight if out.weight is not None else torch.ones_like(out.loss)

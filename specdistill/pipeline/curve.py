@@ -66,7 +66,7 @@ def learning_curve(run_dir, target_model, tokenizer, prompt_ids: list[list[int]]
     from tqdm.auto import tqdm
 
     from specdistill.tokens import eos_ids
-    from specdistill.models.draft import load_trained_draft
+    from specdistill.drafts import load_trained_draft
     from specdistill.train.checkpoint import list_checkpoints
 
     run_dir = Path(run_dir)

@@ -196,42 +196,15 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
                           "continue with trainer.resume=auto")
                 break
             micro = [_to_device(b, acc.device) for b in batches.micro_batches(step)]
-            # Normalise by the global number of loss tokens in this optimizer step (all micro-batches, all ranks):
-            # the gradient is that of the mean over tokens, however the batch is split. DDP averages gradients over
-            # ranks, hence the factor world. The count is the objective's num_tokens(prepared), so every micro-batch
-            # is prepared (Draft-OPD: rollouts) before the first backward; while the others are prepared, each waits
-            # offloaded (objective.offload: its bulky tensors off the accelerator), so one rollout's worth is resident.
-            def step_work():
-                prepared, n_local = [], 0
-                for i, b in enumerate(micro):
-                    p = objective.prepare(b, c.models)
-                    n_local = n_local + objective.num_tokens(p)
-                    prepared.append(objective.offload(p) if len(micro) > 1 else p)
-                n_global = acc.reduce(torch.as_tensor(n_local, device=acc.device).detach().clone(), "sum").clamp_min(1)
-                scale = world / n_global
-                for i in range(len(prepared)):
-                    p, prepared[i] = prepared[i], None  # dropped after its backward
-                    last_micro = i == len(micro) - 1
-                    sync = nullcontext() if last_micro else acc.no_sync(draft)
-                    # DeepSpeed steps its engine inside backward when sync_gradients is set: on the last micro-batch.
-                    acc.gradient_state._set_sync_gradients(last_micro)
-                    with sync, acc.autocast():
-                        out = objective.loss(p, c.models)
-                        per_token = out.loss if out.weight is None else out.loss * out.weight
-                        acc.backward(per_token.sum() * scale)
-                    del p
-                    for k, v in out.metrics.items():
-                        sums[k] = sums.get(k, 0) + v.detach().float()
-                return n_local, n_global
-
+            # One micro-batch at a time, the gradient that of the mean over the step's global loss tokens (accumulate).
             if peak_gflops is not None and roofline is None:  # the first step is counted (its window includes
-                counted = count_flops(step_work)             # the counter's small dispatch overhead)
+                counted = count_flops(lambda: accumulate(c, micro, sums))  # the counter's small dispatch overhead)
                 n_local, n_global = counted.result
                 roofline = Roofline(peak_gflops, counted.flops / max(float(n_local), 1.0))
                 acc.print(f"[train] {roofline.flops_per_token / 1e6:.1f} MFLOP per loss token (forward + backward, "
                           f"torch's FlopCounterMode); matmul peak {peak_gflops:.1f} GFLOPS ({t.mixed_precision})")
             else:
-                n_local, n_global = step_work()
+                n_local, n_global = accumulate(c, micro, sums)
             sums["tokens"] = sums.get("tokens", 0) + n_local.float()
             sums["input_tokens"] = sums.get("input_tokens", 0) + sum(b["attention_mask"].sum() for b in micro).float()
             grad_norm = acc.clip_grad_norm_(draft.parameters(), t.max_grad_norm) if t.max_grad_norm > 0 else None
@@ -309,6 +282,83 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
     if t.wandb:
         acc.end_training()
     return result
+
+
+def _global_sum(acc, n) -> torch.Tensor:
+    """() the sum of a local count over ranks."""
+    return acc.reduce(torch.as_tensor(n, device=acc.device).detach().clone(), "sum")
+
+
+def accumulate(c: Components, micro: list[dict], sums: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of one optimizer step's micro-batches, ONE at a time: a micro-batch is prepared (Draft-OPD:
+    its rollout), its loss backpropagated and dropped before the next one is prepared, so only one micro-batch's
+    prepared work (rollouts with their target logits) is resident. Metric sums are added to `sums`. Returns
+    (n_local, n_global): this rank's and all ranks' loss tokens of the step.
+
+    The gradient is that of the MEAN over the step's global loss tokens, however the batch is split over micro-batches
+    and ranks. DDP averages gradients over ranks (hence the factor world below), on the last micro-batch's backward.
+    - Objectives on the data's own loss tokens know each micro-batch's count before prepare
+      (objective.num_tokens_before_prepare): n_global is all-reduced first and every backward is scaled by
+      world / n_global, as before.
+    - On-policy objectives know a count only after prepare (num_tokens_before_prepare is None). Each micro-batch is
+      backpropagated with the provisional scale world / n_est, n_est = (first micro-batch's global count) x (number of
+      micro-batches), one scalar all-reduce after the first prepare (a step-wide constant, the same on every rank, that
+      keeps the backward's magnitude near that of a mean: no fp16 overflow from an unnormalised sum). After the last
+      backward (and so after DDP's all-reduce-average), every .grad is multiplied by n_est / n_global. Since gradients
+      are linear in the loss, that equals backpropagating with world / n_global: exact, up to rounding. It needs the
+      gradients in hand after backward: one process, DDP or FSDP (linear on shards alike). DeepSpeed steps its
+      optimizer inside the last backward, so there (ZeRO-1/2; Draft-OPD refuses sharded drafts) every micro-batch is
+      prepared first and held until its backward, as before: exact, but all of a step's rollouts are alive at once.
+    """
+    acc, objective, draft, world = c.accelerator, c.objective, c.models.draft, c.accelerator.num_processes
+    before = [objective.num_tokens_before_prepare(b) for b in micro]
+    known = all(n is not None for n in before)
+    scale = n_est = None
+    held: Optional[list] = None
+    if not known and _deepspeed(acc):  # no gradients to rescale after DeepSpeed's last backward: count first
+        held = [objective.prepare(b, c.models) for b in micro]
+        before, known = [objective.num_tokens(p) for p in held], True
+    n_local = sum(before) if known else 0
+    if known:
+        n_global = _global_sum(acc, n_local).clamp_min(1)
+        scale = world / n_global
+    for i, b in enumerate(micro):
+        if held is not None:
+            p, held[i] = held[i], None  # dropped after its backward
+        else:
+            p = objective.prepare(b, c.models)
+        if not known:  # counted after prepare
+            n_i = objective.num_tokens(p)
+            n_local = n_local + n_i
+            if scale is None:  # the step's provisional scale, from the first micro-batch (see above)
+                n_est = (_global_sum(acc, n_i) * len(micro)).clamp_min(1)
+                scale = world / n_est
+        last_micro = i == len(micro) - 1
+        sync = nullcontext() if last_micro else acc.no_sync(draft)
+        # DeepSpeed steps its engine inside backward when sync_gradients is set: on the last micro-batch.
+        acc.gradient_state._set_sync_gradients(last_micro)
+        with sync, acc.autocast():
+            out = objective.loss(p, c.models)
+            per_token = out.loss if out.weight is None else out.loss * out.weight
+            acc.backward(per_token.sum() * scale)
+        del p, per_token  # this micro-batch's prepared work goes before the next one is prepared
+        for k, v in out.metrics.items():
+            sums[k] = sums.get(k, 0) + v.detach().float()
+        del out
+    for k, v in objective.end_step().items():  # deferred state updates (Draft-OPD: the replay buffer)
+        sums[k] = sums.get(k, 0) + v.detach().float()
+    if not known:
+        n_global = _global_sum(acc, n_local).clamp_min(1)
+        factor = n_est / n_global  # () tensor
+        for param in draft.parameters():
+            if param.grad is not None:
+                param.grad.mul_(factor.to(param.grad.dtype))
+    n_local = torch.as_tensor(n_local, device=acc.device)
+    return n_local, n_global
+
+
+def _deepspeed(acc) -> bool:
+    return str(getattr(acc, "distributed_type", "")).endswith("DEEPSPEED")
 
 
 def _train_dtype(acc) -> torch.dtype:

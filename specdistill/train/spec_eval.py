@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
+from specdistill.tensors import unwrap_target
+
 _warned: set[str] = set()
 
 
@@ -58,7 +60,7 @@ def _evaluate_on_this_rank(c, epoch: int, step: int, name: str) -> dict:
     acc = c.accelerator
     ecfg = OmegaConf.to_object(c.cfg.eval) if isinstance(c.cfg.eval, DictConfig) else c.cfg.eval
     cfg = for_training(ecfg)
-    target = c.models.target.model if hasattr(c.models.target, "model") else c.models.target
+    target = unwrap_target(c.models.target)
     tokenizer = c.models.tokenizer
     draft = acc.unwrap_model(c.models.draft)
     was_training = draft.training

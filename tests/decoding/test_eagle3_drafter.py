@@ -5,6 +5,7 @@ import torch
 
 from specdistill.models.eagle3 import build_eagle3
 from specdistill.decoding import Eagle3Drafter, probs_from_logits, speculative_generate, target_generate
+from specdistill.decoding.kv import BatchKV
 from specdistill.decoding.sampling import Sampler
 from tests.conftest import make_tiny_lm
 
@@ -165,11 +166,15 @@ def test_sampling_keeps_the_target_distribution_with_a_reduced_vocab(chi_square_
         counts = torch.bincount(r.sequences[:, i], minlength=Vt)
         assert chi_square_pvalue(counts, p) > 1e-3, f"token {i}"
     assert 0.1 < r.acceptance_per_position[0] < 0.9  # both the accept and the resample paths were exercised
-    for rnd in r.rounds:  # q lives on the target vocabulary, zero outside the draft vocabulary
-        q = rnd.draft_probs
-        assert q.shape == (N, rnd.gamma, Vt) and bool((q[..., ~head.t2d] == 0).all())
-        torch.testing.assert_close(q.sum(-1), torch.ones(N, rnd.gamma))
+    for rnd in r.rounds:
         assert bool(head.t2d[rnd.draft_tokens].all())
+    # q lives on the target vocabulary, zero outside the draft vocabulary: the drafter's own proposal after the prompt
+    drafter, ones = Eagle3Drafter(head), torch.ones_like(prompt)
+    prefill = BatchKV(target).prefill(prompt[:, :-1], ones[:, :-1], output_hidden_states=True)
+    drafter.start(prompt, ones, target_hidden=prefill.hidden_states)
+    q = drafter.propose(2, Sampler(1.0, 1.0, torch.Generator().manual_seed(1))).probs    # (1, 2, Vt)
+    assert q.shape == (1, 2, Vt) and bool((q[..., ~head.t2d] == 0).all())
+    torch.testing.assert_close(q.sum(-1), torch.ones(1, 2))
 
 
 @torch.no_grad()

@@ -1,15 +1,12 @@
 """The evaluator on tiny models: consistent acceptance counts, lossless greedy output, report files with every key."""
 import json
-import math
-import random
 
 import pytest
 import torch
 
 from specdistill.config import EvalConfig
-from specdistill.eval.evaluator import SpecCounts, _weighted_percentiles, evaluate, leviathan_speedup
+from specdistill.eval.evaluator import evaluate
 from specdistill.eval.report import PLOTS, REQUIRED_KEYS, write_report
-from specdistill.decoding import LMDrafter, RoundRecord, Rollout, speculative_generate
 
 
 def _cfg(**kw):
@@ -50,32 +47,6 @@ def test_counts_are_consistent_with_a_random_draft(target, draft, tok, prompts):
     assert r.cost.c > 0 and r.cost.v > 0 and r.predicted_speedup > 0
     assert r.latency_ms["p50"] <= r.latency_ms["p95"] <= r.latency_ms["p99"]
     assert sum(b["rounds"] for b in r.accept_by_output_position) == forwards
-
-
-def _round(accepted: torch.Tensor, offset: int) -> RoundRecord:
-    B, K = accepted.shape
-    n = accepted.long().cumprod(1).sum(1)
-    z = torch.zeros(B, dtype=torch.long)
-    return RoundRecord(gamma=K, active=torch.ones(B, dtype=torch.bool), offset=z + offset, draft_tokens=z[:, None].expand(B, K),
-                       accepted=accepted.long().cumprod(1).bool(), num_accepted=n, next_token=z, num_emitted=n + 1,
-                       alpha=accepted.long().cumprod(1).float())
-
-
-def test_tau_is_one_plus_sum_of_products_when_every_round_drafts_gamma():
-    g, rng = 5, random.Random(0)
-    rounds = [_round(torch.tensor([[rng.random() < 0.8 - 0.1 * k for k in range(g)] for _ in range(3)]), 6 * i)
-              for i in range(40)]
-    n = torch.stack([rd.num_accepted for rd in rounds])
-    r = Rollout(sequences=torch.zeros(3, 1), num_new_tokens=(n + 1).sum(0), rounds=rounds,
-                target_forwards=torch.full((3,), 40), accept_hist=torch.bincount(n.flatten(), minlength=g + 1),
-                position_proposed=torch.full((g,), 120), position_accepted=torch.stack([rd.accepted for rd in rounds]).sum((0, 1)),
-                position_alpha=torch.zeros(g), prefill_seconds=0.0, round_seconds=[0.0] * 40)
-    c = SpecCounts(g, bucket=16)
-    c.add(r)
-    a = c.accept_rate_per_pos()
-    assert c.tau() == pytest.approx(1 + sum(math.prod(a[: k + 1]) for k in range(g)))
-    assert c.alpha_per_pos() == pytest.approx(a)
-    assert sum(b["rounds"] for b in c.by_output_position()) == 120
 
 
 def test_ngram_dynamic_gamma_and_sampling(target, tok, prompts):
@@ -126,12 +97,3 @@ def test_bad_config_and_inputs(target, tok, prompts):
         evaluate(target, tok, "ngram", [], _cfg())
     with pytest.raises(ValueError, match="unknown drafter"):
         evaluate(target, tok, "medusa", prompts, _cfg())
-
-
-def test_formulas():
-    assert leviathan_speedup(1.0, 4, 0.0) == (5, 5)
-    assert leviathan_speedup(0.0, 4, 0.25) == (1.0, 0.5)
-    tau, s = leviathan_speedup(0.5, 2, 0.1)
-    assert tau == pytest.approx(1.75) and s == pytest.approx(1.75 / 1.2)
-    p = _weighted_percentiles([0.001, 0.002, 0.010], [98, 1, 1])
-    assert p["p50"] == pytest.approx(1.0) and p["p99"] == pytest.approx(2.0) and p["mean"] == pytest.approx(1.1)

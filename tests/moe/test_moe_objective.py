@@ -87,7 +87,7 @@ def test_moe_kd_recipe_trains_on_a_tiny_moe_target(kind, draft, tiny_moe_dirs, t
     h = res.history[-1]
     assert all(torch.isfinite(torch.tensor(x["train/loss"])) for x in res.history)
     assert "train/expert" in h and "train/kd" in h and 0 < h["train/kept_routing_share"] <= 1
-    from specdistill.models.draft import load_trained_draft
+    from specdistill.drafts import load_trained_draft
     reloaded = load_trained_draft(res.final_checkpoint / "draft")
     assert reloaded.config.specdistill_moe["experts"] == meta["experts"]
     sd = c.accelerator.unwrap_model(c.models.draft).state_dict()

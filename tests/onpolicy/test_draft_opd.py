@@ -39,8 +39,8 @@ def test_weights_are_products_of_the_verifiers_alphas(temperature):
     prep = obj.prepare(batch, models)
     n = obj.num_tokens(prep)
     out = obj.loss(prep, models)
-    fresh = obj._fresh
-    assert obj.refreshes == 1 and int(n) == len(out.loss) == len(fresh)  # the loop's count is what loss() returns
+    fresh = obj.state.fresh
+    assert obj.state.refreshes == 1 and int(n) == len(out.loss) == len(fresh)  # the loop's count is what loss() returns
     # fresh rollout, unchanged draft: the current alphas are the ones the verifier used
     expected = reach_weights(fresh.alpha, fresh.round_id, fresh.index)
     assert torch.allclose(out.weight, expected, atol=1e-5)
@@ -56,18 +56,19 @@ def test_replayed_positions_are_rescored_by_the_current_draft_from_cached_target
     obj = DraftOPDObjective(gamma=3, max_new_tokens=10, temperature=1.0, replay=True, replay_ratio=0.5,
                             replay_weight=0.3, divergence="rkl:1.0,tvd:0.5")
     obj(_batch(), models)
-    missed = int((obj._fresh.category == FIRST_REJECTED).sum())  # replay keeps the verifier's rejections
-    assert len(obj.buffer) == missed > 0
-    assert all(any(torch.equal(r[: len(it.context)], it.context) for r in obj._fresh.rows[:3])  # trajectory prefixes
-               for it in obj.buffer.items.values())
+    missed = int((obj.state.fresh.category == FIRST_REJECTED).sum())  # replay keeps the verifier's rejections
+    assert len(obj.state.buffer) == missed > 0
+    assert all(any(torch.equal(r[: len(it.context)], it.context) for r in obj.state.fresh.rows[:3])  # trajectory prefixes
+               for it in obj.state.buffer.items.values())
     perturb(models.draft)  # the draft changes between the two calls
     b2 = _batch()
     prep = obj.prepare(b2, models)
     calls_before = models.target.calls
     items = prep.replay
     out = obj.loss(prep, models)
+    obj.end_step()  # the replay buffer takes the step's updates
     assert models.target.calls == calls_before  # nothing recomputed on the target for replayed positions
-    P, Q = len(obj._fresh), len(items)
+    P, Q = len(obj.state.fresh), len(items)
     assert Q == min(round(0.5 * P), missed) and len(out.loss) == P + Q
     assert torch.allclose(out.weight[P:], torch.full((Q,), 0.3))
     with torch.no_grad():
@@ -76,9 +77,9 @@ def test_replayed_positions_are_rescored_by_the_current_draft_from_cached_target
             p = it.target.dense()
             want = divergence("rkl", p, q) + 0.5 * divergence("tvd", p, q)
             assert torch.allclose(out.loss[P + k], want[0], atol=1e-4)
-            if it.uid in obj.buffer.items:  # priority refreshed to 1 - alpha under the current draft
+            if it.uid in obj.state.buffer.items:  # priority refreshed to 1 - alpha under the current draft
                 alpha = torch.minimum(p.softmax(-1), q.softmax(-1)).sum()
-                assert obj.buffer.items[it.uid].priority == pytest.approx(1 - float(alpha), abs=1e-5)
+                assert obj.state.buffer.items[it.uid].priority == pytest.approx(1 - float(alpha), abs=1e-5)
     assert float(out.metrics["replay_used_sum"]) == Q
 
 
@@ -87,7 +88,7 @@ def test_rollouts_refresh_every_n_calls():
     obj = DraftOPDObjective(gamma=2, max_new_tokens=6, temperature=1.0, rollout_every=2, replay=False)
     for _ in range(4):
         out = obj(_batch(), models)
-    assert obj.calls == 4 and obj.refreshes == 2
+    assert obj.state.calls == 4 and obj.state.refreshes == 2
     assert "rollout_tau_sum" not in out.metrics  # the 4th call reused the 3rd call's rollout
 
 
@@ -141,7 +142,7 @@ def test_recipe_trains_with_each_switch(switches, tiny_target_dir, tiny_data_fil
     assert any(not torch.equal(v, before[k]) for k, v in c.models.draft.state_dict().items())
     lines = [json.loads(x) for x in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
     assert any("train/rollout_target_tokens" in x for x in lines)
-    assert c.objective.target_tokens_total > 0
+    assert c.objective.state.target_tokens_total > 0
 
 
 def test_warm_start_from_a_kd_checkpoint(tiny_target_dir, tiny_data_file, tmp_path):
@@ -154,7 +155,7 @@ def test_warm_start_from_a_kd_checkpoint(tiny_target_dir, tiny_data_file, tmp_pa
     cfg = compose("draft_opd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "opd", tmp_path / "cache")
                   + ["trainer.max_steps=1", "objective.max_new_tokens=6", "draft=pretrained", f"draft.path={path}"])
     c = build(cfg)
-    from specdistill.models.draft import load_trained_draft
+    from specdistill.drafts import load_trained_draft
     warm = load_trained_draft(path).state_dict()
     assert all(torch.equal(v, warm[k]) for k, v in c.models.draft.state_dict().items())
     assert fit(c).step == 1
@@ -177,7 +178,7 @@ def test_prompt_only_source_feeds_the_rollouts(tmp_path):
     for call in range(3):  # 2 rows per call, cycling through the 3 prompts
         obj(batch, models)
         for b in range(2):
-            assert obj._fresh.rows[b][: len(want[2 * call + b])].tolist() == want[2 * call + b]
+            assert obj.state.fresh.rows[b][: len(want[2 * call + b])].tolist() == want[2 * call + b]
 
 
 def test_yaml_mirrors_the_dataclass():
@@ -235,7 +236,7 @@ def test_resume_equals_uninterrupted_with_replay_and_a_cached_rollout(draft, tem
         return c, fit(c)
 
     full, _ = run("full")
-    assert len(full.objective.buffer) > 0
+    assert len(full.objective.state.buffer) > 0
     ckpt = list_checkpoints(tmp_path / "full")[0]
     assert (ckpt / "state" / "objective_0.pt").exists()
     resumed, res = run("resumed", [f"trainer.resume={ckpt}"])
@@ -243,23 +244,41 @@ def test_resume_equals_uninterrupted_with_replay_and_a_cached_rollout(draft, tem
     pf = full.models.draft.state_dict()
     for k, v in resumed.models.draft.state_dict().items():
         assert torch.allclose(v, pf[k], atol=1e-6), k
-    assert resumed.objective.calls == full.objective.calls and resumed.objective.refreshes == full.objective.refreshes
-    assert sorted(full.objective.buffer.items) == sorted(resumed.objective.buffer.items)
-    torch.testing.assert_close(resumed.objective.buffer.priorities(), full.objective.buffer.priorities())
-    for u, it in full.objective.buffer.items.items():
-        back = resumed.objective.buffer.items[u]
+    assert resumed.objective.state.calls == full.objective.state.calls
+    assert resumed.objective.state.refreshes == full.objective.state.refreshes
+    assert sorted(full.objective.state.buffer.items) == sorted(resumed.objective.state.buffer.items)
+    torch.testing.assert_close(resumed.objective.state.buffer.priorities(), full.objective.state.buffer.priorities())
+    for u, it in full.objective.state.buffer.items.items():
+        back = resumed.objective.state.buffer.items[u]
         assert torch.equal(back.context, it.context) and back.index == it.index
         assert (back.aux is None) == (it.aux is None) and (it.aux is None or torch.equal(back.aux, it.aux))
 
 
-def test_an_offloaded_micro_batch_gives_the_same_loss():
-    """The loop offloads prepared micro-batches while it prepares the others (grad accumulation): same loss()."""
-    models, batch = _models(), _batch()
-    kw = dict(gamma=3, max_new_tokens=10, temperature=1.0, replay=False)
-    a, b = DraftOPDObjective(**kw), DraftOPDObjective(**kw)
-    kept = a.loss(a.prepare(batch, models), models)
-    prep = b.prepare(batch, models)
-    parked = b.offload(prep)
-    assert parked.fresh.target.values.device.type == "cpu"
-    moved = b.loss(parked, models)
-    assert torch.equal(kept.loss, moved.loss) and torch.equal(kept.weight, moved.weight)
+def test_a_steps_micro_batches_see_the_replay_buffer_as_the_step_began():
+    """The loop prepares and backpropagates one micro-batch at a time; the buffer's updates wait for end_step(), so
+    the second micro-batch of a step samples the buffer the first one saw (as when every micro-batch was prepared
+    before any loss), and config and state stay apart."""
+    models = _models()
+    obj = DraftOPDObjective(gamma=3, max_new_tokens=10, temperature=1.0, replay=True, replay_ratio=0.5)
+    first = obj.prepare(_batch(), models)
+    obj.loss(first, models)
+    assert len(obj.state.buffer) == 0 and len(obj.state.pending) == 1  # deferred
+    second = obj.prepare(_batch(), models)
+    assert second.replay == []  # the buffer was empty when the step began
+    obj.loss(second, models)
+    metrics = obj.end_step()
+    assert len(obj.state.buffer) > 0 and obj.state.pending == [] and float(metrics["replay_size_count"]) == 2
+    assert "state" not in {f.name for f in __import__("dataclasses").fields(obj)}
+    assert obj.num_tokens_before_prepare(_batch()) is None  # counted after the rollout: the loop rescales
+
+
+def test_the_state_round_trips_through_state_dict():
+    models = _models()
+    obj = DraftOPDObjective(gamma=3, max_new_tokens=10, temperature=1.0, replay=True, replay_ratio=0.5)
+    obj(_batch(), models)
+    saved = obj.state_dict()
+    back = DraftOPDObjective(gamma=3, max_new_tokens=10, temperature=1.0, replay=True, replay_ratio=0.5)
+    back.load_state_dict(saved)
+    assert (back.state.calls, back.state.refreshes) == (obj.state.calls, obj.state.refreshes)
+    assert sorted(back.state.buffer.items) == sorted(obj.state.buffer.items)
+    assert torch.equal(back.state.generator_state, obj.state.generator.get_state())

@@ -75,7 +75,7 @@ def test_objective_trains_a_head(target):
              for k, v in batch.items()}  # right-padded, as collate makes them
     models = Models(head, Target(target))
     out = obj(batch, models)
-    fresh = obj._fresh
+    fresh = obj.state.fresh
     assert torch.allclose(out.weight, reach_weights(fresh.alpha, fresh.round_id, fresh.index), atol=1e-4)
     out.loss.mul(out.weight).sum().backward()
     assert head.fc.weight.grad.abs().sum() > 0 and head.midlayer.self_attn.q_proj.weight.grad.abs().sum() > 0
@@ -90,7 +90,7 @@ def test_head_off_policy_mix_is_the_eagle3_loss_on_the_data_batch(target):
     prep = obj.prepare(batch, models)
     n = obj.num_tokens(prep)
     out = obj.loss(prep, models)
-    P = len(obj._fresh)
+    P = len(obj.state.fresh)
     off = Eagle3Objective(steps=3)(batch, models)
     assert int(n) == len(out.loss) == P + len(off.loss) and len(off.loss) > 0
     assert torch.allclose(out.loss[P:], off.loss, atol=1e-5)
@@ -114,10 +114,10 @@ def test_head_replay_rescores_from_cached_target_features(target):
         obj = DraftOPDObjective(gamma=3, max_new_tokens=10, temperature=1.0, replay=True, replay_ratio=0.5,
                                 replay_weight=0.3, divergence="fkl", rollout_every=2)
         obj(_batch(), models)
-        fresh = obj._fresh
+        fresh = obj.state.fresh
         missed = int((fresh.category == FIRST_REJECTED).sum())
-        assert len(obj.buffer) == missed > 0
-        items = list(obj.buffer.items.values())
+        assert len(obj.state.buffer) == missed > 0
+        items = list(obj.state.buffer.items.values())
         # one feature tensor per trajectory, shared by its items (not one copy per position)
         assert len({id(it.aux) for it in items}) <= len(fresh.rows) - sum(s != r for r, s in enumerate(fresh.source))
         # Same rollout, same head: a replayed position scores exactly as the fresh position it came from (its
@@ -127,8 +127,9 @@ def test_head_replay_rescores_from_cached_target_features(target):
         prep = obj.prepare(b1, models)
         replayed0 = prep.replay
         same = obj.loss(prep, models)
+        obj.end_step()  # one call, one step: the buffer takes its updates
         P0 = len(fresh)
-        assert obj.refreshes == 1 and len(same.loss) == P0 + len(replayed0) and replayed0
+        assert obj.state.refreshes == 1 and len(same.loss) == P0 + len(replayed0) and replayed0
         for k, it in enumerate(replayed0):
             assert torch.allclose(same.loss[P0 + k], same.loss[missed_at[it.uid]], atol=1e-5)
         perturb(head)  # the head changes between the two calls
@@ -137,8 +138,9 @@ def test_head_replay_rescores_from_cached_target_features(target):
         calls = models.target.calls
         replayed = prep.replay
         out = obj.loss(prep, models)
+        obj.end_step()
         assert models.target.calls == calls  # replay ran no target forward
-        P, Q = len(obj._fresh), len(replayed)
+        P, Q = len(obj.state.fresh), len(replayed)
         assert Q == min(round(0.5 * P), missed) and len(out.loss) == P + Q
         assert torch.allclose(out.weight[P:], torch.full((Q,), 0.3))
         out.loss[P:].sum().backward()
@@ -153,8 +155,8 @@ def test_head_replay_rescores_from_cached_target_features(target):
                 p, in_vocab = it.target.dense()[:, head.t2d], head.t2d[it.target.dense().argmax(-1)]
                 want = divergence("fkl", p, q) * in_vocab
                 assert torch.allclose(out.loss[P + k], want[0], atol=1e-4)
-                if it.uid in obj.buffer.items:  # priority refreshed to 1 - alpha under the current head
+                if it.uid in obj.state.buffer.items:  # priority refreshed to 1 - alpha under the current head
                     alpha = eagle3_alpha(it.target.dense(), q, head.t2d, 1.0)
-                    assert obj.buffer.items[it.uid].priority == pytest.approx(1 - float(alpha), abs=1e-5)
+                    assert obj.state.buffer.items[it.uid].priority == pytest.approx(1 - float(alpha), abs=1e-5)
     finally:
         models.target.detach_counter()

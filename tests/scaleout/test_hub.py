@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from specdistill.drafts import LMDraft
 from specdistill.hub.card import model_card
 from specdistill.hub.push import HubPusher, with_retries
 from tests.conftest import compose, tiny_overrides
@@ -151,7 +152,7 @@ def test_a_failing_hub_is_retried_then_reported_and_the_checkpoint_is_kept(tiny_
             "hub.push=true", "hub.repo_id=me/tiny", f"hub.endpoint={hub.url}", "hub.max_retries=2",
             "hub.backoff_s=0.01"])
         pusher = HubPusher(cfg, tmp_path / "out")
-        pusher.push(ckpt, step=3, epoch=0, final=True, metrics={}, eagle3=False)
+        pusher.push(ckpt, step=3, epoch=0, final=True, metrics={}, kind=LMDraft)
         records = pusher.finish()
     assert len(hub.commits) == 0 and hub.fail_commits == 100 - 3  # 1 try + 2 retries
     assert len(records) == 1 and not records[0].ok and records[0].attempts == 3 and "409" in records[0].error
@@ -178,7 +179,7 @@ def test_card_for_a_standalone_draft_has_the_tau_table_and_serving_commands(tiny
     cfg = compose("kd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path, tmp_path / "cache"))
     metrics = {"spec/mean_accept_len": 2.5, "spec/alpha": 0.6, "spec/speedup": 1.7, "spec/num_prompts": 8.0,
                "spec/accept_rate_pos1": 0.8, "spec/accept_rate_pos2": 0.6, "heldout/mean_accept_len": 2.2}
-    card = model_card(cfg, "me/draft", metrics, step=40, epoch=1, eagle3=False)
+    card = model_card(cfg, "me/draft", metrics, step=40, epoch=1, kind=LMDraft)
     assert card.startswith("---\nlibrary_name: transformers") and "| mean acceptance length tau" in card
     assert "| acceptance | 0.800 | 0.600 |" in card and "tau 2.200" in card
     assert '"model": "me/draft"' in card and "--speculative-algorithm STANDALONE" in card
