@@ -169,7 +169,7 @@ class EvalConfig:
     ngram_min: int = 1
     dynamic_gamma: bool = False
     max_gamma: int = 8  # dynamic_gamma: gamma moves within [1, max_gamma]
-    draft_confidence: float = 0.0  # LM drafts: stop a round's drafting once the draft's probability is below it (HF: 0.4)
+    draft_confidence: float = 0.0  # dynamic draft length (LM and EAGLE-3 drafts): stop a round's drafting once the draft's probability is below it (HF: 0.4)
     batch_size: int = 1
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # the batch-size sweep of scripts/evaluate.py
     sweep_prompts: int = 16  # prompts per sweep point (the first ones of the set)

@@ -78,7 +78,7 @@ class Eagle3Draft(DraftAdapter):
             target.set_aux_layer_ids(default_aux_layer_ids(target.config.num_hidden_layers))
 
     def drafter(self, confidence: float = 0.0) -> Drafter:
-        return Eagle3Drafter(self.module)
+        return Eagle3Drafter(self.module, confidence=confidence)
 
     def check_target(self, target_model, why: str) -> None:
         check_vocab_compatible(self.module.config.vocab_size, logits_dim(target_model), why, what="EAGLE-3 head")
