@@ -38,8 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.add_argument("--data", default="embedded:sharegpt")
     a.add_argument("--max-rows", type=int, default=3000, help="conversations read from --data")
     a.add_argument("--max-length", type=int, default=512, help="tokens per conversation")
-    a.add_argument("--heldout-size", type=int, default=64, help="held-out conversations for perplexity / agreement")
-    a.add_argument("--subset-tokens", type=int, default=8192, help="tokens each of the code and chat subsets gets")
+    a.add_argument("--heldout-size", type=int, default=32, help="held-out conversations for perplexity / agreement")
+    a.add_argument("--subset-tokens", type=int, default=6144, help="tokens each of the code and chat subsets gets")
     a.add_argument("--recall-tokens", type=int, default=4096, help="held-out tokens for the routers' top-k recall")
     a.add_argument("--batch-size", type=int, default=4)
     a.add_argument("--router-spread", type=float, default=0.05, help="per-token std of router logits (see convert.py)")
@@ -187,7 +187,7 @@ def run(args) -> Path:
     moe = load_causal_lm(str(out), args.dtype)  # score what is on disk
     dense_inputs = capture_mlp_inputs(dense, heldout, args.recall_tokens)
     sub = {k: batches(v) for k, v in subsets.items()}
-    ticks = 2 * len(heldout) + len(sub["code"]) + 2 * len(sub["chat"])
+    ticks = len(heldout) + len(sub["code"]) + len(sub["chat"])
     with bar(total=ticks, desc="realness report", unit="batch") as b:
         report = realness_report(dense, moe, heldout, sub, dense_inputs, progress=b.update)
     t_rep = time.perf_counter() - t_rep

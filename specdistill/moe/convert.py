@@ -193,13 +193,19 @@ class LayerFit:
                 if k not in ("groups", "router")}
 
 
-def selected_sum_error(h: torch.Tensor, down: torch.Tensor, groups: torch.Tensor, picked: torch.Tensor) -> float:
-    """Relative error of summing only the picked groups' outputs: h (N, I), down (H, I), picked (N, E) bool."""
-    dense = h @ down.T  # (N, H)
-    part = torch.zeros_like(dense)
+def selected_sum_errors(h: torch.Tensor, down: torch.Tensor, groups: torch.Tensor,
+                        picks: list[torch.Tensor]) -> list[float]:
+    """Relative error of summing only the picked groups' outputs, for several pickings in one pass over the groups.
+    h (N, I), down (H, I), groups (E, G), each pick (N, E) bool -> one error per pick."""
+    dense = torch.zeros(h.shape[0], down.shape[0])  # (N, H), the sum of all groups
+    parts = [torch.zeros_like(dense) for _ in picks]
     for e, g in enumerate(groups):
-        part += picked[:, e, None] * (h[:, g] @ down[:, g].T)
-    return float((part - dense).norm() / dense.norm().clamp_min(1e-12))
+        y = h[:, g] @ down[:, g].T  # (N, H) group e's output
+        dense += y
+        for part, pick in zip(parts, picks):
+            part += pick[:, e, None] * y
+    scale = dense.norm().clamp_min(1e-12)
+    return [float((part - dense).norm() / scale) for part in parts]
 
 
 def convert_layer(mlp: nn.Module, x: torch.Tensor, cfg: MoefyConfig, layer: int = 0) -> LayerFit:
@@ -217,10 +223,10 @@ def convert_layer(mlp: nn.Module, x: torch.Tensor, cfg: MoefyConfig, layer: int 
         scores = x @ router.T  # (N, E)
         picked = torch.zeros_like(norms, dtype=torch.bool).scatter_(1, scores.topk(k, dim=1).indices, True)
         best = torch.zeros_like(norms, dtype=torch.bool).scatter_(1, norms.topk(k, dim=1).indices, True)
+        err, oracle_err = selected_sum_errors(h, down, groups, [picked, best])
         return LayerFit(layer=layer, groups=groups, router=router,
                         router_recall=topk_recall(scores, norms, k) if k < E else 1.0, chance_recall=k / E,
-                        rel_error=selected_sum_error(h, down, groups, picked),
-                        oracle_rel_error=selected_sum_error(h, down, groups, best))
+                        rel_error=err, oracle_rel_error=oracle_err)
 
 
 # ---------------------------------------------------------------- the model

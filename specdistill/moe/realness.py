@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from specdistill.moe.profiler import RoutingProfile, profile_routing
+from specdistill.moe.profiler import RoutingProfile, RoutingRecorder, profile_routing, token_mask
 from specdistill.moe.router_fit import topk_recall
 from specdistill.moe.routing import expert_forward, require_moe
 
@@ -72,12 +72,16 @@ class LMComparison:
 
 
 @torch.no_grad()
-def compare_lms(dense, moe, batches, progress=None) -> LMComparison:
-    """Both models on the same collated batches (input_ids, attention_mask, loss_mask (B, T))."""
+def compare_lms(dense, moe, batches, progress=None, recorder: Optional[RoutingRecorder] = None,
+                token_selection: str = "all") -> LMComparison:
+    """Both models on the same collated batches (input_ids, attention_mask, loss_mask (B, T)). An entered
+    `recorder` on `moe` profiles its routing in the same forwards (over `token_selection` tokens)."""
     n, nll_d, nll_m, agree = 0, 0.0, 0.0, 0
     device = next(dense.parameters()).device
     for batch in batches:
         ids, attn = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+        if recorder is not None:
+            recorder.token_mask = token_mask(batch, token_selection)
         m = batch["loss_mask"][:, :-1].bool().to(device)  # (B, T-1) position t predicts token t+1
         nxt = ids[:, 1:][m]  # (n,)
         ld = dense(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1][m].float()  # (n, V)
@@ -190,16 +194,29 @@ def _ticking(batches, progress):
             progress(1)
 
 
+def merge_profiles(a: RoutingProfile, b: RoutingProfile) -> RoutingProfile:
+    """The profile of a's and b's tokens together (same model)."""
+    add = lambda x, y: [[u + v for u, v in zip(r, s)] for r, s in zip(x, y)]  # noqa: E731
+    return RoutingProfile(a.model_type, a.num_experts, a.top_k, a.layers, add(a.counts, b.counts),
+                          add(a.weight_mass, b.weight_mass), add(a.prob_mass, b.prob_mass), a.tokens + b.tokens,
+                          a.token_selection)
+
+
 def realness_report(dense, moe, heldout: list[dict], subsets: dict[str, list[dict]], dense_mlp_inputs=None,
                     coverage: float = 0.9, token_selection: str = "all", progress=None) -> RealnessReport:
     """`heldout`: collated batches for fidelity and the overall routing profile; `subsets`: {"code": batches,
     "chat": batches} for stability (either may be empty); `dense_mlp_inputs`: per layer (N, H) dense MLP inputs on
-    held-out tokens for the router's recall (None: not measured). `progress(n)` ticks once per batch."""
-    lm = compare_lms(dense, moe, heldout, progress)
-    overall = _profile(moe, heldout, token_selection, progress)
+    held-out tokens for the router's recall (None: not measured). `progress(n)` ticks once per batch.
+    Each batch runs once per model: the held-out profile is recorded in the fidelity forwards, and the chat
+    profile is the sum of its two halves' (the split-half baseline)."""
+    with RoutingRecorder(moe) as rec:
+        lm = compare_lms(dense, moe, heldout, progress, rec, token_selection)
+    overall = rec.profile(moe.config.model_type, token_selection)
     chat = subsets.get("chat") or []
     profs = {name: _profile(moe, b, token_selection, progress) for name, b in
-             (("code", subsets.get("code") or []), ("chat", chat), ("chat_a", chat[0::2]), ("chat_b", chat[1::2]))}
+             (("code", subsets.get("code") or []), ("chat_a", chat[0::2]), ("chat_b", chat[1::2]))}
+    profs["chat"] = (merge_profiles(profs["chat_a"], profs["chat_b"]) if profs["chat_b"] is not None
+                     else profs["chat_a"])
     recall = heldout_router_recall(moe, dense_mlp_inputs) if dense_mlp_inputs is not None else None
     notes = []
     if profs["code"] is None or profs["chat"] is None:

@@ -12,7 +12,7 @@ from specdistill.moe.build import build_moe_draft
 from specdistill.moe.convert import (MoefyConfig, balanced_assign, balanced_kmeans, check_dense_llama,
                                      coactivation_patterns, convert_layer, moefy)
 from specdistill.moe.profiler import profile_routing
-from specdistill.moe.realness import is_code_like, jaccard, usage_entropy
+from specdistill.moe.realness import is_code_like, jaccard, merge_profiles, usage_entropy
 from tests.conftest import conversations, make_tiny_lm
 from tests.moe.conftest import random_batch
 
@@ -40,6 +40,16 @@ def test_all_experts_active_reproduces_the_dense_model(dense, E, k):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     for fit in conv.layers:  # the experts partition the neurons
         assert sorted(fit.groups.flatten().tolist()) == list(range(64))
+
+
+def test_upcycling_shares_the_helpers_and_still_computes_the_dense_model(dense):
+    from specdistill.moe.upcycle import upcycle_llama
+
+    moe = upcycle_llama(dense, num_experts=3, top_k=2)
+    b = random_batch(dense.config.vocab_size)
+    inp = {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}
+    with torch.no_grad():
+        torch.testing.assert_close(moe(**inp).logits, dense(**inp).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_balanced_assignment_fills_every_cluster_exactly():
@@ -118,6 +128,9 @@ def test_save_load_profile_and_build_drafts(dense, tmp_path):
     prof = profile_routing(loaded, [b], "all")
     assert prof.num_experts == 4 and prof.top_k == 2 and prof.layers == [0, 1]
     assert all(sum(c) == prof.tokens * 2 for c in prof.counts)
+    b2 = random_batch(dense.config.vocab_size, seed=5)
+    both, merged = profile_routing(loaded, [b, b2], "all"), merge_profiles(prof, profile_routing(loaded, [b2], "all"))
+    assert both.counts == merged.counts and both.tokens == merged.tokens  # the report's split-half merge
     hot = {s: prof.hot_experts(s, count=2) for s in prof.layers}
     for kind in ("moe", "dense"):
         draft = build_moe_draft(loaded, [0], {0: hot[0]}, kind=kind, profile=prof)
