@@ -143,6 +143,9 @@ def run(args) -> Path:
     t0 = time.perf_counter()
     cfg = args.settings
     out = Path(args.out).expanduser() if args.out else default_out(args.target, cfg.num_experts, cfg.top_k)
+    if out.exists() and any(out.iterdir()) and not (out / "config.json").exists():
+        args.error(f"--out {out} is a non-empty folder that holds no model: it would be replaced; choose a new or "
+                   "empty folder")
     folder = locate_model(args.target)
     dense_cfg = AutoConfig.from_pretrained(folder)
     try:

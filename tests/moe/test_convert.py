@@ -214,10 +214,11 @@ def test_cli_converts_reports_and_reuses_its_output(cli_inputs, capsys):
 
 @pytest.mark.parametrize("args,message", [(["--experts", "3"], "does not divide the MLP's intermediate size 64"),
                                           (["--experts", "4", "--top-k", "5"], "--top-k 5 > --experts 4"),
-                                          (["--experts", "4", "--top-k", "0"], "at least 1 active expert")])
+                                          (["--experts", "4", "--top-k", "0"], "at least 1 active expert"),
+                                          (["--out", "{d}"], "holds no model: it would be replaced")])
 def test_cli_bad_settings(cli_inputs, capsys, args, message):
     from specdistill.cli.moefy import main
 
-    with pytest.raises(SystemExit) as e:
-        main(_cli(cli_inputs, *args))
+    with pytest.raises(SystemExit) as e:  # a later --out wins over _cli's; {d}: the inputs folder itself
+        main(_cli(cli_inputs, *[a.format(d=cli_inputs) for a in args]))
     assert e.value.code == 2 and message in capsys.readouterr().err
