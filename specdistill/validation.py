@@ -224,6 +224,14 @@ def path_errors(cfg: DictConfig) -> list[str]:
             e = missing_local_path(key, v)
             if e:
                 errors.append(e)
+    present, template = _get(cfg, "data.chat_template")
+    if present and isinstance(template, str) and template:
+        from specdistill.data.chat import resolve_chat_template
+
+        try:
+            resolve_chat_template(template)  # a file that does not exist and is no template either
+        except ValueError as e:
+            errors.append(str(e))
     return errors
 
 
