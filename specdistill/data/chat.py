@@ -10,29 +10,14 @@ on a probe conversation when it is set (check_chat_template).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
 
+from specdistill.validation import resolve_chat_template
+
 _PROBE = [{"role": "user", "content": "specdistill probe question"},
           {"role": "assistant", "content": "specdistill probe answer"}]
-
-
-def resolve_chat_template(value: str) -> str:
-    """data.chat_template -> Jinja source. An inline template (it contains `{{` or `{%`) is returned as is; anything
-    else must be a file holding one. Pure (no tokenizer), so config validation can call it before anything loads."""
-    if "{{" in value or "{%" in value:
-        return value
-    path = Path(value).expanduser()
-    if not path.is_file():
-        raise ValueError(f"data.chat_template={value!r} is neither an existing file nor a Jinja template (no '{{{{' "
-                         "or '{%' in it): pass the path of a .jinja file or the template text itself")
-    text = path.read_text()
-    if "{{" not in text and "{%" not in text:
-        raise ValueError(f"data.chat_template file {path} holds no Jinja template (no '{{{{' or '{{%'): point it "
-                         "at a chat template, e.g. the `chat_template` of a tokenizer_config.json saved as a file")
-    return text
 
 
 def set_chat_template(tokenizer, value: Optional[str]) -> None:
