@@ -101,7 +101,11 @@ def target_rope_parameters(tcfg) -> dict:
     """The target's RoPE parameters (rope_type, rope_theta, scaling fields). Models with one RoPE per attention type
     (Gemma-3: {"sliding_attention": ..., "full_attention": ...}) give their full-attention one: the head attends over
     the whole context, as the target's global layers do."""
-    rope = dict(getattr(tcfg, "rope_parameters", None) or {})
+    return single_rope(dict(getattr(tcfg, "rope_parameters", None) or {}))
+
+
+def single_rope(rope: dict) -> dict:
+    """A config's rope_parameters dict, reduced to one RoPE (see target_rope_parameters)."""
     if rope and all(isinstance(v, dict) for v in rope.values()):
         if "full_attention" not in rope:
             raise ValueError(f"the target's per-layer-type rope_parameters {sorted(rope)} have no 'full_attention' "
@@ -410,15 +414,25 @@ def rms_norm_gain(norm: nn.Module, hidden: int, eps: float) -> torch.Tensor:
     return w
 
 
-def frequent_token_vocab(rows, vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
-    """The Vd most frequent next-token ids under the loss mask (ascending ids). rows: a datasets.Dataset (read by
-    column) or a list of {input_ids, loss_mask}; loss_mask[t] marks the prediction of input_ids[t+1]."""
+def frequent_token_vocab(rows, vocab_size: int, draft_vocab_size: int, rows_per_chunk: int = 1024) -> torch.Tensor:
+    """The Vd most frequent next-token ids under the loss mask (ascending ids). rows: a datasets.Dataset or a list of
+    {input_ids, loss_mask}; loss_mask[t] marks the prediction of input_ids[t+1].
+
+    Memory is O(V + one chunk of rows) whatever the data size or vocabulary (262k for Gemma-3): counts accumulate in
+    one (V,) int64 vector, chunk by chunk, and the choice is one sort of it (nothing V x V, no list of all tokens)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)  # (V,)
     if hasattr(rows, "column_names"):
-        pairs = zip(rows["input_ids"], rows["loss_mask"])
+        chunks = ((b["input_ids"], b["loss_mask"]) for b in rows.select_columns(["input_ids", "loss_mask"])
+                  .iter(batch_size=rows_per_chunk))
     else:
-        pairs = ((r["input_ids"], r["loss_mask"]) for r in rows)
-    predicted = [i for ids, m in pairs for i, keep in zip(ids[1:], m[:-1]) if keep]
-    counts = torch.bincount(torch.tensor(predicted, dtype=torch.long), minlength=vocab_size)[:vocab_size]
+        rows = list(rows)
+        chunks = (([r["input_ids"] for r in rows[i: i + rows_per_chunk]], [r["loss_mask"] for r in rows[i: i + rows_per_chunk]])
+                  for i in range(0, len(rows), rows_per_chunk))
+    for ids_chunk, mask_chunk in chunks:
+        predicted = [torch.as_tensor(ids[1:], dtype=torch.long)[torch.as_tensor(m[:-1], dtype=torch.bool)]
+                     for ids, m in zip(ids_chunk, mask_chunk) if len(ids) > 1]
+        if predicted:
+            counts += torch.bincount(torch.cat(predicted), minlength=vocab_size)[:vocab_size]
     Vd = min(draft_vocab_size, vocab_size)
     # ties broken by id so the choice is deterministic; unseen tokens fill the tail in id order
     order = torch.argsort(counts * vocab_size + (vocab_size - 1 - torch.arange(vocab_size)), descending=True)
