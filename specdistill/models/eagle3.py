@@ -415,24 +415,27 @@ def rms_norm_gain(norm: nn.Module, hidden: int, eps: float) -> torch.Tensor:
 
 
 def frequent_token_vocab(rows, vocab_size: int, draft_vocab_size: int, rows_per_chunk: int = 1024) -> torch.Tensor:
-    """The Vd most frequent next-token ids under the loss mask (ascending ids). rows: a datasets.Dataset or a list of
-    {input_ids, loss_mask}; loss_mask[t] marks the prediction of input_ids[t+1].
+    """The Vd most frequent next-token ids under the loss mask (ascending ids). rows: a column store (a
+    datasets.Dataset, data.regenerated.RegeneratedStore: rows["input_ids"], rows["loss_mask"] are whole columns) or a
+    list of {input_ids, loss_mask}; loss_mask[t] marks the prediction of input_ids[t+1].
 
-    Memory is O(V + one chunk of rows) whatever the data size or vocabulary (262k for Gemma-3): counts accumulate in
-    one (V,) int64 vector, chunk by chunk, and the choice is one sort of it (nothing V x V, no list of all tokens)."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)  # (V,)
+    Beyond the data itself, memory is O(V + one chunk of rows) whatever the vocabulary (262k for Gemma-3): counts
+    accumulate chunk by chunk in one (V,) int64 vector and the choice is one sort of it (nothing V x V, no list of
+    every predicted token)."""
     if hasattr(rows, "column_names"):
-        chunks = ((b["input_ids"], b["loss_mask"]) for b in rows.select_columns(["input_ids", "loss_mask"])
-                  .iter(batch_size=rows_per_chunk))
+        pairs = zip(rows["input_ids"], rows["loss_mask"])
     else:
-        rows = list(rows)
-        chunks = (([r["input_ids"] for r in rows[i: i + rows_per_chunk]], [r["loss_mask"] for r in rows[i: i + rows_per_chunk]])
-                  for i in range(0, len(rows), rows_per_chunk))
-    for ids_chunk, mask_chunk in chunks:
-        predicted = [torch.as_tensor(ids[1:], dtype=torch.long)[torch.as_tensor(m[:-1], dtype=torch.bool)]
-                     for ids, m in zip(ids_chunk, mask_chunk) if len(ids) > 1]
-        if predicted:
-            counts += torch.bincount(torch.cat(predicted), minlength=vocab_size)[:vocab_size]
+        pairs = ((r["input_ids"], r["loss_mask"]) for r in rows)
+    counts = torch.zeros(vocab_size, dtype=torch.long)  # (V,)
+    chunk: list[torch.Tensor] = []
+    for i, (ids, m) in enumerate(pairs, 1):
+        if len(ids) > 1:  # position t counts iff loss_mask[t]: it predicts ids[t+1]
+            chunk.append(torch.as_tensor(ids[1:], dtype=torch.long)[torch.as_tensor(m[:-1], dtype=torch.bool)])
+        if chunk and (i % rows_per_chunk == 0):
+            counts += torch.bincount(torch.cat(chunk), minlength=vocab_size)[:vocab_size]
+            chunk = []
+    if chunk:
+        counts += torch.bincount(torch.cat(chunk), minlength=vocab_size)[:vocab_size]
     Vd = min(draft_vocab_size, vocab_size)
     # ties broken by id so the choice is deterministic; unseen tokens fill the tail in id order
     order = torch.argsort(counts * vocab_size + (vocab_size - 1 - torch.arange(vocab_size)), descending=True)
