@@ -83,7 +83,8 @@ def test_eagle3_step_and_vllm_export_round_trip(arch, tmp_path):
     target = Target(model, head.config.aux_layer_ids)
     assert head.config.aux_layer_ids == AUX and head.config.hidden_act == "silu"
     out = Eagle3Objective(steps=3)(batch, Models(head, target))
-    assert torch.isfinite(out.loss).all() and float(out.loss.detach().sum()) > 0  # some targets are in the draft vocabulary
+    # finite, and not all masked: some of the target's argmaxes are in the draft vocabulary
+    assert torch.isfinite(out.loss).all() and float(out.loss.detach().sum()) > 0
     (out.loss * out.weight).sum().backward()
     assert_only_draft_learns(head, target)
     assert head.embed_tokens.weight.grad is None  # the target's embeddings stay frozen in the head

@@ -50,8 +50,8 @@ def check_chat_template(tokenizer, what: str = "the chat template") -> None:
                          "output message['content'] for assistant turns")
     header = span[: span.index(answer)]
     if header.strip() and text[:start] == bare:
-        raise ValueError(f"{what} ignores add_generation_prompt, so the assistant header {header!r} would be trained as "
-                         "answer text and generation prompts would end without it: add "
+        raise ValueError(f"{what} ignores add_generation_prompt, so the assistant header {header!r} would be trained "
+                         "as answer text and generation prompts would end without it: add "
                          f"`{{% if add_generation_prompt %}}{header}{{% endif %}}` at the end of the template")
 
 
@@ -63,8 +63,8 @@ class TokenizedConversation:
 
 def render(tokenizer, messages, add_generation_prompt: bool = False) -> str:
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("the target tokenizer has no chat template: set data.chat_template=<a .jinja file or an inline "
-                         "Jinja template> (e.g. ChatML), or pick a chat/instruct target")
+        raise ValueError("the target tokenizer has no chat template: set data.chat_template=<a .jinja file or an "
+                         "inline Jinja template> (e.g. ChatML), or pick a chat/instruct target")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
