@@ -110,6 +110,9 @@ class DataConfig:
     # Regenerate the answers with the target and train on them with the features captured while decoding
     # (enabled: true replaces path/format/max_rows/max_length as the training source).
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    # The chat template used instead of the target tokenizer's own: a .jinja file or an inline Jinja string (for base
+    # models without a template, or templates that break assistant masks). null = the tokenizer's (data/chat.py).
+    chat_template: Optional[str] = None
 
 
 @dataclass
