@@ -148,12 +148,23 @@ def build_eagle3_draft(draft_cfg, target, data):
 def eagle3_logits_at(head, rows: list[torch.Tensor], aux: torch.Tensor, row: torch.Tensor, context_len: torch.Tensor,
                      index: torch.Tensor, pad_id: int) -> torch.Tensor:
     """(P, Vd) the head's draft-vocabulary logits at each drafted position, WITH grad: one TTT unroll of
-    max(index)+1 steps over all rows (right-padded), read at slot context_len - index - 2, step index."""
+    max(index)+1 steps over all rows (right-padded), read at slot context_len - index - 2, step index. Only the read
+    (row, slot)s of each step go through the lm_head (readout_at): rollout rows hold ~one drafting slot per round."""
     ids, mask = pad_rows(rows, pad_id, side="right", device=aux.device, length=aux.shape[1])
+    R, L = ids.shape
     steps = int(index.max()) + 1
-    step_logits = torch.stack(head(aux, ids, mask, steps=steps))             # (steps, R, L, Vd)
-    slot = context_len - index - 2
-    return step_logits[index, row, slot]                                     # (P, Vd)
+    flat = row * L + (context_len - index - 2)                               # (P,) the (row, slot) each one reads
+    masks, parts, order = [], [], []
+    for j in range(steps):
+        at = (index == j).nonzero().squeeze(-1)                              # (P_j,) positions read at step j
+        m = torch.zeros(R * L, dtype=torch.bool, device=ids.device)
+        m[flat[at]] = True                                                   # positions may share a (row, slot)
+        masks.append(m.view(R, L))
+        parts.append((m.long().cumsum(0) - 1)[flat[at]])                     # (P_j,) rank among step j's read slots
+        order.append(at)
+    step_logits = head(aux, ids, mask, steps=steps, readout_at=masks)       # steps x (N_j, Vd), row-major slots
+    logits = torch.cat([q[k] for q, k in zip(step_logits, parts)])           # (P, Vd) in order of `order`
+    return logits[torch.argsort(torch.cat(order))]                           # (P, Vd) in position order
 
 
 def eagle3_alpha(p_logits: torch.Tensor, q_logits: torch.Tensor, t2d: torch.Tensor, temperature: float,
