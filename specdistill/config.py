@@ -164,6 +164,7 @@ class EvalConfig:
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
+    draft_policy: str = "greedy"  # temperature > 0: greedy (argmax drafts, one-hot verification: vLLM / SGLang) | sample
     ignore_eos: bool = False  # generate exactly max_new_tokens per prompt (fixed-length benchmarking)
     seed: int = 0  # sampling at temperature > 0
     drafter: str = "draft"  # draft | ngram | target (the target as its own draft: an upper bound)

@@ -133,15 +133,15 @@ def test_greedy_is_token_identical_and_drafts_are_the_ttt_unroll(lengths, fitted
 @torch.no_grad()
 @pytest.mark.parametrize("vd", [V, 30])
 def test_deeper_steps_equal_ttt_when_drafts_were_accepted(vd):
-    # Near-uniform target and a softened head at temperature 1: most drafts are accepted, rows accept different
-    # counts in the same round (holes in the head's cache), and long runs compact the cache.
+    # Near-uniform target and a softened head at temperature 1, drafts sampled from q: most drafts are accepted, rows
+    # accept different counts in the same round (holes in the head's cache), and long runs compact the cache.
     target = _target()
     head = _head(target, vd=vd)
     head.lm_head.weight.data.mul_(0.3)
     ids, mask = _prompts([14, 5, 1, 9], seed=1)
     drafter = Traced(head)
     r = speculative_generate(target, drafter, ids, mask, gamma=5, max_new_tokens=120, temperature=1.0,
-                             generator=torch.Generator().manual_seed(0))
+                             generator=torch.Generator().manual_seed(0), draft_policy="sample")
     checked = _check_against_ttt(target, head, ids, mask, r, drafter.trace)  # (rounds, 5)
     assert (checked.sum(0) >= 20).all(), checked.sum(0)  # every depth 0..4 compared often
     ragged = sum(len(set(rnd.num_accepted[rnd.active].tolist())) > 1 for rnd in r.rounds)
