@@ -6,6 +6,7 @@ import torch
 from specdistill.decoding.drafters import LMDrafter
 from specdistill.decoding.kv import BatchKV, TokenBuffer
 from specdistill.decoding.sampling import Sampler
+from tests.tiny_archs import tiny_target
 
 
 def _real_rows(kv: BatchKV, row: int):
@@ -115,13 +116,49 @@ def test_holes_from_ragged_acceptance_are_compacted(tiny_lm, ragged_prompts):
         _assert_cache_is_fresh(model, kv, b, rows[b])
 
 
-def test_sliding_window_models_are_refused():
-    from transformers import MistralConfig, MistralForCausalLM
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])  # hybrid sliding + full layers; every layer sliding
+def test_ragged_commits_on_sliding_layers_equal_fresh_forwards(arch):
+    """Windows of 4 real tokens, rows that keep different counts, padding slots and left padding: every forward's
+    logits equal the model's own (transformers' sliding mask) on each row's real tokens alone, unpadded."""
+    model = tiny_target(arch, sliding_window=4)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([9, 5, 2])
+    mask = (torch.arange(9) >= 9 - lengths[:, None]).long()                # (3, 9) left-padded
+    ids = torch.randint(3, 300, (3, 9), generator=g) * mask
+    kv = BatchKV(model)
+    kv.prefill(ids, mask)
+    rows = [ids[b][mask[b].bool()].tolist() for b in range(3)]
+    for _ in range(12):  # ~3 tokens kept per row and round: rows pass the window ~8 times, with holes behind them
+        new = torch.randint(3, 300, (3, 4), generator=g)
+        valid = torch.rand(3, 4, generator=g) > 0.2                        # some padding slots mid-tail
+        valid[:, 0] = True
+        logits = kv.step(new, valid).logits                                # (3, 4, V)
+        kept = torch.randint(0, 5, (3,), generator=g)
+        keep = (valid.long().cumsum(1) <= kept[:, None]) & valid             # a prefix of each row's real slots
+        for b in range(3):
+            fed = rows[b] + new[b][valid[b]].tolist()
+            fresh = model(torch.tensor([fed])).logits[0, len(rows[b]):]     # (real tail slots, V)
+            assert torch.allclose(logits[b][valid[b]], fresh, atol=1e-5), f"{arch} row {b}"
+            rows[b] += new[b][keep[b]].tolist()
+        kv.commit(keep)
+    assert min(map(len, rows)) > 3 * 4
 
-    config = MistralConfig(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                           num_key_value_heads=2, intermediate_size=64, sliding_window=8)
-    with pytest.raises(ValueError, match="sliding"):
-        BatchKV(MistralForCausalLM(config))
+
+@torch.no_grad()
+def test_a_cache_whose_layers_all_slide_stays_near_the_window():
+    """Keys behind every row's window are dead: they are masked and compacted away, the cache stays bounded."""
+    model = tiny_target("mistral", sliding_window=4)
+    kv = BatchKV(model)
+    ids = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(0))
+    kv.prefill(ids, torch.ones_like(ids))
+    widths = []
+    for _ in range(40):
+        kv.step(ids[:, :3])
+        kv.commit()
+        widths.append(kv.mask.shape[1])
+        assert int(kv.mask.sum(1).max()) <= 4 - 1                            # only the window's keys stay real
+    assert max(widths) <= 4 + 32 + 3 and kv.length.tolist() == [6 + 3 * 40] * 2
 
 
 def test_token_buffer_appends_ragged_counts_and_grows():
