@@ -4,7 +4,7 @@ Layout of BatchKV (B rows, S cache columns). A column holds one token slot for e
 slots are real (the attention mask), and `positions` (B, S) the position id of each slot: a row's positions count its
 real tokens. Rows start left-padded.
 Each forward appends C columns for all rows (a "tail"); commit(keep) then says, per row, which tail slots survive:
-  - columns after the last slot any row keeps are cropped (one slice per layer);
+  - columns after the last slot any row keeps are cropped (one crop per layer);
   - a row that kept fewer slots gets its rejected slots masked: holes that attention skips.
 Keys and values already carry their rotary position, so a masked hole (or a moved column) leaves every later
 forward exactly as if each row had its own dense cache: no recomputation, no re-feeding of accepted tokens.
@@ -17,7 +17,8 @@ counts a row's real tokens, never its holes or padding (transformers' own slidin
 would break). The model then gets ready 4D masks, one per layer type where the config lists layer types (as
 transformers' generate passes them). Where every layer slides, columns out of every row's window are masked as dead,
 so compaction also bounds the cache to about the window. Other layer types (linear attention, chunked, KV sharing)
-are refused by name.
+are refused by name. The columns live in transformers' DynamicLayers, or StaticLayers (max_length=...); both roll
+back through their own crop().
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import inspect
 from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, DynamicCache, get_layer_types_and_kwargs
+from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicCache, StaticLayer,
+                                      get_layer_types_and_kwargs)
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, and_masks, causal_mask_function
 
 # Layer types whose attention BatchKV can mask per row (config layer_types, as transformers' cache_utils names them).
@@ -99,17 +101,28 @@ def window_by_position(positions: torch.Tensor, window: int) -> Callable:
 
 
 class BatchKV:
-    """A causal LM plus its DynamicCache for B ragged rows; step() feeds tokens, commit() keeps some per row."""
+    """A causal LM plus its KV cache for B ragged rows; step() feeds tokens, commit() keeps some per row.
 
-    def __init__(self, model: torch.nn.Module):
+    max_length None: transformers DynamicLayers that grow by concatenation. An int: StaticLayers preallocated to
+    max_length columns (fixed addresses, as torch.compile and CUDA graphs want); rollback then moves their write
+    position, and a step that would overflow compacts first, or raises if the rows' real tokens do not fit.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_length: int | None = None):
         self.model = model
         self.windows = attention_windows(model)
         self.config = model.config.get_text_config(decoder=True)
+        if max_length is not None and max_length < 1:
+            raise ValueError(f"BatchKV max_length must be >= 1 (or None for a growing cache), got {max_length}")
+        self.max_length = max_length
         self.sliding = any(w is not None for w in self.windows.values())
         # Where every layer slides, a column behind every row's window is dead: masking it lets compact() drop it.
         self.dead_behind = max(self.windows.values()) if all(w is not None for w in self.windows.values()) else None
-        # Plain DynamicLayers (no config): sliding layers keep full columns, their window lives in the mask.
-        self.cache = DynamicCache()
+        # Full-attention layers for every layer type (no config): sliding layers keep full columns, the window lives
+        # in the mask. transformers' sliding layer classes would keep only the last window-1 columns, which is
+        # window-1 positions only while no row has holes or padding.
+        self.cache = DynamicCache() if max_length is None else Cache(
+            layers=[StaticLayer(max_cache_len=max_length) for _ in range(self.config.num_hidden_layers)])
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
         self._keep_last_logits = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
@@ -142,6 +155,8 @@ class BatchKV:
         device = device_of(self.model)
         input_ids = input_ids.to(device)
         valid = torch.ones_like(input_ids, dtype=torch.bool) if valid is None else valid.to(device)
+        if self.max_length is not None:
+            self._make_room(input_ids.shape[1])
         positions = self.length[:, None] + valid.long().cumsum(1) - 1      # (B, C); padding repeats a position
         # Clamping only touches tokens past the row's budget: their outputs are never used, and they are not kept.
         positions = positions.clamp(0, None if self.max_positions is None else self.max_positions - 1)
@@ -151,6 +166,19 @@ class BatchKV:
                          position_ids=positions, use_cache=True, **{self._cache_kwarg: self.cache}, **kwargs)
         self.length = self.length + valid.sum(1)
         return out
+
+    def _make_room(self, C: int) -> None:
+        """Static caches: compact when C more columns would overflow; raise if the real tokens alone do not fit."""
+        S = self.mask.shape[1]
+        if S + C <= self.max_length:
+            return
+        if S > self.committed:
+            raise ValueError(f"static KV cache of {self.max_length} columns is full ({S} used, {C} more fed before a "
+                             "commit): build BatchKV with a larger max_length")
+        self.compact()
+        if self.mask.shape[1] + C > self.max_length:
+            raise ValueError(f"static KV cache of {self.max_length} columns cannot hold {self.mask.shape[1]} real "
+                             f"tokens plus {C} new ones: build BatchKV with a larger max_length (or None)")
 
     def _attention_mask(self, C: int):
         """The 2D padding mask for full-attention models; else ready 4D masks (B, 1, C, S + C), one per layer type
@@ -163,12 +191,15 @@ class BatchKV:
             return self.mask                                                # (B, S + C)
         (B, S), device = self.mask.shape, self.mask.device
         build = ALL_MASK_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        kv_length = S if self.max_length is None else self.max_length      # static layers return every column
+        padding = torch.nn.functional.pad(self.mask.bool(), (0, kv_length - S))                  # (B, kv_length)
+        positions = torch.nn.functional.pad(self.positions, (0, kv_length - S))                  # (B, kv_length)
         masks = {}
         for layer_type, window in self.windows.items():
             rule = causal_mask_function if window is None else and_masks(
-                causal_mask_function, window_by_position(self.positions, window))
-            masks[layer_type] = build(batch_size=B, q_length=C, kv_length=S, q_offset=S - C, kv_offset=0,
-                                      mask_function=rule, attention_mask=self.mask.bool(), allow_is_causal_skip=False,
+                causal_mask_function, window_by_position(positions, window))
+            masks[layer_type] = build(batch_size=B, q_length=C, kv_length=kv_length, q_offset=S - C, kv_offset=0,
+                                      mask_function=rule, attention_mask=padding, allow_is_causal_skip=False,
                                       dtype=self.model.dtype, config=self.config, use_vmap=False, device=device)
         return masks if hasattr(self.config, "layer_types") else next(iter(masks.values()))
 
@@ -196,9 +227,8 @@ class BatchKV:
             mask = mask * (self.positions > (self.length - self.dead_behind)[:, None])
         widest = mask.sum(1).max()                                          # real columns of the widest row
         last, widest = torch.stack([last, widest]).tolist()                # one host sync
-        for layer in self.cache.layers:
-            if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
-                layer.keys, layer.values = layer.keys[:, :, : S0 + last], layer.values[:, :, : S0 + last]
+        for layer in self._filled_layers():
+            layer.crop(S0 + last - S)  # transformers' rollback: dynamic layers slice, static ones move back
         self.mask, self.positions = mask[:, : S0 + last], self.positions[:, : S0 + last]
         self.committed = S0 + last
         self._committed_length = self.length
@@ -211,13 +241,20 @@ class BatchKV:
         real = self.mask.bool()                                             # (B, S), no uncommitted tail here
         widest = int(real.sum(1).max()) if widest is None else widest
         order = torch.sort(real.int(), dim=1, stable=True).indices[:, real.shape[1] - widest:]  # (B, widest)
-        for layer in self.cache.layers:
-            if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
-                idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-                layer.keys, layer.values = layer.keys.gather(2, idx), layer.values.gather(2, idx)  # (B, H, widest, D)
+        S = real.shape[1]
+        for layer in self._filled_layers():
+            idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            keys = layer.keys[:, :, :S].gather(2, idx)                     # (B, H, widest, D)
+            values = layer.values[:, :, :S].gather(2, idx)
+            layer.crop(widest - S)
+            layer.keys[:, :, :widest].copy_(keys)                           # in place: static addresses stay
+            layer.values[:, :, :widest].copy_(values)
         self.mask = real.gather(1, order).long()
         self.positions = self.positions.gather(1, order)
         self.committed = widest
+
+    def _filled_layers(self):
+        return [layer for layer in self.cache.layers if layer.is_initialized]
 
 
 class TokenBuffer:

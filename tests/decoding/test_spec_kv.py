@@ -117,16 +117,17 @@ def test_holes_from_ragged_acceptance_are_compacted(tiny_lm, ragged_prompts):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("arch", ["gemma3", "mistral"])  # hybrid sliding + full layers; every layer sliding
-def test_ragged_commits_on_sliding_layers_equal_fresh_forwards(arch):
+@pytest.mark.parametrize("arch", ["gemma3", "mistral", "llama"])  # hybrid; every layer sliding; no sliding
+@pytest.mark.parametrize("max_length", [None, 40])  # growing cache; static layers that must compact to fit
+def test_ragged_commits_equal_fresh_forwards_for_every_layer_layout(arch, max_length):
     """Windows of 4 real tokens, rows that keep different counts, padding slots and left padding: every forward's
     logits equal the model's own (transformers' sliding mask) on each row's real tokens alone, unpadded."""
-    model = tiny_target(arch, sliding_window=4)
+    model = tiny_target(arch, **({} if arch == "llama" else {"sliding_window": 4}))
     g = torch.Generator().manual_seed(0)
     lengths = torch.tensor([9, 5, 2])
     mask = (torch.arange(9) >= 9 - lengths[:, None]).long()                # (3, 9) left-padded
     ids = torch.randint(3, 300, (3, 9), generator=g) * mask
-    kv = BatchKV(model)
+    kv = BatchKV(model, max_length=max_length)
     kv.prefill(ids, mask)
     rows = [ids[b][mask[b].bool()].tolist() for b in range(3)]
     for _ in range(12):  # ~3 tokens kept per row and round: rows pass the window ~8 times, with holes behind them
@@ -143,6 +144,16 @@ def test_ragged_commits_on_sliding_layers_equal_fresh_forwards(arch):
             rows[b] += new[b][keep[b]].tolist()
         kv.commit(keep)
     assert min(map(len, rows)) > 3 * 4
+    if max_length is not None:  # rows outgrew the window and the static layers kept their addresses
+        assert max(map(len, rows)) > 4 and all(layer.keys.shape[2] == max_length for layer in kv.cache.layers)
+
+
+def test_a_static_cache_too_small_for_the_real_tokens_says_so():
+    kv = BatchKV(tiny_target("llama"), max_length=8)
+    ids = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(0))
+    kv.prefill(ids, torch.ones_like(ids))
+    with pytest.raises(ValueError, match="static KV cache of 8 columns cannot hold 6 real tokens plus 3 new"):
+        kv.step(ids[:, :3])
 
 
 @torch.no_grad()
