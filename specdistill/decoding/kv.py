@@ -16,9 +16,10 @@ by the mask, built from `positions`: a query at position p sees the keys at posi
 counts a row's real tokens, never its holes or padding (transformers' own sliding layers count columns, which holes
 would break). The model then gets ready 4D masks, one per layer type where the config lists layer types (as
 transformers' generate passes them). Where every layer slides, columns out of every row's window are masked as dead,
-so compaction also bounds the cache to about the window. Other layer types (linear attention, chunked, KV sharing)
-are refused by name. The columns live in transformers' DynamicLayers, or StaticLayers (max_length=...); both roll
-back through their own crop().
+so compaction also bounds the cache to about the window; in hybrid models (Gemma-3) the sliding layers alone drop
+such columns from their front (their masks start at that column), the full layers keep them. Other layer types
+(linear attention, chunked, KV sharing) are refused by name. The columns live in transformers' DynamicLayers, or
+StaticLayers (max_length=...); both roll back through their own crop().
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ def logits_dim(model: torch.nn.Module) -> int:
 def max_positions(model: torch.nn.Module) -> int | None:
     config = model.config.get_text_config()
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def layer_windows(model: torch.nn.Module) -> list[int | None]:
+    """Sliding window of each decoder layer, in cache-layer order (None: full attention); attention_windows() checks."""
+    windows = attention_windows(model)
+    layer_types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    return [windows[layer_type] for layer_type in layer_types]
 
 
 def attention_windows(model: torch.nn.Module) -> dict[str, int | None]:
@@ -118,6 +126,12 @@ class BatchKV:
         self.sliding = any(w is not None for w in self.windows.values())
         # Where every layer slides, a column behind every row's window is dead: masking it lets compact() drop it.
         self.dead_behind = max(self.windows.values()) if all(w is not None for w in self.windows.values()) else None
+        # Hybrid models: full layers need every column, sliding ones only those inside some row's window. Growing
+        # caches drop the others from the front of their sliding layers (front[i] columns of layer i are gone).
+        per_layer = layer_windows(model)
+        self.front_window = max((w for w in per_layer if w is not None), default=None)
+        self._crops_front = [w is not None and self.dead_behind is None and max_length is None for w in per_layer]
+        self.front = 0  # columns cropped off the front of every layer in _crops_front
         # Full-attention layers for every layer type (no config): sliding layers keep full columns, the window lives
         # in the mask. transformers' sliding layer classes would keep only the last window-1 columns, which is
         # window-1 positions only while no row has holes or padding.
@@ -198,7 +212,9 @@ class BatchKV:
         for layer_type, window in self.windows.items():
             rule = causal_mask_function if window is None else and_masks(
                 causal_mask_function, window_by_position(positions, window))
-            masks[layer_type] = build(batch_size=B, q_length=C, kv_length=kv_length, q_offset=S - C, kv_offset=0,
+            front = self.front if window is not None else 0                 # sliding layers may start later
+            masks[layer_type] = build(batch_size=B, q_length=C, kv_length=kv_length - front, q_offset=S - C,
+                                      kv_offset=front,
                                       mask_function=rule, attention_mask=padding, allow_is_causal_skip=False,
                                       dtype=self.model.dtype, config=self.config, use_vmap=False, device=device)
         return masks if hasattr(self.config, "layer_types") else next(iter(masks.values()))
@@ -226,7 +242,8 @@ class BatchKV:
         if self.dead_behind is not None:  # no later query (position >= length) can see these keys
             mask = mask * (self.positions > (self.length - self.dead_behind)[:, None])
         widest = mask.sum(1).max()                                          # real columns of the widest row
-        last, widest = torch.stack([last, widest]).tolist()                # one host sync
+        last, widest, first = torch.stack([last, widest, self._first_visible(mask)]).tolist()  # one host sync
+        first = min(first, S0 + last)
         for layer in self._filled_layers():
             layer.crop(S0 + last - S)  # transformers' rollback: dynamic layers slice, static ones move back
         self.mask, self.positions = mask[:, : S0 + last], self.positions[:, : S0 + last]
@@ -234,6 +251,25 @@ class BatchKV:
         self._committed_length = self.length
         if self.committed - widest > max(32, self.committed // 4):
             self.compact(widest)
+        elif any(self._crops_front) and first - self.front > max(32, self.committed // 4):
+            self._crop_front(first)
+
+    def _first_visible(self, mask: torch.Tensor) -> torch.Tensor:
+        """() the first column that a sliding layer's window may still show to some row's next queries."""
+        if self.front_window is None:
+            return mask.new_zeros(())
+        visible = mask.bool() & (self.positions > (self.length - self.front_window)[:, None])  # (B, S)
+        first = torch.where(visible.any(1), visible.int().argmax(1), mask.shape[1])            # (B,)
+        return first.min()
+
+    def _crop_front(self, first: int) -> None:
+        """Drop columns [front, first) from the sliding layers of a hybrid model: no row's window reaches them.
+        transformers' crop() only cuts the end, so the slice is ours; the masks start at kv_offset=front."""
+        for i, layer in enumerate(self.cache.layers):
+            if self._crops_front[i] and layer.is_initialized:
+                cut = first - self.front
+                layer.keys, layer.values = layer.keys[:, :, cut:], layer.values[:, :, cut:]
+        self.front = first
 
     @torch.no_grad()
     def compact(self, widest: int | None = None) -> None:
@@ -242,13 +278,23 @@ class BatchKV:
         widest = int(real.sum(1).max()) if widest is None else widest
         order = torch.sort(real.int(), dim=1, stable=True).indices[:, real.shape[1] - widest:]  # (B, widest)
         S = real.shape[1]
-        for layer in self._filled_layers():
-            idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            keys = layer.keys[:, :, :S].gather(2, idx)                     # (B, H, widest, D)
-            values = layer.values[:, :, :S].gather(2, idx)
+        for i, layer in enumerate(self.cache.layers):
+            if not layer.is_initialized:
+                continue
+            # A front-cropped sliding layer lacks columns [0, front): they are out of every window, so any key
+            # there is masked; the clamp fills them with its first column.
+            front = self.front if self._crops_front[i] else 0
+            at = (order - front).clamp(min=0)[:, None, :, None]                # (B, 1, widest, 1)
+            at = at.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            keys = layer.keys[:, :, : S - front].gather(2, at)             # (B, H, widest, D)
+            values = layer.values[:, :, : S - front].gather(2, at)
+            if front:  # a growing layer: replace its tensors
+                layer.keys, layer.values = keys, values
+                continue
             layer.crop(widest - S)
             layer.keys[:, :, :widest].copy_(keys)                           # in place: static addresses stay
             layer.values[:, :, :widest].copy_(values)
+        self.front = 0
         self.mask = real.gather(1, order).long()
         self.positions = self.positions.gather(1, order)
         self.committed = widest

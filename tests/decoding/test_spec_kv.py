@@ -148,6 +148,36 @@ def test_ragged_commits_equal_fresh_forwards_for_every_layer_layout(arch, max_le
         assert max(map(len, rows)) > 4 and all(layer.keys.shape[2] == max_length for layer in kv.cache.layers)
 
 
+@torch.no_grad()
+def test_a_hybrid_cache_drops_old_columns_from_its_sliding_layers_only():
+    """Gemma-3 layout: full layers keep every column, sliding layers lose those out of every row's window; a
+    compaction in between (ragged keeps leave holes) re-aligns both. Logits stay those of fresh forwards."""
+    model = tiny_target("gemma3", sliding_window=4)
+    kv = BatchKV(model)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (2, 5), generator=g)
+    kv.prefill(ids, torch.ones_like(ids))
+    rows = [ids[b].tolist() for b in range(2)]
+    cropped = compacted = False
+    width = 0
+    for i in range(40):
+        new = torch.randint(3, 300, (2, 4), generator=g)
+        logits = kv.step(new).logits                                        # (2, 4, V)
+        for b in range(2):
+            assert torch.allclose(logits[b], model(torch.tensor([rows[b] + new[b].tolist()])).logits[0, -4:],
+                                  atol=1e-5), f"round {i} row {b}"
+        kept = [4, 1] if i % 10 < 5 else [1, 4]                             # rows drift apart, then back
+        kv.commit(torch.arange(4) < torch.tensor(kept)[:, None])
+        for b in range(2):
+            rows[b] += new[b, : kept[b]].tolist()
+        full, sliding = kv.cache.layers[1].keys.shape[2], kv.cache.layers[0].keys.shape[2]
+        cropped |= sliding < full
+        compacted |= full < width
+        width = full
+        assert sliding == full - kv.front == kv.cache.layers[2].keys.shape[2]
+    assert cropped and compacted
+
+
 def test_a_static_cache_too_small_for_the_real_tokens_says_so():
     kv = BatchKV(tiny_target("llama"), max_length=8)
     ids = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(0))
