@@ -46,7 +46,10 @@ def build_target(cfg: DictConfig):
 def build_tokenizer(cfg: DictConfig):
     from specdistill.models.target import load_tokenizer
 
+    from specdistill.data.chat import set_chat_template
+
     tok = load_tokenizer(cfg.target.path)
+    set_chat_template(tok, cfg.data.get("chat_template"))  # data.chat_template replaces the tokenizer's, checked
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

@@ -110,6 +110,9 @@ class DataConfig:
     # Regenerate the answers with the target and train on them with the features captured while decoding
     # (enabled: true replaces path/format/max_rows/max_length as the training source).
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    # The chat template used instead of the target tokenizer's own: a .jinja file or an inline Jinja string (for base
+    # models without a template, or templates that break assistant masks). null = the tokenizer's (data/chat.py).
+    chat_template: Optional[str] = None
 
 
 @dataclass
@@ -161,6 +164,7 @@ class EvalConfig:
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
+    draft_policy: str = "greedy"  # temperature > 0: greedy (argmax drafts, one-hot verification: vLLM / SGLang) | sample
     ignore_eos: bool = False  # generate exactly max_new_tokens per prompt (fixed-length benchmarking)
     seed: int = 0  # sampling at temperature > 0
     drafter: str = "draft"  # draft | ngram | target (the target as its own draft: an upper bound)
@@ -169,7 +173,7 @@ class EvalConfig:
     ngram_min: int = 1
     dynamic_gamma: bool = False
     max_gamma: int = 8  # dynamic_gamma: gamma moves within [1, max_gamma]
-    draft_confidence: float = 0.0  # LM drafts: stop a round's drafting once the draft's probability is below it (HF: 0.4)
+    draft_confidence: float = 0.0  # dynamic draft length (LM and EAGLE-3 drafts): stop a round's drafting once the draft's probability is below it (HF: 0.4)
     batch_size: int = 1
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # the batch-size sweep of scripts/evaluate.py
     sweep_prompts: int = 16  # prompts per sweep point (the first ones of the set)

@@ -23,6 +23,20 @@ SGLang (checked in its llama.py: `layers_to_capture = [val + 1 for val in layer_
 entering it) serves config id j with the stream after j + 1 layers, so the same head needs ids k - 1 there; a vllm
 export loaded in SGLang runs but is fed the wrong layers (silently lower acceptance). k = 0 (the embeddings) has no
 SGLang id.
+
+Architectures (tests/test_architectures_train.py runs llama, qwen2, qwen3, gemma3, mistral, mixtral, qwen3_moe):
+- Embedding scale (Gemma: the embedding module multiplies rows by sqrt(hidden)). vLLM shares the target's embedding
+  MODULE with a head that ships no embed_tokens, and vLLM's Gemma-3 applies the normaliser outside that module, so a
+  head would be served unscaled embeddings; vLLM keeps a head's own embed_tokens when they differ from the target's
+  (eagle.py: has_own_embed_tokens), so vllm / speculators exports of a scaled head write embed_tokens.weight with the
+  scale folded in (exact). SGLang always replaces a head's embeddings with the target's weight (set_embed), so there
+  the scale is lost; the head's input_layernorm makes that an eps change only (rms(s*e) vs rms(e)), measured on the
+  head's embeddings and refused when it is not negligible.
+- Soft-capped final logits (Gemma): the target's are capped by the engine as in HF; a head's never are (vLLM's
+  Eagle3LlamaForCausalLM has no cap), as in training.
+- Targets the engine does not accept for EAGLE-3: vLLM checks the target's model_type against a list
+  (config/speculative.py `eagle3_target_supported`: llama, qwen, minicpm, gpt_oss, ... substring match); the export
+  says so for others (mistral, mixtral, gemma3) rather than pretend it serves.
 """
 from __future__ import annotations
 
@@ -37,7 +51,7 @@ from typing import Optional, Union
 
 import torch
 
-from specdistill.models.eagle3 import Eagle3Config, Eagle3Head
+from specdistill.models.eagle3 import Eagle3Config, Eagle3Head, single_rope
 
 FORMATS = ("vllm", "sglang", "speculators")
 MIDLAYER_ARCH = "LlamaForCausalLMEagle3"
@@ -45,6 +59,11 @@ SPECULATORS_ARCH = "Eagle3Speculator"
 WEIGHTS_FILE = "model.safetensors"
 # Tensors whose names differ between formats: midlayer `midlayer.X` <-> speculators `layers.0.X`; the rest are equal.
 _MID, _SPEC = "midlayer.", "layers.0."
+# model_type substrings vLLM accepts as EAGLE-3 targets (config/speculative.py, eagle3_target_supported, 2025-26)
+VLLM_EAGLE3_TARGETS = ("llama", "qwen", "minicpm", "gpt_oss")
+# SGLang serves a scaled head with the target's unscaled embeddings: allowed while the input_layernorm output of
+# 99% of the vocabulary rows moves by less than this (relative)
+SGLANG_EMBED_SCALE_TOLERANCE = 1e-3
 
 
 @dataclass
@@ -216,7 +235,7 @@ def _flat_fields(raw: dict) -> dict:
 
 def _rope_fields(cfg_dict: dict) -> tuple[float, Optional[dict]]:
     """(rope_theta, rope_scaling or None) from an HF config dict, transformers 4 or 5 style."""
-    rp = cfg_dict.get("rope_parameters") or {}
+    rp = single_rope(dict(cfg_dict.get("rope_parameters") or {}))  # Gemma-3: the full-attention RoPE
     theta = float(rp.get("rope_theta", cfg_dict.get("rope_theta", 10000.0)))
     scaling = cfg_dict.get("rope_scaling")
     if rp and rp.get("rope_type", "default") != "default":
@@ -386,6 +405,12 @@ def export_eagle3(head_dir, out_dir, fmt: str = "vllm", target_path: Optional[st
                         "(specdistill.models.eagle3.rope_cos_sin) is the default one")
 
     _sort_aux(cfg, sd, warnings)
+    if target_path is not None and fmt != "sglang":
+        mt = str(tcfg.get("model_type", ""))
+        if not any(k in mt for k in VLLM_EAGLE3_TARGETS):
+            warnings.append(f"target model_type {mt!r}: vLLM versions that check `eagle3_target_supported` "
+                            f"({', '.join(VLLM_EAGLE3_TARGETS)}) refuse EAGLE-3 for it; the head itself is valid")
+    include_embeddings = _embedding_scale(fmt, cfg, sd, include_embeddings, errs, warnings)
     errs += check_tensors(cfg, sd, target_layers, require_embeddings=include_embeddings)
     if fmt == "sglang" and 0 in cfg.aux_layer_ids:
         errs.append("aux layer id 0 (the embeddings) cannot be expressed in SGLang's convention (config id j = stream "
@@ -423,6 +448,39 @@ def export_eagle3(head_dir, out_dir, fmt: str = "vllm", target_path: Optional[st
                                          for k, v in tensors.items()}, warnings, config)
     _write_atomic(out_dir, config, tensors, overwrite, target_layers)
     return result
+
+
+def _embedding_scale(fmt: str, cfg: Eagle3Config, sd: dict, include_embeddings: bool, errs: list[str],
+                     warnings: list[str]) -> bool:
+    """Carry a head's embedding scale into `fmt` (see the module docstring); returns whether embed_tokens.weight
+    must be written. Edits cfg and sd in place."""
+    s = cfg.embed_scale
+    if s == 1.0:
+        return include_embeddings
+    emb = sd.get("embed_tokens.weight")
+    if emb is None:
+        errs.append(f"the head embeds tokens with scale {s:g} (the target's embedding normaliser) but has no "
+                    "embed_tokens.weight to carry it: re-save the head from training (it keeps the target's rows)")
+        return include_embeddings
+    if fmt == "sglang":  # the engine replaces the head's embeddings with the target's unscaled weight
+        ms = emb.float().pow(2).mean(-1)  # (V,)
+        eps = cfg.rms_norm_eps
+        dev = torch.sqrt((ms + eps) / (ms + eps / s ** 2)) - 1  # relative change of input_layernorm(embed) per row
+        q99 = float(torch.quantile(dev, 0.99)) if dev.numel() else 0.0
+        if q99 > SGLANG_EMBED_SCALE_TOLERANCE:
+            errs.append(f"SGLang feeds EAGLE-3 heads the target's unscaled embedding weight, dropping this head's "
+                        f"scale {s:g}: its input_layernorm output would change by up to {q99:.2e} (99% of rows), more than "
+                        f"{SGLANG_EMBED_SCALE_TOLERANCE:g}; serve it with vLLM (--format vllm) instead")
+        else:
+            warnings.append(f"SGLang drops the head's embedding scale {s:g} (it shares the target's weight); after the "
+                            f"head's input_layernorm that changes its input by at most {float(dev.max()):.1e} (99% of "
+                            f"rows: {q99:.1e})")
+        return include_embeddings
+    sd["embed_tokens.weight"] = (emb * torch.tensor(s, dtype=emb.dtype)).to(emb.dtype)  # as the target computes it
+    cfg.embed_scale = 1.0
+    warnings.append(f"embedding scale {s:g} folded into embed_tokens.weight, which is written: vLLM would otherwise "
+                    "share the target's embedding module, which (Gemma) does not apply the normaliser itself")
+    return True
 
 
 def _write_atomic(out_dir: Path, config: dict, tensors: dict, overwrite: bool, target_layers: Optional[int]) -> None:

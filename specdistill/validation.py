@@ -6,6 +6,7 @@ what is left is checked here:
   - required values (`???` in a group YAML: data=jsonl needs data.path, target=local needs target.path);
   - the range of every numeric setting, the key named in the message;
   - paths that look local (./x, ~/x, /x, *.jsonl ...) must exist: a typo is a local error, never a Hub lookup;
+  - data.chat_template must be an inline Jinja template or a file holding one;
   - settings that another setting makes useless (eval.draft_path with eval.drafter=ngram) give a warning.
 """
 from __future__ import annotations
@@ -139,6 +140,23 @@ def missing_local_path(key: str, path: str) -> Optional[str]:
     return None
 
 
+def resolve_chat_template(value: str) -> str:
+    """data.chat_template -> Jinja source. An inline template (it contains `{{` or `{%`) is returned as is; anything
+    else must be a file holding one. Pure (no tokenizer): path_errors calls it before anything loads, and
+    data/chat.py installs the result on the tokenizer."""
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ValueError(f"data.chat_template={value!r} is neither an existing file nor a Jinja template (no '{{{{' "
+                         "or '{%' in it): pass the path of a .jinja file or the template text itself")
+    text = path.read_text()
+    if "{{" not in text and "{%" not in text:
+        raise ValueError(f"data.chat_template file {path} holds no Jinja template (no '{{{{' or '{{%'): point it "
+                         "at a chat template, e.g. the `chat_template` of a tokenizer_config.json saved as a file")
+    return text
+
+
 def _get(cfg: DictConfig, dotted: str) -> tuple[bool, Any]:
     node: Any = cfg
     for part in dotted.split("."):
@@ -224,6 +242,12 @@ def path_errors(cfg: DictConfig) -> list[str]:
             e = missing_local_path(key, v)
             if e:
                 errors.append(e)
+    present, template = _get(cfg, "data.chat_template")
+    if present and isinstance(template, str) and template:
+        try:
+            resolve_chat_template(template)  # a file that does not exist and is no template either
+        except ValueError as e:
+            errors.append(str(e))
     return errors
 
 

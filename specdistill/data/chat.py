@@ -3,12 +3,56 @@
 The mask is found from character spans, not from template markers, so it works for any chat template that
 renders conversation prefixes as text prefixes (checked, with a clear error otherwise): the assistant span of turn
 i runs from the end of render(messages[:i], add_generation_prompt=True) to the end of render(messages[:i+1]).
+No `{% generation %}` markers are needed, so a user-supplied template (data.chat_template: a file or an inline Jinja
+string, for base models without one or targets whose template lacks the markers) gets the same masks; it is checked
+on a probe conversation when it is set (check_chat_template).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+from specdistill.validation import resolve_chat_template
+
+_PROBE = [{"role": "user", "content": "specdistill probe question"},
+          {"role": "assistant", "content": "specdistill probe answer"}]
+
+
+def set_chat_template(tokenizer, value: Optional[str]) -> None:
+    """Install data.chat_template (a file or an inline template) on the tokenizer and check it renders usable masks.
+    None keeps the tokenizer's own template."""
+    if not value:
+        return
+    tokenizer.chat_template = resolve_chat_template(value)
+    check_chat_template(tokenizer, what=f"data.chat_template={value[:60]!r}")
+
+
+def check_chat_template(tokenizer, what: str = "the chat template") -> None:
+    """Render a probe user/assistant conversation and raise a ValueError naming the fix when the template cannot give
+    an assistant-only mask: it fails to render, never renders the assistant's text, rewrites earlier turns, or ignores
+    add_generation_prompt while emitting an assistant header (the header would then be trained as answer text and
+    generation prompts would end without it)."""
+    try:
+        text, spans = assistant_char_spans(tokenizer, _PROBE)
+        bare = render(tokenizer, _PROBE[:1], add_generation_prompt=False)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+    except Exception as e:  # jinja2 errors (syntax, undefined variables, raise_exception in the template)
+        raise ValueError(f"{what} fails to render a user/assistant conversation ({type(e).__name__}: {e}): fix the "
+                         "template (it receives `messages` with role/content and `add_generation_prompt`)") from None
+    answer = _PROBE[1]["content"]
+    start, end = spans[0]
+    span = text[start:end]
+    if answer not in span:
+        raise ValueError(f"{what} never renders the assistant's text (rendered: {text[:200]!r}): the template must "
+                         "output message['content'] for assistant turns")
+    header = span[: span.index(answer)]
+    if header.strip() and text[:start] == bare:
+        raise ValueError(f"{what} ignores add_generation_prompt, so the assistant header {header!r} would be trained "
+                         "as answer text and generation prompts would end without it: add "
+                         f"`{{% if add_generation_prompt %}}{header}{{% endif %}}` at the end of the template")
 
 
 @dataclass
@@ -19,8 +63,8 @@ class TokenizedConversation:
 
 def render(tokenizer, messages, add_generation_prompt: bool = False) -> str:
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("the target tokenizer has no chat template: pick a chat/instruct target or set "
-                         "tokenizer.chat_template before building data")
+        raise ValueError("the target tokenizer has no chat template: set data.chat_template=<a .jinja file or an "
+                         "inline Jinja template> (e.g. ChatML), or pick a chat/instruct target")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 

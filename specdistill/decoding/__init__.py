@@ -4,12 +4,14 @@ from .drafters import Drafter, LMDrafter, NGramDrafter, Proposal
 from .eagle3_drafter import Eagle3Drafter
 from .generate import (DynamicGamma, FixedGamma, GammaPolicy, RoundRecord, Rollout, speculative_generate,
                        target_generate)
-from .sampling import Sampler, probs_from_logits, sample
+from .sampling import (DEFAULT_DRAFT_POLICY, DRAFT_POLICIES, Sampler, check_draft_policy, draft_temperature,
+                       probs_from_logits, sample)
 from .verify import Verdict, verify_greedy, verify_sampling
 
 __all__ = [
     "Drafter", "Eagle3Drafter", "LMDrafter", "NGramDrafter", "Proposal",
     "DynamicGamma", "FixedGamma", "GammaPolicy", "RoundRecord", "Rollout", "speculative_generate", "target_generate",
-    "Sampler", "probs_from_logits", "sample",
+    "DEFAULT_DRAFT_POLICY", "DRAFT_POLICIES", "Sampler", "check_draft_policy", "draft_temperature",
+    "probs_from_logits", "sample",
     "Verdict", "verify_greedy", "verify_sampling",
 ]

@@ -23,6 +23,22 @@ class Proposal:
     probs: torch.Tensor | None = None  # (B, k, V) the draft's processed probs q; None = one-hot at tokens
 
 
+def check_confidence(confidence: float) -> float:
+    if not 0.0 <= confidence < 1.0:
+        raise ValueError(f"draft confidence threshold must be in [0, 1), got {confidence}")
+    return confidence
+
+
+def unsure(logits: torch.Tensor, token: torch.Tensor, q: torch.Tensor | None, confidence: float) -> bool:
+    """Dynamic draft length: True when every row's latest draft has probability < confidence, so the round stops
+    drafting (that draft is still proposed). logits (B, V), token (B,) ids into V, q (B, V) the sampler's processed
+    probs (None when greedy: softmax of logits). confidence 0 never stops. One host sync per draft step."""
+    if confidence <= 0:
+        return False
+    probs = q if q is not None else logits.float().softmax(-1)
+    return bool((probs.gather(1, token[:, None]) < confidence).all())
+
+
 class Drafter(ABC):
     vocab_size: int | None = None     # size of q's vocab; None: proposes token ids from the context, any vocab
     needs_hidden_states: bool = False  # EAGLE-style heads: the loop passes the target's hidden states to start/commit
@@ -55,11 +71,9 @@ class LMDrafter(Drafter):
     """
 
     def __init__(self, model: torch.nn.Module, confidence: float = 0.0):
-        if not 0.0 <= confidence < 1.0:
-            raise ValueError(f"draft confidence threshold must be in [0, 1), got {confidence}")
         self.model = model
         self.vocab_size = logits_dim(model)
-        self.confidence = confidence
+        self.confidence = check_confidence(confidence)
 
     def start(self, input_ids, attention_mask, target_hidden=None) -> None:
         limit = max_positions(self.model)
@@ -85,7 +99,7 @@ class LMDrafter(Drafter):
             token, q = sampler.draw(logits)                                  # (B,), (B, V) | None
             tokens.append(token)
             probs.append(q)
-            if i == k - 1 or (self.confidence > 0 and self._unsure(logits, token, q)):
+            if i == k - 1 or unsure(logits, token, q, self.confidence):
                 break
             logits = self.kv.step(token[:, None]).logits[:, -1]             # (B, V)
         self.tokens = torch.stack(tokens, 1) if k else self.pending.new_zeros(B, 0)  # (B, k') with k' <= k
@@ -93,11 +107,6 @@ class LMDrafter(Drafter):
             return Proposal(self.tokens, None)
         q = torch.stack(probs, 1) if k else logits.new_zeros(B, 0, logits.shape[-1]).float()  # (B, k, V)
         return Proposal(self.tokens, q)
-
-    def _unsure(self, logits, token, q) -> bool:
-        """Every row's draft has probability < confidence (q: the sampler's processed probs; greedy: softmax)."""
-        probs = q if q is not None else logits.float().softmax(-1)
-        return bool((probs.gather(1, token[:, None]) < self.confidence).all())  # one host sync per draft step
 
     @torch.no_grad()
     def commit(self, num_accepted, next_token, active, target_hidden=None) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from specdistill.models.eagle3 import Eagle3Head
 
-from .drafters import Drafter, Proposal
+from .drafters import Drafter, Proposal, check_confidence, unsure
 from .sampling import Sampler
 
 
@@ -29,13 +29,16 @@ class Eagle3Drafter(Drafter):
     """Proposes target ids from an Eagle3Head; q is expressed over the target vocabulary (zero outside t2d).
 
     The sampler's temperature / top_p act on the draft-vocabulary logits, then ids map to the target's via d2t.
-    After each propose(), `logits` (B, k, Vd) holds the raw draft-vocabulary logits of every draft step.
+    After each propose(), `logits` (B, k', Vd) holds the raw draft-vocabulary logits of every draft step.
+    confidence > 0: dynamic draft length, as LMDrafter: a round stops drafting once every row's latest draft has
+    probability below it (k' <= k drafts proposed; that last draft is still proposed).
     """
 
     needs_hidden_states = True
 
-    def __init__(self, head: Eagle3Head):
+    def __init__(self, head: Eagle3Head, confidence: float = 0.0):
         self.head = head
+        self.confidence = check_confidence(confidence)
         self.vocab_size = head.config.vocab_size  # V: proposals and q are over the target's vocabulary
         self.aux_layer_ids = list(head.config.aux_layer_ids)
         self.logits: torch.Tensor | None = None
@@ -107,21 +110,21 @@ class Eagle3Drafter(Drafter):
             token = head.draft_to_target(draft_id)                          # (B,) target ids
             tokens.append(token)
             probs.append(q)
-            if j < k - 1:
-                key_mask = torch.cat([key_mask, ones], dim=1)
-                out = head.step(token[:, None], h, (pos + j + 1)[:, None],
-                                (self.tail_keys, self.tail_values), key_mask)
-                self.tail_keys, self.tail_values = out.keys, out.values
-                h, logits = out.hidden, out.logits[:, 0]
+            if j == k - 1 or unsure(logits, draft_id, q, self.confidence):
+                break
+            key_mask = torch.cat([key_mask, ones], dim=1)
+            out = head.step(token[:, None], h, (pos + j + 1)[:, None], (self.tail_keys, self.tail_values), key_mask)
+            self.tail_keys, self.tail_values = out.keys, out.values
+            h, logits = out.hidden, out.logits[:, 0]
         Vd = logits.shape[-1]
-        self.logits = torch.stack(step_logits, 1) if k else logits.new_zeros(B, 0, Vd)  # (B, k, Vd)
-        self.tokens = torch.stack(tokens, 1) if k else tokens_p.new_zeros(B, 0)           # (B, k)
+        self.logits = torch.stack(step_logits, 1) if k else logits.new_zeros(B, 0, Vd)  # (B, k', Vd)
+        self.tokens = torch.stack(tokens, 1) if k else tokens_p.new_zeros(B, 0)           # (B, k')
         if sampler.greedy:
             return Proposal(self.tokens, None)
         # q over the target vocabulary: draft-vocab probs scattered to their target ids, zero elsewhere.
         q_draft = torch.stack(probs, 1) if k else logits.new_zeros(B, 0, Vd).float()      # (B, k, Vd)
         kept_ids = head.draft_to_target(torch.arange(Vd, device=q_draft.device))          # (Vd,)
-        q = q_draft.new_zeros(B, k, self.vocab_size)
+        q = q_draft.new_zeros(B, q_draft.shape[1], self.vocab_size)
         q[..., kept_ids] = q_draft
         return Proposal(self.tokens, q)
 

@@ -20,7 +20,7 @@ from specdistill.tokens import check_vocab_compatible, pad_id
 
 from .drafters import Drafter
 from .kv import BatchKV, TokenBuffer, device_of, logits_dim, max_positions
-from .sampling import Sampler
+from .sampling import DEFAULT_DRAFT_POLICY, Sampler
 from .verify import verify_greedy, verify_sampling
 
 
@@ -118,11 +118,15 @@ class Rollout:
     position_alpha: torch.Tensor     # (max_gamma,) sum of alpha at position k
     prefill_seconds: float           # target prefill + drafter start (warm-up: report apart)
     round_seconds: list[float]       # wall time of each round (host-synchronized, CUDA included)
-    # target_generate(capture_layers=...) only: the target's hidden states of every fed column, the chosen layers
-    # concatenated: columns 0..P-2 are the left-padded prompt but its last token, column P-1+i the token fed at decode
-    # step i (the prompt's last token, then generated token i-1). So column c holds the features of token c of
+    # capture_layers=... only: the target's hidden states of every token it was fed and kept, the chosen layers
+    # concatenated: columns 0..P-2 are the left-padded prompt but its last token, column P-1+i the i-th token after
+    # them (the prompt's last token, then generated token i-1). So column c holds the features of token c of
     # [left-padded prompt, generated tokens]; the last generated token is never fed and has no column.
-    hidden: torch.Tensor | None = None  # (B, P-1+steps, sum of captured widths)
+    # target_generate: one column per decode step (a stopped row's later columns are garbage, never emitted).
+    # speculative_generate: the verify forwards' kept columns [pending, accepted drafts], written at their token's
+    # column (columns past P-1+num_new_tokens-1 stay zero): features that serve EAGLE-3 training come free of the
+    # decode, exactly as a fresh target forward over the tokens would give them (KV-cached, up to float rounding).
+    hidden: torch.Tensor | None = None  # (B, P-1+steps, D) target_generate; (B, P-1+max_new_tokens, D) speculative
 
     @property
     def decode_seconds(self) -> float:
@@ -199,6 +203,40 @@ def _pad_id(eos_token_id) -> int:
     return pad_id(None, None if eos is None else list(eos))
 
 
+def _layers(out, layers: list[int]) -> torch.Tensor:
+    """A forward's hidden states of the chosen HF hidden_states ids, concatenated: (B, C, sum of widths)."""
+    return torch.cat([out.hidden_states[k] for k in layers], dim=-1)
+
+
+class _KeptFeatures:
+    """speculative_generate(capture_layers=...): Rollout.hidden, filled from the prefill and the verify forwards."""
+
+    def __init__(self, layers: list[int], prefill, B: int, T: int, max_new_tokens: int, device):
+        self.layers, self.start = layers, T - 1
+        first = None if prefill is None else _layers(prefill, layers)       # (B, T-1, D)
+        self.data: torch.Tensor | None = None
+        self.width = self.start + max_new_tokens                            # + 1 trash column for unkept slots
+        if first is not None:
+            self._make(first)
+            self.data[:, : self.start] = first
+
+    def _make(self, like: torch.Tensor) -> None:
+        self.data = like.new_zeros(like.shape[0], self.width + 1, like.shape[-1])
+
+    def add(self, out, offset: torch.Tensor, count: torch.Tensor) -> None:
+        """out: the verify forward over [pending, d_1..d_K]; row b keeps its first count[b] columns (the tokens at
+        offset[b] .. offset[b]+count[b]-1 after the prompt but its last token: pending, then the accepted drafts)."""
+        feats = _layers(out, self.layers)                                   # (B, K+1, D)
+        if self.data is None:
+            self._make(feats)
+        j = torch.arange(feats.shape[1], device=feats.device)
+        col = torch.where(j < count[:, None], self.start + offset[:, None] + j, self.width)  # (B, K+1)
+        self.data.scatter_(1, col[..., None].expand(-1, -1, feats.shape[-1]), feats.to(self.data.dtype))
+
+    def result(self) -> torch.Tensor:
+        return self.data[:, : self.width]
+
+
 def _counters(batch: int, max_gamma: int, device) -> dict[str, torch.Tensor]:
     return dict(
         target_forwards=torch.zeros(batch, dtype=torch.long, device=device),
@@ -224,11 +262,19 @@ def speculative_generate(
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,
     record: bool = False,
+    draft_policy: str = DEFAULT_DRAFT_POLICY,
+    capture_layers: list[int] | None = None,
 ) -> Rollout:
     """Generate from target_model with drafts from `drafter`; lossless: greedy output equals target-only greedy,
-    sampled output is distributed as the target's (same temperature / top_p processing for both models)."""
+    sampled output is distributed as the target's (same temperature / top_p processing for both models).
+
+    draft_policy (sampling.DRAFT_POLICIES, temperature > 0 only): "greedy" drafts q's argmax and verifies it as a
+    one-hot proposal (the serving engines' way), "sample" draws drafts from q and verifies with q.
+    capture_layers: HF hidden_states ids whose features of every kept token come back in Rollout.hidden (on-policy
+    training of EAGLE-3 heads reads them instead of running the target again)."""
     policy = FixedGamma(gamma) if isinstance(gamma, int) else gamma
     sampler = Sampler(temperature, top_p, generator)
+    draft_sampler = sampler.for_drafts(draft_policy)
     device = device_of(target_model)
     input_ids, attention_mask = _check_inputs(target_model, input_ids, attention_mask, max_new_tokens, device)
     V = logits_dim(target_model)
@@ -237,7 +283,7 @@ def speculative_generate(
                                "with the target's tokenizer and output vocab (or a vocab-mapped head)")
     B = input_ids.shape[0]
     eos = _eos(eos_token_id, device)
-    hidden = {"output_hidden_states": True} if drafter.needs_hidden_states else {}
+    hidden = {"output_hidden_states": True} if drafter.needs_hidden_states or capture_layers else {}
     out = TokenBuffer(B, max_new_tokens, device, fill=_pad_id(eos_token_id))
     stats = _counters(B, policy.max_gamma, device)
     rounds: list[RoundRecord] = []
@@ -248,6 +294,7 @@ def speculative_generate(
     target = BatchKV(target_model)
     prefill = target.prefill(input_ids[:, :-1], attention_mask[:, :-1], **hidden)
     drafter.start(input_ids, attention_mask, target_hidden=getattr(prefill, "hidden_states", None))
+    kept = _KeptFeatures(capture_layers, prefill, B, input_ids.shape[1], max_new_tokens, device) if capture_layers else None
     pending = input_ids[:, -1]                                              # (B,)
     active = torch.ones(B, dtype=torch.bool, device=device)
     max_remaining = max_new_tokens
@@ -256,10 +303,10 @@ def speculative_generate(
     while True:
         # 2. Draft K tokens; K never drafts past the budget (the token after the last draft comes free).
         K = max(min(policy.gamma(), policy.max_gamma, max_remaining - 1), 0)
-        proposal = drafter.propose(K, sampler)
+        proposal = drafter.propose(K, draft_sampler)
         drafts = proposal.tokens.to(device)                                # (B, K') with K' <= K
         K = drafts.shape[1]
-        q = None if proposal.probs is None else proposal.probs.to(device)  # (B, K, V)
+        q = None if proposal.probs is None else proposal.probs.to(device)  # (B, K, V); None = one-hot at drafts
 
         # 3. Verify: one target forward over [pending, d_1..d_K] scores every draft plus the bonus position.
         out_t = target.step(torch.cat([pending[:, None], drafts], dim=1), **hidden)
@@ -272,6 +319,8 @@ def speculative_generate(
         offset = out.length
         count, done = _emit_counts(verdict.tokens, verdict.num_emitted, offset, max_new_tokens, eos, active)
         out.append(verdict.tokens, count)
+        if kept is not None:
+            kept.add(out_t, offset, count)
         going = active & ~done
 
         # 5. Roll back: rows that go on keep [pending, accepted drafts]; next_token becomes their pending token.
@@ -307,7 +356,8 @@ def speculative_generate(
             break
 
     return Rollout(sequences=out.tokens[:, :max_new_tokens], num_new_tokens=out.length, rounds=rounds,
-                   prefill_seconds=t_start - t0, round_seconds=round_seconds, **stats)
+                   prefill_seconds=t_start - t0, round_seconds=round_seconds,
+                   hidden=None if kept is None else kept.result(), **stats)
 
 
 @torch.no_grad()
@@ -343,7 +393,7 @@ def target_generate(
 
     def keep(o) -> None:
         if capture_layers and o is not None:
-            captured.append(torch.cat([o.hidden_states[k] for k in capture_layers], dim=-1))  # (B, C, D)
+            captured.append(_layers(o, capture_layers))                    # (B, C, D)
 
     t0 = _clock(device)
     target = BatchKV(target_model)

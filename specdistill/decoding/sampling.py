@@ -1,4 +1,5 @@
-"""Token sampling shared by target and draft: temperature, nucleus (top-p), and temperature 0 as greedy."""
+"""Token sampling shared by target and draft: temperature, nucleus (top-p), temperature 0 as greedy, and the drafting
+policy (whether a draft samples its proposals from q or proposes q's argmax)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,26 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+# How a draft proposes at temperature > 0 (at temperature 0 both are greedy verification):
+#   sample  d ~ q, verified by exact rejection sampling with q (accept with min(1, p(d)/q(d)), resample norm(p - q)+)
+#   greedy  d = argmax q, verified as a one-hot proposal: accept with p(d), else resample from p without d,
+#           renormalised. Still lossless, and what the serving engines do (vLLM's EAGLE proposer drafts the argmax).
+DRAFT_POLICIES = ("greedy", "sample")
+DEFAULT_DRAFT_POLICY = "greedy"  # the engines' choice, so that T > 0 acceptance here is what a deployment sees
+
+
+def check_draft_policy(policy: str, where: str = "draft_policy") -> None:
+    if policy not in DRAFT_POLICIES:
+        raise ValueError(f"{where}={policy!r}: choose one of {DRAFT_POLICIES} (greedy = argmax drafts as vLLM / SGLang "
+                         "serve EAGLE; sample = drafts sampled from q)")
+
+
+def draft_temperature(policy: str, temperature: float) -> float:
+    """The temperature the draft's q is processed at under `policy`: 0 (one-hot argmax) for greedy drafts."""
+    check_draft_policy(policy)
+    return 0.0 if policy == "greedy" else temperature
 
 
 def check_sampling(temperature: float, top_p: float) -> None:
@@ -65,6 +86,12 @@ class Sampler:
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         return probs_from_logits(logits, self.temperature, self.top_p)
+
+    def for_drafts(self, policy: str) -> "Sampler":
+        """The sampler a drafter proposes with under the drafting policy: this one (sample), or greedy (argmax, q
+        one-hot: Proposal.probs None, which verify_sampling treats as a one-hot proposal)."""
+        check_draft_policy(policy)
+        return self if policy == "sample" or self.greedy else Sampler(0.0)
 
     def draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(..., V) logits -> tokens (...), probs (..., V); greedy returns probs None (one-hot by convention)."""

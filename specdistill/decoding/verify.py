@@ -65,7 +65,9 @@ def verify_sampling(
 ) -> Verdict:
     """Speculative sampling: the emitted tokens are distributed exactly as the target's p.
 
-    draft_tokens (B, K) were drawn from draft_probs q (B, K, V); None means a deterministic draft (q one-hot).
+    draft_tokens (B, K) were drawn from draft_probs q (B, K, V); None means a deterministic draft (q one-hot at the
+    drafts: the greedy drafting policy, sampling.DRAFT_POLICIES): then d_k is accepted with probability p_k(d_k) and a
+    rejection resamples from p_k with d_k removed, renormalised (max(0, p - onehot) below), alpha_k = p_k(d_k).
     target_probs p (B, K+1, V) come from the same temperature / top-p processing as q.
     """
     _check(draft_tokens, target_probs)

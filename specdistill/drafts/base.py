@@ -88,8 +88,10 @@ class DraftAdapter:
     def check_prompts(self, prompt_mask: torch.Tensor) -> None:  # (B, T) left-padded
         """Raise if the draft cannot draft after these prompts (default: any non-empty prompt will do)."""
 
-    def attach_row_features(self, target_model, positions, pad_id: int) -> None:
-        """After a rollout: give positions (onpolicy.positions.DraftedPositions) what logits_at needs besides tokens."""
+    def row_feature_layers(self) -> Optional[list[int]]:
+        """The target's hidden_states ids logits_at reads per rollout row (needs_row_features), captured by the
+        rollout's own verify forwards (decoding.speculative_generate(capture_layers=...)); None: tokens only."""
+        return None
 
     # ------------------------------------------------------------------------------------------- training
     def logits_at(self, rows: list[torch.Tensor], row: torch.Tensor, context_len: torch.Tensor, index: torch.Tensor,
@@ -104,9 +106,11 @@ class DraftAdapter:
         lies in it, or None when the draft vocabulary is the target's)."""
         return p_logits, None
 
-    def alpha(self, p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    def alpha(self, p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float,
+              q_temperature: Optional[float] = None) -> torch.Tensor:
         """(P,) sum_x min(p, q) as verification sees it: p (P, V) full, q (P, Vd), after the decoder's processing
-        at `temperature` (one-hot argmax match at 0)."""
+        at `temperature` (one-hot argmax match at 0). q_temperature: q's own (None = temperature; 0 = argmax drafts,
+        the greedy drafting policy, for which this is p(argmax q))."""
         raise NotImplementedError
 
     def soft_alpha(self, p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -145,6 +149,9 @@ def chain_counts(match: torch.Tensor, valid: torch.Tensor, gamma: int) -> torch.
     return torch.stack(reached)
 
 
-def min_sum(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """sum_x min(p, q) after the decoder's own processing at `temperature` (one-hot argmax match at 0). (N,)"""
-    return torch.minimum(probs_from_logits(p_logits, temperature), probs_from_logits(q_logits, temperature)).sum(-1)
+def min_sum(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float,
+            q_temperature: Optional[float] = None) -> torch.Tensor:
+    """sum_x min(p, q) after the decoder's own processing at `temperature` (one-hot argmax match at 0); q at
+    q_temperature when given (0: argmax drafts). (N,)"""
+    q = probs_from_logits(q_logits, temperature if q_temperature is None else q_temperature)
+    return torch.minimum(probs_from_logits(p_logits, temperature), q).sum(-1)

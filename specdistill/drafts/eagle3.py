@@ -10,8 +10,8 @@ read the final trajectory; positions after a rejection read their round's branch
 whose slots <= N-2 carry the trajectory's target features (only those are read: step-0 attention is causal, later
 steps only see their own slot).
 
-The target's aux hidden states for the rows come from one extra no-grad target forward over the final trajectories
-per rollout (counted in RolloutStats.target_tokens). The loss compares q over the draft vocabulary with the target's
+The target's aux hidden states for the rows are those the rollout's verify forwards computed anyway (captured by
+decoding.speculative_generate(capture_layers=aux_layer_ids)): no second target pass. The loss compares q over the draft vocabulary with the target's
 distribution restricted to it (renormalised), masking positions whose target argmax lies outside it, as the eagle3
 objective does; acceptance (weights, priorities) uses the full p against q scattered to target ids, as verification.
 """
@@ -78,7 +78,7 @@ class Eagle3Draft(DraftAdapter):
             target.set_aux_layer_ids(default_aux_layer_ids(target.config.num_hidden_layers))
 
     def drafter(self, confidence: float = 0.0) -> Drafter:
-        return Eagle3Drafter(self.module)
+        return Eagle3Drafter(self.module, confidence=confidence)
 
     def check_target(self, target_model, why: str) -> None:
         check_vocab_compatible(self.module.config.vocab_size, logits_dim(target_model), why, what="EAGLE-3 head")
@@ -91,10 +91,8 @@ class Eagle3Draft(DraftAdapter):
             raise ValueError("EAGLE-3 rollouts need prompts of at least 2 tokens (the head drafts from the target's "
                              "features of the token before the pending one)")
 
-    def attach_row_features(self, target_model, positions, pad_id: int) -> None:
-        pos = positions
-        pos.aux = target_aux(target_model, pos.rows, pos.source, list(self.module.config.aux_layer_ids), pad_id)
-        pos.stats.target_tokens += sum(len(pos.rows[r]) for r in range(len(pos.rows)) if pos.source[r] == r)
+    def row_feature_layers(self) -> Optional[list[int]]:
+        return list(self.module.config.aux_layer_ids)
 
     def logits_at(self, rows, row, context_len, index, features, pad_id: int) -> torch.Tensor:
         return eagle3_logits_at(self.model, rows, features, row, context_len, index, pad_id)
@@ -102,8 +100,8 @@ class Eagle3Draft(DraftAdapter):
     def restrict(self, p_logits: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         return restrict_to_draft_vocab(p_logits, self.module.t2d)
 
-    def alpha(self, p_logits, q_logits, temperature: float) -> torch.Tensor:
-        return eagle3_alpha(p_logits, q_logits, self.module.t2d, temperature)
+    def alpha(self, p_logits, q_logits, temperature: float, q_temperature=None) -> torch.Tensor:
+        return eagle3_alpha(p_logits, q_logits, self.module.t2d, temperature, q_temperature)
 
     def chain_counts(self, target_out, batch: dict, gamma: int) -> torch.Tensor:
         return eagle3_chain_counts(self.model, target_out, batch, gamma)
@@ -147,38 +145,35 @@ def build_eagle3_draft(draft_cfg, target, data):
     return head.train()
 
 
-def target_aux(target_model, rows: list[torch.Tensor], source: list[int], aux_layer_ids: list[int],
-               pad_id: int) -> torch.Tensor:
-    """(R, L, n_aux * Ht) right-padded: the target's aux hidden states over the trajectories (rows whose source is
-    themselves), copied into the branch rows from their source trajectory."""
-    trajs = [r for r, s in enumerate(source) if s == r]
-    L = max(len(r) for r in rows)  # a branch row can outgrow every trajectory
-    ids, mask = pad_rows([rows[r] for r in trajs], pad_id, side="right", length=L)
-    with torch.no_grad():
-        out = target_model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False,
-                           logits_to_keep=1)
-    feats = torch.cat([out.hidden_states[k] for k in aux_layer_ids], dim=-1)  # (B, L, n_aux * Ht)
-    where = {r: k for k, r in enumerate(trajs)}
-    return feats[[where[s] for s in source]]                                   # (R, L, n_aux * Ht)
-
-
 def eagle3_logits_at(head, rows: list[torch.Tensor], aux: torch.Tensor, row: torch.Tensor, context_len: torch.Tensor,
                      index: torch.Tensor, pad_id: int) -> torch.Tensor:
     """(P, Vd) the head's draft-vocabulary logits at each drafted position, WITH grad: one TTT unroll of
-    max(index)+1 steps over all rows (right-padded), read at slot context_len - index - 2, step index."""
+    max(index)+1 steps over all rows (right-padded), read at slot context_len - index - 2, step index. Only the read
+    (row, slot)s of each step go through the lm_head (readout_at): rollout rows hold ~one drafting slot per round."""
     ids, mask = pad_rows(rows, pad_id, side="right", device=aux.device, length=aux.shape[1])
+    R, L = ids.shape
     steps = int(index.max()) + 1
-    step_logits = torch.stack(head(aux, ids, mask, steps=steps))             # (steps, R, L, Vd)
-    slot = context_len - index - 2
-    return step_logits[index, row, slot]                                     # (P, Vd)
+    flat = row * L + (context_len - index - 2)                               # (P,) the (row, slot) each one reads
+    masks, parts, order = [], [], []
+    for j in range(steps):
+        at = (index == j).nonzero().squeeze(-1)                              # (P_j,) positions read at step j
+        m = torch.zeros(R * L, dtype=torch.bool, device=ids.device)
+        m[flat[at]] = True                                                   # positions may share a (row, slot)
+        masks.append(m.view(R, L))
+        parts.append((m.long().cumsum(0) - 1)[flat[at]])                     # (P_j,) rank among step j's read slots
+        order.append(at)
+    step_logits = head(aux, ids, mask, steps=steps, readout_at=masks)       # steps x (N_j, Vd), row-major slots
+    logits = torch.cat([q[k] for q, k in zip(step_logits, parts)])           # (P, Vd) in order of `order`
+    return logits[torch.argsort(torch.cat(order))]                           # (P, Vd) in position order
 
 
 def eagle3_alpha(p_logits: torch.Tensor, q_logits: torch.Tensor, t2d: torch.Tensor, temperature: float,
-                 ) -> torch.Tensor:
+                 q_temperature: Optional[float] = None) -> torch.Tensor:
     """sum_x min(p, q) as verification sees it: full p (P, V) against q (P, Vd) placed on its target ids (zero
-    elsewhere), both after the decoder's processing at `temperature`. (P,)"""
+    elsewhere), both after the decoder's processing at `temperature` (q at q_temperature when given: 0 = argmax
+    drafts). (P,)"""
     p = probs_from_logits(p_logits, temperature)[:, t2d]                     # (P, Vd): p on the draft's ids
-    q = probs_from_logits(q_logits, temperature)                             # (P, Vd)
+    q = probs_from_logits(q_logits, temperature if q_temperature is None else q_temperature)  # (P, Vd)
     return torch.minimum(p, q).sum(-1)
 
 

@@ -71,8 +71,8 @@ python -m sglang.launch_server --model-path {target} --speculative-algorithm STA
     def logits_at(self, rows, row, context_len, index, features, pad_id: int) -> torch.Tensor:
         return draft_logits_at(self.model, rows, row, context_len, pad_id)
 
-    def alpha(self, p_logits, q_logits, temperature: float) -> torch.Tensor:
-        return min_sum(p_logits, q_logits, temperature)
+    def alpha(self, p_logits, q_logits, temperature: float, q_temperature=None) -> torch.Tensor:
+        return min_sum(p_logits, q_logits, temperature, q_temperature)
 
     def soft_alpha(self, p_logits, q_logits, temperature: float) -> torch.Tensor:
         return acceptance_rate(p_logits, q_logits, temperature)

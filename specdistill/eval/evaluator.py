@@ -32,7 +32,7 @@ import torch
 
 from specdistill.config import EvalConfig
 from specdistill.decoding import (Drafter, DynamicGamma, FixedGamma, LMDrafter, NGramDrafter, Sampler,
-                                  speculative_generate, target_generate)
+                                  check_draft_policy, speculative_generate, target_generate)
 from specdistill.decoding.kv import device_of, max_positions
 from specdistill.drafts import draft_adapter
 from specdistill.eval.batches import PromptBatch, make_batches
@@ -75,6 +75,7 @@ def check_eval_config(cfg: EvalConfig) -> None:
         raise ValueError(f"eval.max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.position_bucket < 1:
         raise ValueError(f"eval.position_bucket must be >= 1, got {cfg.position_bucket}")
+    check_draft_policy(cfg.draft_policy, "eval.draft_policy")
     if cfg.compare_hf and cfg.temperature != 0:
         raise ValueError("eval.compare_hf compares outputs token for token: it needs eval.temperature=0")
 
@@ -141,7 +142,7 @@ class _Decoders:
         def run(b: PromptBatch) -> Run:
             r, t = timed(self.device, lambda: speculative_generate(
                 self.target_model, self.drafter, b.input_ids, b.attention_mask, gamma=policy, max_new_tokens=max_new,
-                generator=self.generator(), **self._sampling()))
+                generator=self.generator(), draft_policy=self.cfg.draft_policy, **self._sampling()))
             return Run([r.tokens(i) for i in range(len(b.index))], t, r)
         return run
 
@@ -201,7 +202,7 @@ def _cost(dec: _Decoders, batch: PromptBatch) -> Optional[CostRatio]:
     if not cfg.measure_cost or cfg.gamma <= 0:
         return None
     return measure_cost(dec.target_model, dec.drafter, batch, cfg.gamma,
-                        Sampler(cfg.temperature, cfg.top_p, dec.generator()))
+                        Sampler(cfg.temperature, cfg.top_p, dec.generator()).for_drafts(cfg.draft_policy))
 
 
 def _mismatch(target_model, batch: PromptBatch, row: int, ours: list[int], ref: list[int], index: int) -> dict:
@@ -308,7 +309,7 @@ def _assemble(cfg: EvalConfig, drafter_name: str, source: str, num_prompts: int,
     target_round = target_t.decode / max(target_t.rounds, 1)
     return EvalResult(
         drafter=drafter_name, gamma=cfg.gamma, dynamic_gamma=cfg.dynamic_gamma, mean_gamma=g,
-        temperature=cfg.temperature, top_p=cfg.top_p, prompts=source or cfg.prompts, num_prompts=num_prompts,
+        temperature=cfg.temperature, top_p=cfg.top_p, draft_policy=cfg.draft_policy, prompts=source or cfg.prompts, num_prompts=num_prompts,
         batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, new_tokens=spec_t.tokens,
         target_only_new_tokens=target_t.tokens, target_forwards=counts.forwards,
         mean_accept_len=counts.tau(), accept_rate_per_pos=counts.accept_rate_per_pos(),

@@ -9,7 +9,7 @@ from typing import Optional
 from specdistill.eval.evaluator import EvalResult
 
 REQUIRED_KEYS = ("mean_accept_len", "accept_rate_per_pos", "tokens_per_s", "target_only_tokens_per_s", "speedup",
-                 "gamma", "temperature", "num_prompts", "new_tokens")
+                 "gamma", "temperature", "draft_policy", "num_prompts", "new_tokens")
 PLOTS = ("accept_rate_per_pos.png", "accept_len_hist.png", "speedup_vs_batch_size.png", "accept_by_output_position.png")
 
 
@@ -51,7 +51,9 @@ def markdown(r: EvalResult) -> str:
     gamma = f"{r.gamma} (dynamic, mean {r.mean_gamma:.2f})" if r.dynamic_gamma else str(r.gamma)
     rows = [
         ("drafter", r.drafter), ("prompts", f"{r.prompts} ({r.num_prompts})"), ("gamma", gamma),
-        ("temperature / top_p", f"{r.temperature} / {r.top_p}"), ("batch size", r.batch_size),
+        ("temperature / top_p", f"{r.temperature} / {r.top_p}"),
+        ("draft policy (T > 0)", r.draft_policy if r.temperature > 0 else f"{r.draft_policy} (T=0: greedy)"),
+        ("batch size", r.batch_size),
         ("max new tokens", r.max_new_tokens), ("generated tokens (spec / target-only)",
                                                f"{r.new_tokens} / {r.target_only_new_tokens}"),
         ("**mean accept length tau** (tokens per target forward)", _f(r.mean_accept_len)),

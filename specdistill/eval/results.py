@@ -34,6 +34,7 @@ class EvalResult:
     mean_gamma: float                # drafts per row-round actually proposed
     temperature: float
     top_p: float
+    draft_policy: str                # how drafts were proposed at temperature > 0: greedy (argmax, one-hot) | sample
     prompts: str
     num_prompts: int
     batch_size: int

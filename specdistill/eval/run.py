@@ -74,7 +74,7 @@ def run(cfg: DictConfig, log=print) -> tuple[EvalResult, dict[str, Path]]:
     spec = load_draft(cfg, target, tokenizer, log).to(device) if ecfg.drafter == "draft" else ecfg.drafter
     log(f"[eval] target {cfg.target.path} on {device}; {len(prompts)} prompts from {ecfg.prompts}; "
         f"drafter={ecfg.drafter} gamma={ecfg.gamma}{' (dynamic)' if ecfg.dynamic_gamma else ''} "
-        f"T={ecfg.temperature} max_new_tokens={ecfg.max_new_tokens} batch={ecfg.batch_size}")
+        f"T={ecfg.temperature} draft_policy={ecfg.draft_policy} max_new_tokens={ecfg.max_new_tokens} batch={ecfg.batch_size}")
     result = evaluate(target, tokenizer, spec, prompts, ecfg, log=log)
     extra = {"target_path": cfg.target.path, "draft_path": ecfg.draft_path,
              "prompts_skipped_too_long": prompts.skipped_too_long, "threads": threads.to_dict(),

@@ -6,6 +6,9 @@ Parameter names are the checkpoint names vLLM and SGLang load (shared/notes/fiel
   lm_head [Vd, H] | d2t int64 [Vd] (target_id = draft_id + d2t[draft_id]) | t2d bool [V] | embed_tokens [V, H] (frozen)
 The layer: q/k/v read concat(input_layernorm(embed(token)), hidden_norm(g)) (2H); the residual stream is g itself
 (norm_before_residual = false); then post-attention norm + MLP; logits = lm_head(norm(out)) over the draft vocabulary.
+embed(token) is exactly the target's input embedding: its weight rows times `embed_scale` (Gemma's sqrt(hidden), 1.0
+for most models; measured from the target's embedding module). The head's logits are never soft-capped: serving
+engines apply no cap to a draft head (vLLM's Eagle3LlamaForCausalLM), and greedy drafting does not depend on it.
 
 Position convention (documented choice): the head's slot t pairs the fused target feature g_t with token t+1 and
 predicts token t+2; its RoPE position id is t, and unrolled step j uses t + j (EAGLE / SpecForge / vLLM's proposer,
@@ -40,10 +43,12 @@ class Eagle3Config:
     aux_layer_ids: list[int] = field(default_factory=list)  # vLLM convention: k = output_hidden_states[k]
     hidden_act: str = "silu"
     rope_scaling: Optional[dict] = None
+    embed_scale: float = 1.0  # the target's embedding module multiplies weight rows by this (Gemma: sqrt(hidden))
 
     @classmethod
-    def from_target(cls, tcfg, draft_vocab_size: int, aux_layer_ids: list[int]) -> "Eagle3Config":
-        rope = getattr(tcfg, "rope_parameters", None) or {}
+    def from_target(cls, tcfg, draft_vocab_size: int, aux_layer_ids: list[int],
+                    embed_scale: float = 1.0) -> "Eagle3Config":
+        rope = target_rope_parameters(tcfg)
         theta = rope.get("rope_theta", getattr(tcfg, "rope_theta", 10000.0))
         scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" else None
         return cls(hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size,
@@ -52,8 +57,10 @@ class Eagle3Config:
                    rms_norm_eps=tcfg.rms_norm_eps, rope_theta=float(theta),
                    max_position_embeddings=tcfg.max_position_embeddings, vocab_size=tcfg.vocab_size,
                    draft_vocab_size=min(draft_vocab_size, tcfg.vocab_size), target_hidden_size=tcfg.hidden_size,
-                   aux_layer_ids=list(aux_layer_ids), hidden_act=getattr(tcfg, "hidden_act", "silu"),
-                   rope_scaling=scaling)
+                   # silu whatever the target uses (Gemma: gelu): the head is the engines' Llama layer, whose
+                   # MLP is silu only (vLLM's LlamaMLP refuses other activations)
+                   aux_layer_ids=list(aux_layer_ids), hidden_act="silu", rope_scaling=scaling,
+                   embed_scale=float(embed_scale))
 
     def to_hf_dict(self) -> dict:
         """config.json in the flat-Llama "midlayer" format vLLM and SGLang load."""
@@ -69,6 +76,8 @@ class Eagle3Config:
              "torch_dtype": "float32"}
         if self.rope_scaling:
             d["rope_scaling"] = self.rope_scaling
+        if self.embed_scale != 1.0:  # specdistill's own field (engines ignore it; export.py folds it into the weights)
+            d["embed_scale"] = self.embed_scale
         return d
 
     @classmethod
@@ -84,7 +93,25 @@ class Eagle3Config:
                    max_position_embeddings=d["max_position_embeddings"], vocab_size=d["vocab_size"],
                    draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
                    target_hidden_size=d.get("target_hidden_size") or d["hidden_size"], aux_layer_ids=list(aux),
-                   hidden_act=d.get("hidden_act", "silu"), rope_scaling=d.get("rope_scaling"))
+                   hidden_act=d.get("hidden_act", "silu"), rope_scaling=d.get("rope_scaling"),
+                   embed_scale=float(d.get("embed_scale", 1.0)))
+
+
+def target_rope_parameters(tcfg) -> dict:
+    """The target's RoPE parameters (rope_type, rope_theta, scaling fields). Models with one RoPE per attention type
+    (Gemma-3: {"sliding_attention": ..., "full_attention": ...}) give their full-attention one: the head attends over
+    the whole context, as the target's global layers do."""
+    return single_rope(dict(getattr(tcfg, "rope_parameters", None) or {}))
+
+
+def single_rope(rope: dict) -> dict:
+    """A config's rope_parameters dict, reduced to one RoPE (see target_rope_parameters)."""
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        if "full_attention" not in rope:
+            raise ValueError(f"the target's per-layer-type rope_parameters {sorted(rope)} have no 'full_attention' "
+                             "entry: the EAGLE-3 head needs one RoPE; set target.rope_parameters explicitly")
+        rope = dict(rope["full_attention"])
+    return rope
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -224,10 +251,17 @@ class Eagle3Head(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     # ------------------------------------------------------------------ one layer application
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """(B, n) -> (B, n, H): the target's input embedding (weight rows times the scale, in the weight's dtype,
+        as HF's scaled embeddings compute it)."""
+        e = self.embed_tokens(token_ids)
+        c = self.config.embed_scale
+        return e if c == 1.0 else e * torch.tensor(c, dtype=e.dtype, device=e.device)
+
     def _layer(self, token_ids, g, position_ids, attend):
         """token_ids (B, n), g (B, n, H), positions (B, n); attend(q, k, v) -> (B, nh, n, hd). Returns out, k, v."""
         L = self.midlayer
-        x = torch.cat([L.input_layernorm(self.embed_tokens(token_ids)), L.hidden_norm(g)], dim=-1)  # (B, n, 2H)
+        x = torch.cat([L.input_layernorm(self.embed(token_ids)), L.hidden_norm(g)], dim=-1)  # (B, n, 2H)
         cos, sin = rope_cos_sin(position_ids, self.rope_inv_freq, self.rope_attention_factor, x.dtype)
         q, k, v = L.self_attn.qkv(x, cos, sin)
         a = attend(q, k, v)  # (B, nh, n, hd)
@@ -350,7 +384,9 @@ def build_eagle3(target_model, draft_vocab: torch.Tensor, aux_layer_ids: Optiona
     if bad or len(aux) != 3:
         raise ValueError(f"target.aux_layer_ids={aux}: EAGLE-3 needs 3 ids in [0, {L - 1}] (vLLM convention: k = "
                          f"hidden_states[k], 0 = embeddings); for this target try {default_aux_layer_ids(L)}")
-    cfg = Eagle3Config.from_target(target_model.config, len(draft_vocab), aux)
+    from specdistill.models.target import embedding_scale
+
+    cfg = Eagle3Config.from_target(target_model.config, len(draft_vocab), aux, embedding_scale(target_model))
     head = Eagle3Head(cfg)
     with torch.no_grad():
         head.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
@@ -358,20 +394,48 @@ def build_eagle3(target_model, draft_vocab: torch.Tensor, aux_layer_ids: Optiona
             head.lm_head.weight.copy_(target_model.get_output_embeddings().weight[draft_vocab.long()])
             final_norm = getattr(getattr(target_model, "model", target_model), "norm", None)
             if final_norm is not None and getattr(final_norm, "weight", None) is not None:
-                head.norm.weight.copy_(final_norm.weight)
+                head.norm.weight.copy_(rms_norm_gain(final_norm, target_model.config.hidden_size, cfg.rms_norm_eps))
     head.set_vocab(draft_vocab)
     return head
 
 
-def frequent_token_vocab(rows, vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
-    """The Vd most frequent next-token ids under the loss mask (ascending ids). rows: a datasets.Dataset (read by
-    column) or a list of {input_ids, loss_mask}; loss_mask[t] marks the prediction of input_ids[t+1]."""
+def rms_norm_gain(norm: nn.Module, hidden: int, eps: float) -> torch.Tensor:
+    """(H,) the per-channel gain w of an RMS norm module, norm(x) = w * x / rms(x), read by applying it (Llama stores
+    w, Gemma stores w - 1 and computes (1 + weight)), so the head's own RMSNorm reproduces it. Raises when the module
+    is not such a norm (the head could not start from it)."""
+    p = next(norm.parameters())
+    with torch.no_grad():
+        w = norm(torch.ones(1, hidden, dtype=p.dtype, device=p.device)).float()[0] * math.sqrt(1.0 + eps)
+        x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(0)).to(p)
+        want = w * x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        if not torch.allclose(norm(x).float(), want, rtol=1e-3, atol=1e-5):
+            raise ValueError(f"the target's final norm ({type(norm).__name__}) is not a per-channel RMS norm: "
+                             "draft.output_from_target=true cannot copy it into the head; set it to false")
+    return w
+
+
+def frequent_token_vocab(rows, vocab_size: int, draft_vocab_size: int, rows_per_chunk: int = 1024) -> torch.Tensor:
+    """The Vd most frequent next-token ids under the loss mask (ascending ids). rows: a column store (a
+    datasets.Dataset, data.regenerated.RegeneratedStore: rows["input_ids"], rows["loss_mask"] are whole columns) or a
+    list of {input_ids, loss_mask}; loss_mask[t] marks the prediction of input_ids[t+1].
+
+    Beyond the data itself, memory is O(V + one chunk of rows) whatever the vocabulary (262k for Gemma-3): counts
+    accumulate chunk by chunk in one (V,) int64 vector and the choice is one sort of it (nothing V x V, no list of
+    every predicted token)."""
     if hasattr(rows, "column_names"):
         pairs = zip(rows["input_ids"], rows["loss_mask"])
     else:
         pairs = ((r["input_ids"], r["loss_mask"]) for r in rows)
-    predicted = [i for ids, m in pairs for i, keep in zip(ids[1:], m[:-1]) if keep]
-    counts = torch.bincount(torch.tensor(predicted, dtype=torch.long), minlength=vocab_size)[:vocab_size]
+    counts = torch.zeros(vocab_size, dtype=torch.long)  # (V,)
+    chunk: list[torch.Tensor] = []
+    for i, (ids, m) in enumerate(pairs, 1):
+        if len(ids) > 1:  # position t counts iff loss_mask[t]: it predicts ids[t+1]
+            chunk.append(torch.as_tensor(ids[1:], dtype=torch.long)[torch.as_tensor(m[:-1], dtype=torch.bool)])
+        if chunk and (i % rows_per_chunk == 0):
+            counts += torch.bincount(torch.cat(chunk), minlength=vocab_size)[:vocab_size]
+            chunk = []
+    if chunk:
+        counts += torch.bincount(torch.cat(chunk), minlength=vocab_size)[:vocab_size]
     Vd = min(draft_vocab_size, vocab_size)
     # ties broken by id so the choice is deterministic; unseen tokens fill the tail in id order
     order = torch.argsort(counts * vocab_size + (vocab_size - 1 - torch.arange(vocab_size)), descending=True)

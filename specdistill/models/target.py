@@ -54,6 +54,46 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(locate_model(path))
 
 
+def cap_logits(logits: torch.Tensor, config) -> torch.Tensor:
+    """The model's final-logit soft cap, cap * tanh(logits / cap), where its config has one (Gemma-2/3:
+    final_logit_softcapping); identity otherwise. (..., V) -> (..., V). HF applies it inside the model's forward, so
+    logits rebuilt from stored hidden states need it to be the logits the model really emits."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    return logits if not cap else torch.tanh(logits / cap) * cap
+
+
+def output_logits(model, h: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The model's logits from its final (normed) hidden states h (..., H): output layer, bias and soft cap as its
+    forward applies them. rows (V,) bool: only those vocabulary rows (..., Vr), V/Vr times fewer FLOPs."""
+    head = model.get_output_embeddings()
+    h = h.to(head.weight.dtype)
+    if rows is None:
+        return cap_logits(head(h), model.config)
+    logits = h @ head.weight[rows].T
+    if getattr(head, "bias", None) is not None:
+        logits = logits + head.bias[rows]
+    return cap_logits(logits, model.config)  # element-wise, so capping the kept rows equals restricting capped logits
+
+
+def embedding_scale(model) -> float:
+    """The scalar the model's input embedding module multiplies its weight rows by (Gemma: sqrt(hidden), as
+    Gemma3TextScaledWordEmbedding does; 1.0 for plain nn.Embedding), measured by calling the module, so a head that
+    embeds tokens with the target's weight and this scale embeds them exactly as the target does. Raises when the
+    module is not a scaled lookup (a head cannot reproduce it from the weight)."""
+    emb = model.get_input_embeddings()
+    ids = torch.arange(min(8, emb.weight.shape[0]), device=emb.weight.device)
+    with torch.no_grad():
+        out, raw = emb(ids).float(), emb.weight[ids].float()  # (n, H) each
+    nz = raw.abs() > 1e-12
+    ratio = out[nz] / raw[nz]
+    scale = float(ratio.median()) if ratio.numel() else 1.0
+    if not torch.allclose(out, raw * scale, rtol=1e-2, atol=1e-6):
+        raise ValueError(f"the target's input embedding ({type(emb).__name__}) is not a scaled lookup of its weight "
+                         "rows, so an EAGLE-3 head cannot embed tokens as the target does; this architecture is not "
+                         "supported for draft=eagle3 (use an LM draft: draft=from_target)")
+    return 1.0 if abs(scale - 1.0) < 1e-6 else scale
+
+
 @dataclass
 class TargetOutput:
     logits: torch.Tensor  # (B, T, V)
@@ -98,9 +138,9 @@ class Target(torch.nn.Module):
     def from_features(self, final_hidden, aux_hidden=None, logits_to_keep=0) -> TargetOutput:
         """Rebuild the output from stored features (data/features.py): logits = lm_head(final normed hidden)."""
         h = final_hidden if isinstance(logits_to_keep, int) and logits_to_keep == 0 else final_hidden[:, logits_to_keep]
-        head = self.model.get_output_embeddings()
-        aux = aux_hidden.to(head.weight.dtype) if aux_hidden is not None else None  # stored as bf16
-        return TargetOutput(logits=head(h.to(head.weight.dtype)), aux_hidden=aux)
+        dtype = self.model.get_output_embeddings().weight.dtype
+        aux = aux_hidden.to(dtype) if aux_hidden is not None else None  # stored as bf16
+        return TargetOutput(logits=output_logits(self.model, h), aux_hidden=aux)
 
     @torch.no_grad()
     def draft_vocab_outputs(self, batch: dict, positions: torch.Tensor, t2d: torch.Tensor) -> "DraftVocabTarget":
@@ -113,17 +153,14 @@ class Target(torch.nn.Module):
         from specdistill.models.eagle3 import restrict_to_draft_vocab
 
         if "final_hidden" in batch:
-            head = self.model.get_output_embeddings()
-            h = batch["final_hidden"][positions].to(head.weight.dtype)  # (N, Ht)
+            h = batch["final_hidden"][positions]  # (N, Ht)
             if "target_argmax" in batch:
-                logits = h @ head.weight[t2d].T  # (N, Vd): only the kept rows of the output layer
-                if getattr(head, "bias", None) is not None:
-                    logits = logits + head.bias[t2d]
+                logits = output_logits(self.model, h, rows=t2d)  # (N, Vd): only the kept rows of the output layer
                 in_vocab = t2d[batch["target_argmax"][positions]]  # (N,)
             else:
-                logits, in_vocab = restrict_to_draft_vocab(head(h), t2d)
+                logits, in_vocab = restrict_to_draft_vocab(output_logits(self.model, h), t2d)
             aux = batch.get("aux_hidden")
-            aux = aux.to(head.weight.dtype) if aux is not None else None
+            aux = aux.to(logits.dtype) if aux is not None else None
         else:
             out = self(batch["input_ids"], batch["attention_mask"])
             logits, in_vocab = restrict_to_draft_vocab(out.logits[positions], t2d)  # (N, Vd), (N,)

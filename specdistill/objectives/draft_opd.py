@@ -53,6 +53,7 @@ from specdistill.onpolicy.replay import ReplayBuffer, ReplayItem, pack_prefixes
 from specdistill.onpolicy.positions import CATEGORIES, FIRST_REJECTED, DraftedPositions, TargetLogits
 from specdistill.onpolicy.rollout import collect_rollout, left_pad, prompts_from_batch
 from specdistill.onpolicy.weights import WEIGHTINGS, position_weights
+from specdistill.decoding import check_draft_policy, draft_temperature
 from specdistill.decoding.kv import max_positions
 from specdistill.tensors import unwrap, unwrap_target
 from specdistill.tokens import eos_ids, pad_id
@@ -148,6 +149,7 @@ class DraftOPDObjective(Objective):
     gamma: int = 4                      # drafts per round
     max_new_tokens: int = 64            # rollout length per prompt
     temperature: float = 1.0            # rollout sampling temperature of draft and target (0 = greedy verification)
+    draft_policy: str = "greedy"        # T > 0: greedy = argmax drafts verified one-hot (the engines') | sample (d ~ q)
     assist: bool = True                 # false: the draft decodes alone, the target scores afterwards (ablation)
     rollout_every: int = 1              # a rollout serves this many calls (micro-batches) before it is refreshed
     max_prompt_tokens: Optional[int] = 512  # longer prompts keep their last tokens
@@ -181,6 +183,7 @@ class DraftOPDObjective(Objective):
             raise ValueError(f"objective.max_new_tokens must be >= 2 (one drafted round), got {self.max_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"objective.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        check_draft_policy(self.draft_policy, "objective.draft_policy")
         if self.loss_temperature <= 0:
             raise ValueError(f"objective.loss_temperature must be > 0, got {self.loss_temperature}")
         if self.rollout_every < 1:
@@ -333,7 +336,8 @@ class DraftOPDObjective(Objective):
         if in_vocab is not None:  # target argmax outside the draft vocabulary: masked, as the eagle3 objective does
             loss = loss * in_vocab
         q_det = q_logits.detach()
-        return (loss, draft.alpha(p_full, q_det, self.temperature),
+        q_temperature = draft_temperature(self.draft_policy, self.temperature)  # greedy drafts: q one-hot at its argmax
+        return (loss, draft.alpha(p_full, q_det, self.temperature, q_temperature),
                 1 - draft.soft_alpha(p_full, q_det, self.loss_temperature))
 
     def _divergence(self, p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
@@ -392,7 +396,8 @@ class DraftOPDObjective(Objective):
         draft.eval()
         try:
             return collect_rollout(target, draft, ids, mask, gamma=self.gamma, max_new_tokens=self.max_new_tokens,
-                                   temperature=self.temperature, assist=self.assist, eos_token_id=eos,
+                                   temperature=self.temperature, draft_policy=self.draft_policy,
+                                   assist=self.assist, eos_token_id=eos,
                                    generator=generator, pad_id=pad, top_k=self.target_top_k,
                                    branches=self.off_trajectory == "branch")
         finally:

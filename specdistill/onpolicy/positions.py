@@ -103,6 +103,20 @@ def trajectories(prompt_ids, prompt_mask, sequences, num_new) -> list[torch.Tens
             for b in range(prompt_ids.shape[0])]
 
 
+def row_features(hidden: torch.Tensor, prompt_mask: torch.Tensor, rows: list[torch.Tensor],
+                 source: list[int]) -> torch.Tensor:
+    """Rollout.hidden (B, T-1+N, D), column c = token c of [left-padded prompt (B, T), generated tokens], -> (R, L, D)
+    per context row, right-aligned to the unpadded rows: trajectory b's token t at slot t; a branch row gets its
+    source trajectory's features (it shares that trajectory's tokens up to its round's accepted drafts, the only
+    slots read there). Slots without a feature (a trajectory's last token, past its end) are zero."""
+    B, C, D = hidden.shape
+    L = max(len(r) for r in rows)
+    pad = prompt_mask.shape[1] - prompt_mask.long().sum(1)                  # (B,) left padding of each prompt
+    col = pad.to(hidden.device)[:, None] + torch.arange(L, device=hidden.device)  # (B, L) column of token t
+    feats = hidden.gather(1, col.clamp(max=C - 1)[..., None].expand(B, L, D)) * (col < C)[..., None]  # (B, L, D)
+    return feats[torch.tensor(source, device=hidden.device)]                # (R, L, D)
+
+
 # ----------------------------------------------------------------------------------------------- assisted
 def positions_from_rounds(prompt_ids, prompt_mask, rollout, top_k: int, branches: bool) -> DraftedPositions:
     """Turn the RoundRecords of a recorded speculative rollout into drafted positions."""

@@ -25,11 +25,12 @@ from typing import Optional
 
 import torch
 
-from specdistill.decoding import probs_from_logits, speculative_generate, target_generate, verify_greedy, verify_sampling
+from specdistill.decoding import (DEFAULT_DRAFT_POLICY, draft_temperature, probs_from_logits, speculative_generate,
+                                  target_generate, verify_greedy, verify_sampling)
 from specdistill.drafts import draft_adapter
 from specdistill.onpolicy.positions import (ACCEPTED, AFTER_REJECTION, FIRST_REJECTED, DraftedPositions,
                                            RolloutStats, TargetLogits, assemble_positions, positions_from_rounds,
-                                           trajectories)
+                                           row_features, trajectories)
 from specdistill.tensors import pad_rows, position_ids
 
 
@@ -80,18 +81,20 @@ def _full_logits(model, rows: list[torch.Tensor], pad_id: int) -> list[torch.Ten
     return [logits[k, L - len(r):] for k, r in enumerate(rows)]
 
 
-def _free_rollout(target_model, draft_model, prompt_ids, prompt_mask, *, gamma, max_new_tokens, temperature, eos,
-                  generator, pad_id, top_k) -> DraftedPositions:
-    """assist=False: the draft decodes alone; the target scores afterwards; blocks of gamma are verified as rounds
-    would be (greedy or rejection sampling, same code as the evaluator) to tag and weight the positions."""
+def _free_rollout(target_model, draft_model, prompt_ids, prompt_mask, *, gamma, max_new_tokens, temperature,
+                  draft_policy, eos, generator, pad_id, top_k) -> DraftedPositions:
+    """assist=False: the draft decodes alone (greedily under the greedy drafting policy); the target scores afterwards;
+    blocks of gamma are verified as rounds would be (greedy, or rejection sampling with q or one-hot q: the evaluator's
+    code) to tag and weight the positions."""
     device = prompt_ids.device
+    q_temperature = draft_temperature(draft_policy, temperature)
     free = target_generate(draft_model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens,
-                           temperature=temperature, eos_token_id=eos, generator=generator)
+                           temperature=q_temperature, eos_token_id=eos, generator=generator)
     B = prompt_ids.shape[0]
     trajs = trajectories(prompt_ids, prompt_mask, free.sequences.to(device), free.num_new_tokens.to(device))
     plen = prompt_mask.long().sum(1).tolist()
     t_logits = _full_logits(target_model, trajs, pad_id)                   # B x (L_b, V)
-    d_logits = _full_logits(draft_model, trajs, pad_id) if temperature > 0 else None
+    d_logits = _full_logits(draft_model, trajs, pad_id) if q_temperature > 0 else None
     stats = RolloutStats(rows=B, new_tokens=int(free.num_new_tokens.sum()),
                          target_tokens=sum(len(t) for t in trajs))
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("row", "ctx", "tok", "cat", "acc", "rid", "idx", "alpha")}
@@ -107,8 +110,8 @@ def _free_rollout(target_model, draft_model, prompt_ids, prompt_mask, *, gamma, 
                 verdict = verify_greedy(drafts, tl)
             else:
                 p = probs_from_logits(tl, temperature)
-                q = probs_from_logits(d_logits[b][ctx - 1][None], temperature)
-                verdict = verify_sampling(drafts, q, p, generator)
+                q = None if d_logits is None else probs_from_logits(d_logits[b][ctx - 1][None], temperature)
+                verdict = verify_sampling(drafts, q, p, generator)  # q None: one-hot at the (greedy) drafts
             n = int(verdict.num_accepted)
             i = torch.arange(K, device=device)
             parts["row"].append(torch.full((K,), b, device=device))
@@ -134,14 +137,17 @@ def _free_rollout(target_model, draft_model, prompt_ids, prompt_mask, *, gamma, 
 # ----------------------------------------------------------------------------------------------- entry
 @torch.no_grad()
 def collect_rollout(target_model, draft_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
-                    gamma: int, max_new_tokens: int, temperature: float = 1.0, assist: bool = True,
+                    gamma: int, max_new_tokens: int, temperature: float = 1.0,
+                    draft_policy: str = DEFAULT_DRAFT_POLICY, assist: bool = True,
                     eos_token_id=None, generator: Optional[torch.Generator] = None, pad_id: int = 0,
                     top_k: int = 0, branches: bool = True) -> DraftedPositions:
     """Roll out the draft on left-padded prompts (B, T) and return every drafted position.
 
     target_model / draft_model: HF causal LMs (unwrapped, eval mode). assist=True runs real speculative decoding
     (the evaluator's decoder); assist=False lets the draft decode alone (ablation). branches=False drops the
-    positions after a rejection (their context is off the final trajectory).
+    positions after a rejection (their context is off the final trajectory). draft_policy: how drafts are proposed at
+    temperature > 0 (decoding.DRAFT_POLICIES; greedy = argmax drafts verified one-hot, as the engines serve).
+    Drafts that read target features per row (EAGLE-3) get them from the verify forwards (no second target pass).
     """
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1 for on-policy rollouts, got {gamma}")
@@ -157,12 +163,15 @@ def collect_rollout(target_model, draft_model, prompt_ids: torch.Tensor, prompt_
             raise ValueError(f"objective.assist=false is not available for {draft.kind} drafts: they cannot decode "
                              "alone (every token they condition on needs the target's hidden states)")
         return _free_rollout(target_model, draft_model, prompt_ids, prompt_mask, gamma=gamma,
-                             max_new_tokens=max_new_tokens, temperature=temperature, eos=eos_token_id,
+                             max_new_tokens=max_new_tokens, temperature=temperature, draft_policy=draft_policy,
+                             eos=eos_token_id,
                              generator=generator, pad_id=pad_id, top_k=top_k)
     draft.check_prompts(prompt_mask)
+    layers = draft.row_feature_layers()  # EAGLE-3: the aux layers, kept from the verify forwards as they decode
     rollout = speculative_generate(target_model, draft.drafter(), prompt_ids, prompt_mask, gamma=gamma,
                                    max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos_token_id,
-                                   generator=generator, record=True)
+                                   generator=generator, record=True, draft_policy=draft_policy, capture_layers=layers)
     positions = positions_from_rounds(prompt_ids, prompt_mask, rollout, top_k, branches)
-    draft.attach_row_features(target_model, positions, pad_id)  # EAGLE-3: the target's features per row
+    if layers:
+        positions.aux = row_features(rollout.hidden, prompt_mask, positions.rows, positions.source)
     return positions

@@ -133,15 +133,15 @@ def test_greedy_is_token_identical_and_drafts_are_the_ttt_unroll(lengths, fitted
 @torch.no_grad()
 @pytest.mark.parametrize("vd", [V, 30])
 def test_deeper_steps_equal_ttt_when_drafts_were_accepted(vd):
-    # Near-uniform target and a softened head at temperature 1: most drafts are accepted, rows accept different
-    # counts in the same round (holes in the head's cache), and long runs compact the cache.
+    # Near-uniform target and a softened head at temperature 1, drafts sampled from q: most drafts are accepted, rows
+    # accept different counts in the same round (holes in the head's cache), and long runs compact the cache.
     target = _target()
     head = _head(target, vd=vd)
     head.lm_head.weight.data.mul_(0.3)
     ids, mask = _prompts([14, 5, 1, 9], seed=1)
     drafter = Traced(head)
     r = speculative_generate(target, drafter, ids, mask, gamma=5, max_new_tokens=120, temperature=1.0,
-                             generator=torch.Generator().manual_seed(0))
+                             generator=torch.Generator().manual_seed(0), draft_policy="sample")
     checked = _check_against_ttt(target, head, ids, mask, r, drafter.trace)  # (rounds, 5)
     assert (checked.sum(0) >= 20).all(), checked.sum(0)  # every depth 0..4 compared often
     ragged = sum(len(set(rnd.num_accepted[rnd.active].tolist())) > 1 for rnd in r.rounds)
@@ -202,3 +202,30 @@ def test_missing_hidden_states_raise_a_clear_error():
     short = tuple(torch.zeros(2, 3, 32) for _ in range(2))  # a 1-layer target's hidden_states
     with pytest.raises(ValueError, match="aux_layer_ids"):
         Eagle3Drafter(head).start(ids, mask, short)
+
+
+# ---------------------------------------------------------------------------------------------- dynamic draft length
+@torch.no_grad()
+def test_confidence_stops_eagle3_drafting_early_and_stays_lossless(fitted):
+    """With a confidence threshold the head proposes a prefix of its unthresholded chain, stopping after the first
+    step at which every row's draft is unsure; decoding stays token-identical and some rounds really end early."""
+    target, head = fitted
+    ids, mask = _prompts(GREEDY_PROMPTS["batch3-left-padded"])
+    hidden = target(ids[:, :-1], attention_mask=mask[:, :-1], output_hidden_states=True).hidden_states
+    full = Eagle3Drafter(head)
+    full.start(ids, mask, hidden)
+    chain = full.propose(5, Sampler(0.0)).tokens                            # (B, 5)
+    conf = full.logits.float().softmax(-1).max(-1).values                   # (B, 5) greedy draft's probability
+    threshold = float(conf.max(0).values.median())
+    expect = next((j + 1 for j in range(5) if bool((conf[:, j] < threshold).all())), 5)
+    short = Eagle3Drafter(head, confidence=threshold)
+    short.start(ids, mask, hidden)
+    got = short.propose(5, Sampler(0.0)).tokens
+    assert got.shape[1] == expect < 5 and torch.equal(got, chain[:, :expect])
+
+    reference = target_generate(target, ids, mask, max_new_tokens=12)
+    r = speculative_generate(target, Eagle3Drafter(head, confidence=threshold), ids, mask, gamma=5, max_new_tokens=12)
+    assert torch.equal(r.sequences, reference.sequences)
+    assert any(rnd.gamma < 5 for rnd in r.rounds)
+    with pytest.raises(ValueError, match="confidence"):
+        Eagle3Drafter(head, confidence=1.0)

@@ -54,9 +54,10 @@ def test_ngram_dynamic_gamma_and_sampling(target, tok, prompts):
                  progress=False)
     assert r.greedy_mismatches == 0 and r.dynamic_gamma and 0 < r.mean_gamma <= 6
     assert len(r.accept_rate_per_pos) == 6 and len(r.accept_len_hist) == 7
-    s = evaluate(target, tok, "target", prompts[:2], _cfg(temperature=1.0, top_p=0.9, warmup_prompts=0), progress=False)
+    s = evaluate(target, tok, "target", prompts[:2], _cfg(temperature=1.0, top_p=0.9, warmup_prompts=0,
+                                                          draft_policy="sample"), progress=False)
     assert s.greedy_mismatches is None and s.new_tokens == 2 * 15
-    assert s.alpha == pytest.approx(1.0)  # the same model on both sides: p == q
+    assert s.alpha == pytest.approx(1.0)  # the same model on both sides, drafts sampled from q: p == q
 
 
 def test_report_files_and_required_keys(target, draft, tok, prompts, tmp_path):

@@ -42,15 +42,15 @@ def _prompts():
     return ids * mask, mask
 
 
-@pytest.mark.parametrize("temperature, vd", [(0.0, V), (1.0, 40)])
-def test_head_rollout_and_ttt_loss_forward_match_the_drafter(target, temperature, vd):
+@pytest.mark.parametrize("temperature, vd, policy", [(0.0, V, "greedy"), (1.0, 40, "sample"), (1.0, 40, "greedy")])
+def test_head_rollout_and_ttt_loss_forward_match_the_drafter(target, temperature, vd, policy):
     head = _head(target, vd).eval()
     ids, mask = _prompts()
     gen = lambda: torch.Generator().manual_seed(0) if temperature else None  # noqa: E731
     ref = speculative_generate(target, Eagle3Drafter(head), ids, mask, gamma=3, max_new_tokens=12,
-                               temperature=temperature, generator=gen())
+                               temperature=temperature, generator=gen(), draft_policy=policy)
     pos = collect_rollout(target, head, ids, mask, gamma=3, max_new_tokens=12, temperature=temperature,
-                          generator=gen())
+                          generator=gen(), draft_policy=policy)
     for b in range(3):
         assert pos.rows[b].tolist() == ids[b][mask[b].bool()].tolist() + ref.tokens(b)
     assert pos.stats.accepted == int(ref.position_accepted.sum())
@@ -59,8 +59,9 @@ def test_head_rollout_and_ttt_loss_forward_match_the_drafter(target, temperature
         q = eagle3_logits_at(head, pos.rows, pos.aux, pos.row, pos.context_len, pos.index, pad_id=0)  # (P, Vd)
     p_full = pos.target.dense()
     # alpha of the TTT distribution against the recorded target == the verifier's alpha from the drafter's q
-    assert torch.allclose(eagle3_alpha(p_full, q, head.t2d, temperature), pos.alpha, atol=1e-4)
-    if temperature == 0:  # every drafted token (after a rejection too) is the unroll's argmax on its context
+    q_temperature = 0.0 if policy == "greedy" else temperature  # greedy drafts: q one-hot at its argmax
+    assert torch.allclose(eagle3_alpha(p_full, q, head.t2d, temperature, q_temperature), pos.alpha, atol=1e-4)
+    if q_temperature == 0:  # every drafted token (after a rejection too) is the unroll's argmax on its context
         assert torch.equal(head.draft_to_target(q.argmax(-1)), pos.token)
 
 

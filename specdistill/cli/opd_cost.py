@@ -1,0 +1,153 @@
+"""Cost per trained position of a Draft-OPD step against the off-policy objective's step (issue 13's goal: <= 2x).
+
+  python scripts/opd_cost.py --steps 5 draft.path=<a trained EAGLE-3 head> [shared Hydra overrides]
+      [--onpolicy objective.max_new_tokens=128 ...] [--offpolicy objective.steps=7 ...]
+
+Two arms, each its recipe (--onpolicy-recipe draft_opd, --offpolicy-recipe eagle3) composed with the shared overrides
+(then --onpolicy / --offpolicy overrides of its own), built as train.py builds it (cached stages reused), one warm-up
+step, then --steps timed optimizer steps on the run's own micro-batches. Per arm: seconds per step (and the share spent
+in prepare(): Draft-OPD's rollouts), trained positions per step (the objective's num_tokens: drafted + replayed
+positions for Draft-OPD, loss tokens x unrolled steps for eagle3), seconds per trained position, and the target's
+forwards and fed tokens per step (padding included: the compute spent). Writes <out>/opd_cost.json and opd_cost.md.
+Run it on an otherwise idle machine: the two arms run one after the other.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+GOAL = 2.0  # issue 13: a Draft-OPD step should cost at most 2x the off-policy step per trained position
+
+
+@dataclass
+class ArmCost:
+    recipe: str
+    overrides: list[str]
+    steps: int
+    seconds_per_step: float
+    prepare_seconds_per_step: float   # no-grad work before the loss (Draft-OPD: rollouts, replay)
+    positions_per_step: float         # trained positions (the objective's num_tokens, summed over micro-batches)
+    seconds_per_position: float
+    target_forwards_per_step: float
+    target_tokens_per_step: float     # tokens fed to the target (input_ids.numel(): padding and stopped rows included)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=5, help="timed optimizer steps per arm (after one warm-up step)")
+    ap.add_argument("--onpolicy-recipe", default="draft_opd")
+    ap.add_argument("--offpolicy-recipe", default="eagle3")
+    ap.add_argument("--onpolicy", action="append", default=None, metavar="OVERRIDE",
+                    help="an override of the on-policy arm only (repeatable; default: draft=eagle3)")
+    ap.add_argument("--offpolicy", action="append", default=[], metavar="OVERRIDE",
+                    help="an override of the off-policy arm only (repeatable)")
+    ap.add_argument("--out", default="outputs/opd_cost")
+    own, shared = ap.parse_known_args(argv)
+    own.onpolicy = ["draft=eagle3"] if own.onpolicy is None else own.onpolicy
+    if own.steps < 1:
+        ap.error(f"--steps must be >= 1, got {own.steps}")
+    return own, shared
+
+
+def _clock(device) -> float:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def measure_arm(recipe: str, overrides: list[str], steps: int, out_dir: Path) -> ArmCost:
+    """Build one recipe's components and time `steps` optimizer steps after a warm-up step."""
+    import torch
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from specdistill.config import CONF_DIR, register_configs
+    from specdistill.data.loader import StepBatches
+    from specdistill.pipeline.run import build_components
+    from specdistill.tensors import unwrap_target
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"recipe={recipe}"] + overrides +
+                      [f"trainer.output_dir={out_dir / recipe}", "trainer.measure_roofline=false"])
+    c = build_components(cfg)
+    t = cfg.trainer
+    batches = StepBatches(c.data.train, t.micro_batch_size, t.grad_accum, c.models.tokenizer.pad_token_id, t.seed)
+    obj, models, opt = c.objective, c.models, c.optimizer
+    target = unwrap_target(models.target)
+    device = next(target.parameters()).device
+    fed = {"forwards": 0, "tokens": 0}
+
+    def count(module, args, kwargs, output):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        fed["forwards"] += 1
+        fed["tokens"] += 0 if ids is None else ids.numel()
+
+    def one_step(step: int) -> tuple[float, float, int]:
+        """(seconds, seconds in prepare, trained positions) of one optimizer step."""
+        t0 = _clock(device)
+        prep_s, n = 0.0, 0
+        for b in batches.micro_batches(step):
+            p0 = _clock(device)
+            p = obj.prepare(b, models)
+            prep_s += _clock(device) - p0
+            k = int(obj.num_tokens(p))
+            n += k
+            out = obj.loss(p, models)
+            (out.loss * (1 if out.weight is None else out.weight)).sum().div(max(k, 1)).backward()
+        obj.end_step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return _clock(device) - t0, prep_s, n
+
+    one_step(0)  # warm-up (allocations, first rollout's caches), not counted
+    hook = target.register_forward_hook(count, with_kwargs=True)
+    try:
+        runs = [one_step(s) for s in range(1, 1 + steps)]
+    finally:
+        hook.remove()
+    seconds, prep, positions = (sum(r[i] for r in runs) for i in range(3))
+    return ArmCost(recipe, overrides, steps, seconds / steps, prep / steps, positions / steps,
+                   seconds / max(positions, 1), fed["forwards"] / steps, fed["tokens"] / steps)
+
+
+def markdown(arms: dict[str, ArmCost], ratio: float, command: str) -> str:
+    lines = [f"`{command}`", "", "| arm | recipe | s / step | prepare s / step | trained positions / step | "
+             "ms / trained position | target forwards / step | target tokens / step |", "|---|---|---|---|---|---|---|---|"]
+    for name, a in arms.items():
+        lines.append(f"| {name} | {a.recipe} | {a.seconds_per_step:.3f} | {a.prepare_seconds_per_step:.3f} | "
+                     f"{a.positions_per_step:.1f} | {1000 * a.seconds_per_position:.3f} | "
+                     f"{a.target_forwards_per_step:.1f} | {a.target_tokens_per_step:.0f} |")
+    verdict = "met" if ratio <= GOAL else "not met"
+    lines += ["", f"on-policy / off-policy seconds per trained position: **{ratio:.2f}x** (goal <= {GOAL:g}x: {verdict})"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, shared = parse_args(argv)
+    command = "python scripts/opd_cost.py " + " ".join(shlex.quote(a) for a in argv)
+    out = Path(own.out)
+    out.mkdir(parents=True, exist_ok=True)
+    arms = {"onpolicy": measure_arm(own.onpolicy_recipe, shared + own.onpolicy, own.steps, out),
+            "offpolicy": measure_arm(own.offpolicy_recipe, shared + own.offpolicy, own.steps, out)}
+    ratio = arms["onpolicy"].seconds_per_position / arms["offpolicy"].seconds_per_position
+    result = {"command": command, "arms": {k: asdict(v) for k, v in arms.items()},
+              "ratio_seconds_per_position": ratio, "goal_max_ratio": GOAL}
+    (out / "opd_cost.json").write_text(json.dumps(result, indent=1))
+    md = markdown(arms, ratio, command)
+    (out / "opd_cost.md").write_text(md)
+    print(md)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""scripts/opd_cost.py on tiny models: both arms timed on their own micro-batches, the ratio is the ratio of the
+arms' seconds per trained position, and the files say so."""
+import json
+
+import pytest
+
+from specdistill.cli.opd_cost import main
+from tests.conftest import tiny_overrides
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_opd_cost_smoke(tiny_target_dir, tiny_data_file, tmp_path):
+    shared = tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "run", tmp_path / "cache")
+    shared += ["trainer.grad_accum=1"]
+    res = main(["--steps", "1", "--out", str(tmp_path / "cost"), "--offpolicy", "objective.steps=2",
+                "--onpolicy", "draft=eagle3", "--onpolicy", "objective.max_new_tokens=6"] + shared)
+    on, off = res["arms"]["onpolicy"], res["arms"]["offpolicy"]
+    assert (on["recipe"], off["recipe"]) == ("draft_opd", "eagle3") and "draft=eagle3" in on["overrides"]
+    for arm in (on, off):
+        assert arm["steps"] == 1 and arm["positions_per_step"] > 0 and arm["seconds_per_step"] > 0
+        assert arm["seconds_per_position"] == pytest.approx(arm["seconds_per_step"] / arm["positions_per_step"])
+        assert 0 <= arm["prepare_seconds_per_step"] <= arm["seconds_per_step"]
+    # the on-policy step's target work is its rollout: prefill + one verify forward per round, per micro-batch
+    assert on["target_forwards_per_step"] >= 2 and on["target_tokens_per_step"] > 0
+    assert res["ratio_seconds_per_position"] == pytest.approx(on["seconds_per_position"] / off["seconds_per_position"])
+    saved = json.loads((tmp_path / "cost" / "opd_cost.json").read_text())
+    assert saved["ratio_seconds_per_position"] == pytest.approx(res["ratio_seconds_per_position"])
+    md = (tmp_path / "cost" / "opd_cost.md").read_text()
+    assert "| onpolicy | draft_opd |" in md and "| offpolicy | eagle3 |" in md and "goal <= 2x" in md
