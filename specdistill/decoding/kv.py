@@ -1,23 +1,50 @@
 """Batched decoding state: one model's KV cache over ragged rows (with per-row rollback), and ragged token lists.
 
 Layout of BatchKV (B rows, S cache columns). A column holds one token slot for every row; `mask` (B, S) says which
-slots are real (the attention mask), and a row's position ids count its real tokens. Rows start left-padded.
+slots are real (the attention mask), and `positions` (B, S) the position id of each slot: a row's positions count its
+real tokens. Rows start left-padded.
 Each forward appends C columns for all rows (a "tail"); commit(keep) then says, per row, which tail slots survive:
-  - columns after the last slot any row keeps are cropped (one slice per layer);
+  - columns after the last slot any row keeps are cropped (one crop per layer);
   - a row that kept fewer slots gets its rejected slots masked: holes that attention skips.
 Keys and values already carry their rotary position, so a masked hole (or a moved column) leaves every later
 forward exactly as if each row had its own dense cache: no recomputation, no re-feeding of accepted tokens.
 Holes cost attention work, so when more than a quarter of the columns (and at least 32) are padding for the
 widest row, compact() moves each row's real columns right (one gather) and drops the all-padding ones.
-Needs full-attention layers: sliding windows count columns, not positions, so they are refused.
+
+Sliding-window layers (Mistral, Gemma-3's local layers) are stored as full columns too, and their window is applied
+by the mask, built from `positions`: a query at position p sees the keys at positions > p - window, so the window
+counts a row's real tokens, never its holes or padding (transformers' own sliding layers count columns, which holes
+would break). The model then gets ready 4D masks, one per layer type where the config lists layer types (as
+transformers' generate passes them). Where every layer slides, columns out of every row's window are masked as dead,
+so compaction also bounds the cache to about the window; in hybrid models (Gemma-3) the sliding layers alone drop
+such columns from their front (their masks start at that column), the full layers keep them. Other layer types
+(linear attention, chunked, KV sharing) are refused by name. The columns live in transformers' DynamicLayers, or
+StaticLayers (max_length=...); both roll back through their own crop().
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicCache, StaticLayer,
+                                      get_layer_types_and_kwargs)
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, and_masks, causal_mask_function
+
+# Layer types whose attention BatchKV can mask per row (config layer_types, as transformers' cache_utils names them).
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Why the other types are refused: rollback needs one key/value per token and a mask that depends on positions only.
+_REFUSED_BECAUSE = {
+    "chunked_attention": "chunked attention is not masked per row here yet",
+    "linear_attention": "a recurrent state cannot drop rejected tokens per row",
+    "conv": "a convolution state cannot drop rejected tokens per row",
+    "hybrid": "a recurrent state cannot drop rejected tokens per row",
+    "hybrid_sliding": "a recurrent state cannot drop rejected tokens per row",
+    "dummy": "layers sharing another layer's cache are not supported",
+}
+# Attention implementations that take the ready 4D masks sliding layers need (flash kernels window by column).
+MASKED_ATTENTION = ("sdpa", "eager")
 
 
 def device_of(model: torch.nn.Module) -> torch.device:
@@ -37,21 +64,85 @@ def max_positions(model: torch.nn.Module) -> int | None:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
-class BatchKV:
-    """A causal LM plus its DynamicCache for B ragged rows; step() feeds tokens, commit() keeps some per row."""
+def layer_windows(model: torch.nn.Module) -> list[int | None]:
+    """Sliding window of each decoder layer, in cache-layer order (None: full attention); attention_windows() checks."""
+    windows = attention_windows(model)
+    layer_types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    return [windows[layer_type] for layer_type in layer_types]
 
-    def __init__(self, model: torch.nn.Module):
+
+def attention_windows(model: torch.nn.Module) -> dict[str, int | None]:
+    """Layer type -> sliding window (None: full attention), for each attention layer type of the model.
+
+    Raises a ValueError naming the type for layers whose cache state is not one key/value per token (linear
+    attention, conv, hybrid), whose mask is not a window (chunked), or that share another layer's cache (dummy).
+    """
+    config = model.config.get_text_config(decoder=True)
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    windows: dict[str, int | None] = {}
+    for layer_type, kwargs in zip(layer_types, layer_kwargs):
+        if layer_type not in SUPPORTED_LAYER_TYPES:
+            cache_layer = getattr(DYNAMIC_LAYER_TYPE_MAPPING.get(layer_type), "__name__", "unknown")
+            why = _REFUSED_BECAUSE.get(layer_type, "this layer type is unknown to the rollback")
+            raise ValueError(f"{type(model).__name__} has {layer_type!r} layers ({cache_layer} cache layers): {why}; "
+                             f"speculative decoding supports targets and drafts whose layers are all "
+                             f"{' or '.join(SUPPORTED_LAYER_TYPES)}")
+        window = kwargs.get("sliding_window")
+        if windows.setdefault(layer_type, window) != window:
+            raise ValueError(f"{type(model).__name__} has {layer_type!r} layers with different windows "
+                             f"({windows[layer_type]} and {window}); one window per layer type is supported")
+    attn = getattr(config, "_attn_implementation", None)
+    if any(w is not None for w in windows.values()) and attn not in MASKED_ATTENTION:
+        raise ValueError(f"{type(model).__name__} has sliding-window layers and attn_implementation={attn!r}, which "
+                         f"windows by cache column; load it with attn_implementation in {MASKED_ATTENTION}")
+    return windows
+
+
+def window_by_position(positions: torch.Tensor, window: int) -> Callable:
+    """Mask function (transformers' masking_utils protocol, indices are cache columns): key kv is inside query q's
+    window when its position is > q's position - window. positions (B, S) covers every column, the tail included."""
+
+    def inside(batch_idx, head_idx, q_idx, kv_idx):
+        return positions[batch_idx, kv_idx] > positions[batch_idx, q_idx] - window
+
+    return inside
+
+
+class BatchKV:
+    """A causal LM plus its KV cache for B ragged rows; step() feeds tokens, commit() keeps some per row.
+
+    max_length None: transformers DynamicLayers that grow by concatenation. An int: StaticLayers preallocated to
+    max_length columns (fixed addresses, as torch.compile and CUDA graphs want); rollback then moves their write
+    position, and a step that would overflow compacts first, or raises if the rows' real tokens do not fit.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_length: int | None = None):
         self.model = model
-        self.cache = DynamicCache(config=model.config)
-        for layer in self.cache.layers:
-            if getattr(layer, "is_sliding", False) or type(layer).__name__ != "DynamicLayer":
-                raise ValueError(f"{type(model).__name__} uses {type(layer).__name__} cache layers; speculative "
-                                 "rollback here needs full-attention DynamicLayer caches (no sliding window)")
+        self.windows = attention_windows(model)
+        self.config = model.config.get_text_config(decoder=True)
+        if max_length is not None and max_length < 1:
+            raise ValueError(f"BatchKV max_length must be >= 1 (or None for a growing cache), got {max_length}")
+        self.max_length = max_length
+        self.sliding = any(w is not None for w in self.windows.values())
+        # Where every layer slides, a column behind every row's window is dead: masking it lets compact() drop it.
+        self.dead_behind = max(self.windows.values()) if all(w is not None for w in self.windows.values()) else None
+        # Hybrid models: full layers need every column, sliding ones only those inside some row's window. Growing
+        # caches drop the others from the front of their sliding layers (front[i] columns of layer i are gone).
+        per_layer = layer_windows(model)
+        self.front_window = max((w for w in per_layer if w is not None), default=None)
+        self._crops_front = [w is not None and self.dead_behind is None and max_length is None for w in per_layer]
+        self.front = 0  # columns cropped off the front of every layer in _crops_front
+        # Full-attention layers for every layer type (no config): sliding layers keep full columns, the window lives
+        # in the mask. transformers' sliding layer classes would keep only the last window-1 columns, which is
+        # window-1 positions only while no row has holes or padding.
+        self.cache = DynamicCache() if max_length is None else Cache(
+            layers=[StaticLayer(max_cache_len=max_length) for _ in range(self.config.num_hidden_layers)])
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
         self._keep_last_logits = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.max_positions = max_positions(model)
         self.mask: torch.Tensor | None = None       # (B, S) long, 1 = real token slot
+        self.positions: torch.Tensor | None = None  # (B, S) long, position id of each slot (padding: any)
         self.length: torch.Tensor | None = None     # (B,) real tokens per row, tail included = next position id
         self.committed = 0                          # columns before the uncommitted tail
         self._committed_length: torch.Tensor | None = None  # (B,) real tokens per row before the tail
@@ -62,6 +153,7 @@ class BatchKV:
         B = input_ids.shape[0]
         device = device_of(self.model)
         self.mask = torch.zeros(B, 0, dtype=torch.long, device=device)
+        self.positions = torch.zeros(B, 0, dtype=torch.long, device=device)
         self.length = torch.zeros(B, dtype=torch.long, device=device)
         self._committed_length = self.length
         self.committed = 0
@@ -77,14 +169,55 @@ class BatchKV:
         device = device_of(self.model)
         input_ids = input_ids.to(device)
         valid = torch.ones_like(input_ids, dtype=torch.bool) if valid is None else valid.to(device)
+        if self.max_length is not None:
+            self._make_room(input_ids.shape[1])
         positions = self.length[:, None] + valid.long().cumsum(1) - 1      # (B, C); padding repeats a position
         # Clamping only touches tokens past the row's budget: their outputs are never used, and they are not kept.
         positions = positions.clamp(0, None if self.max_positions is None else self.max_positions - 1)
         self.mask = torch.cat([self.mask, valid.long()], dim=1)            # (B, S + C)
-        out = self.model(input_ids=input_ids, attention_mask=self.mask, position_ids=positions,
-                         use_cache=True, **{self._cache_kwarg: self.cache}, **kwargs)
+        self.positions = torch.cat([self.positions, positions], dim=1)     # (B, S + C)
+        out = self.model(input_ids=input_ids, attention_mask=self._attention_mask(input_ids.shape[1]),
+                         position_ids=positions, use_cache=True, **{self._cache_kwarg: self.cache}, **kwargs)
         self.length = self.length + valid.sum(1)
         return out
+
+    def _make_room(self, C: int) -> None:
+        """Static caches: compact when C more columns would overflow; raise if the real tokens alone do not fit."""
+        S = self.mask.shape[1]
+        if S + C <= self.max_length:
+            return
+        if S > self.committed:
+            raise ValueError(f"static KV cache of {self.max_length} columns is full ({S} used, {C} more fed before a "
+                             "commit): build BatchKV with a larger max_length")
+        self.compact()
+        if self.mask.shape[1] + C > self.max_length:
+            raise ValueError(f"static KV cache of {self.max_length} columns cannot hold {self.mask.shape[1]} real "
+                             f"tokens plus {C} new ones: build BatchKV with a larger max_length (or None)")
+
+    def _attention_mask(self, C: int):
+        """The 2D padding mask for full-attention models; else ready 4D masks (B, 1, C, S + C), one per layer type
+        where the config lists layer types (the model picks each layer's), in its attention implementation's format.
+
+        Built as transformers' create_causal_mask builds them (its mask interface, causal AND padding AND window),
+        but called directly: create_causal_mask vmaps any extra mask function, ~10x slower on CPU, while ours is
+        index-based and takes the interface's broadcasting path."""
+        if not self.sliding:
+            return self.mask                                                # (B, S + C)
+        (B, S), device = self.mask.shape, self.mask.device
+        build = ALL_MASK_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        kv_length = S if self.max_length is None else self.max_length      # static layers return every column
+        padding = torch.nn.functional.pad(self.mask.bool(), (0, kv_length - S))                  # (B, kv_length)
+        positions = torch.nn.functional.pad(self.positions, (0, kv_length - S))                  # (B, kv_length)
+        masks = {}
+        for layer_type, window in self.windows.items():
+            rule = causal_mask_function if window is None else and_masks(
+                causal_mask_function, window_by_position(positions, window))
+            front = self.front if window is not None else 0                 # sliding layers may start later
+            masks[layer_type] = build(batch_size=B, q_length=C, kv_length=kv_length - front, q_offset=S - C,
+                                      kv_offset=front,
+                                      mask_function=rule, attention_mask=padding, allow_is_causal_skip=False,
+                                      dtype=self.model.dtype, config=self.config, use_vmap=False, device=device)
+        return masks if hasattr(self.config, "layer_types") else next(iter(masks.values()))
 
     def commit_all(self) -> None:
         """Keep the whole tail as fed (no host sync)."""
@@ -104,16 +237,39 @@ class BatchKV:
         kept_cols = torch.where(keep.any(0), torch.arange(S - S0, device=keep.device) + 1, 0)
         last = kept_cols.max() if S > S0 else kept_cols.new_zeros(())      # tail columns any row keeps
         count = keep.sum(1)                                                 # (B,)
-        widest = (self.mask[:, :S0].sum(1) + count).max()                  # real tokens of the longest row
-        last, widest = torch.stack([last, widest]).tolist()                # one host sync
-        for layer in self.cache.layers:
-            if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
-                layer.keys, layer.values = layer.keys[:, :, : S0 + last], layer.values[:, :, : S0 + last]
-        self.mask = torch.cat([self.mask[:, :S0], keep[:, :last].long()], dim=1)
+        self.length = self._committed_length + count
+        mask = torch.cat([self.mask[:, :S0], keep.long()], dim=1)           # (B, S)
+        if self.dead_behind is not None:  # no later query (position >= length) can see these keys
+            mask = mask * (self.positions > (self.length - self.dead_behind)[:, None])
+        widest = mask.sum(1).max()                                          # real columns of the widest row
+        last, widest, first = torch.stack([last, widest, self._first_visible(mask)]).tolist()  # one host sync
+        first = min(first, S0 + last)
+        for layer in self._filled_layers():
+            layer.crop(S0 + last - S)  # transformers' rollback: dynamic layers slice, static ones move back
+        self.mask, self.positions = mask[:, : S0 + last], self.positions[:, : S0 + last]
         self.committed = S0 + last
-        self.length = self._committed_length = self._committed_length + count
+        self._committed_length = self.length
         if self.committed - widest > max(32, self.committed // 4):
             self.compact(widest)
+        elif any(self._crops_front) and first - self.front > max(32, self.committed // 4):
+            self._crop_front(first)
+
+    def _first_visible(self, mask: torch.Tensor) -> torch.Tensor:
+        """() the first column that a sliding layer's window may still show to some row's next queries."""
+        if self.front_window is None:
+            return mask.new_zeros(())
+        visible = mask.bool() & (self.positions > (self.length - self.front_window)[:, None])  # (B, S)
+        first = torch.where(visible.any(1), visible.int().argmax(1), mask.shape[1])            # (B,)
+        return first.min()
+
+    def _crop_front(self, first: int) -> None:
+        """Drop columns [front, first) from the sliding layers of a hybrid model: no row's window reaches them.
+        transformers' crop() only cuts the end, so the slice is ours; the masks start at kv_offset=front."""
+        for i, layer in enumerate(self.cache.layers):
+            if self._crops_front[i] and layer.is_initialized:
+                cut = first - self.front
+                layer.keys, layer.values = layer.keys[:, :, cut:], layer.values[:, :, cut:]
+        self.front = first
 
     @torch.no_grad()
     def compact(self, widest: int | None = None) -> None:
@@ -121,12 +277,30 @@ class BatchKV:
         real = self.mask.bool()                                             # (B, S), no uncommitted tail here
         widest = int(real.sum(1).max()) if widest is None else widest
         order = torch.sort(real.int(), dim=1, stable=True).indices[:, real.shape[1] - widest:]  # (B, widest)
-        for layer in self.cache.layers:
-            if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
-                idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-                layer.keys, layer.values = layer.keys.gather(2, idx), layer.values.gather(2, idx)  # (B, H, widest, D)
+        S = real.shape[1]
+        for i, layer in enumerate(self.cache.layers):
+            if not layer.is_initialized:
+                continue
+            # A front-cropped sliding layer lacks columns [0, front): they are out of every window, so any key
+            # there is masked; the clamp fills them with its first column.
+            front = self.front if self._crops_front[i] else 0
+            at = (order - front).clamp(min=0)[:, None, :, None]                # (B, 1, widest, 1)
+            at = at.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            keys = layer.keys[:, :, : S - front].gather(2, at)             # (B, H, widest, D)
+            values = layer.values[:, :, : S - front].gather(2, at)
+            if front:  # a growing layer: replace its tensors
+                layer.keys, layer.values = keys, values
+                continue
+            layer.crop(widest - S)
+            layer.keys[:, :, :widest].copy_(keys)                           # in place: static addresses stay
+            layer.values[:, :, :widest].copy_(values)
+        self.front = 0
         self.mask = real.gather(1, order).long()
+        self.positions = self.positions.gather(1, order)
         self.committed = widest
+
+    def _filled_layers(self):
+        return [layer for layer in self.cache.layers if layer.is_initialized]
 
 
 class TokenBuffer:

@@ -1,8 +1,11 @@
-"""Fixtures for the decoding/ tests: seeded tiny Llama models built from configs, and a chi-square p-value."""
+"""Fixtures for the decoding/ tests: seeded tiny Llama models built from configs, a chi-square p-value, and exact
+marginals of a target's first sampled tokens."""
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdistill.decoding import probs_from_logits
 
 from tests.conftest import single_thread
 
@@ -31,6 +34,21 @@ def _chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), stat / 2))
 
 
+@torch.no_grad()
+def _first_three_marginals(target, prompt: list[int], V: int) -> list[torch.Tensor]:
+    """Exact marginals (V,) of the target's first three sampled tokens (T=1) after `prompt`: all V^2 two-token
+    continuations in one forward."""
+    n = len(prompt)
+    x1, x2 = torch.meshgrid(torch.arange(V), torch.arange(V), indexing="ij")                # (V, V) each
+    seqs = torch.cat([torch.tensor(prompt).expand(V * V, -1), x1.reshape(-1, 1), x2.reshape(-1, 1)], 1)
+    probs = probs_from_logits(target(seqs).logits, 1.0)                                     # (V*V, n+2, V)
+    p1 = probs[0, n - 1]                                                                    # (V,)
+    p2_given_1 = probs[::V, n]                                                              # (V, V) [x1, x2]
+    p3_given_12 = probs[:, n + 1].reshape(V, V, V)                                          # [x1, x2, x3]
+    joint_12 = p1[:, None] * p2_given_1                                                     # (V, V)
+    return [p1, joint_12.sum(0), (joint_12[..., None] * p3_given_12).sum((0, 1))]
+
+
 one_thread = pytest.fixture(autouse=True, scope="module")(single_thread)
 
 
@@ -52,3 +70,8 @@ def ragged_prompts():
     ids = torch.randint(3, 48, (4, 9), generator=g)
     mask = (torch.arange(9) >= 9 - torch.tensor(lengths)[:, None]).long()
     return ids * mask, mask
+
+
+@pytest.fixture
+def first_three_marginals():
+    return _first_three_marginals

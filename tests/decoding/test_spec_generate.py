@@ -177,23 +177,10 @@ def test_sampled_tokens_follow_the_target(temperature, top_p, policy, tiny_lm, c
     assert 0.02 < rate < 0.98  # both the accept and the resample paths were exercised (over 100 rows each)
 
 
-def _first_three_marginals(target, prompt: list[int], V: int) -> list[torch.Tensor]:
-    """Exact marginals (V,) of the target's first three sampled tokens (T=1) after `prompt`: all V^2 two-token
-    continuations in one forward."""
-    n = len(prompt)
-    x1, x2 = torch.meshgrid(torch.arange(V), torch.arange(V), indexing="ij")                # (V, V) each
-    seqs = torch.cat([torch.tensor(prompt).expand(V * V, -1), x1.reshape(-1, 1), x2.reshape(-1, 1)], 1)
-    probs = probs_from_logits(target(seqs).logits, 1.0)                                     # (V*V, n+2, V)
-    p1 = probs[0, n - 1]                                                                    # (V,)
-    p2_given_1 = probs[::V, n]                                                              # (V, V) [x1, x2]
-    p3_given_12 = probs[:, n + 1].reshape(V, V, V)                                          # [x1, x2, x3]
-    joint_12 = p1[:, None] * p2_given_1                                                     # (V, V)
-    return [p1, joint_12.sum(0), (joint_12[..., None] * p3_given_12).sum((0, 1))]
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("policy", ["sample", "greedy"])
-def test_sampled_tokens_follow_the_target_on_left_padded_prompts_of_different_lengths(policy, tiny_lm, chi_square_pvalue):
+def test_sampled_tokens_follow_the_target_on_left_padded_prompts_of_different_lengths(policy, tiny_lm, chi_square_pvalue,
+                                                                                        first_three_marginals):
     """One batch mixes three prompt lengths (left padding), and ragged acceptance leaves masked holes in the KV cache
     from the second round on: each row's first three tokens still follow the target alone on its unpadded prompt."""
     V, N = 16, 2000
@@ -210,7 +197,7 @@ def test_sampled_tokens_follow_the_target_on_left_padded_prompts_of_different_le
     assert 0.02 < out.acceptance_per_position[0] < 0.98  # accepted and rejected drafts: rows advance unevenly
     for k, prompt in enumerate(prompts):
         rows = out.sequences[k::K]                                                          # (N, 3)
-        for i, p in enumerate(_first_three_marginals(target, prompt, V)):
+        for i, p in enumerate(first_three_marginals(target, prompt, V)):
             counts = torch.bincount(rows[:, i], minlength=V)
             assert chi_square_pvalue(counts, p) > 1e-3, f"prompt of {len(prompt)} tokens, token {i}"
 

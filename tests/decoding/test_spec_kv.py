@@ -6,6 +6,7 @@ import torch
 from specdistill.decoding.drafters import LMDrafter
 from specdistill.decoding.kv import BatchKV, TokenBuffer
 from specdistill.decoding.sampling import Sampler
+from tests.tiny_archs import tiny_target
 
 
 def _real_rows(kv: BatchKV, row: int):
@@ -115,13 +116,90 @@ def test_holes_from_ragged_acceptance_are_compacted(tiny_lm, ragged_prompts):
         _assert_cache_is_fresh(model, kv, b, rows[b])
 
 
-def test_sliding_window_models_are_refused():
-    from transformers import MistralConfig, MistralForCausalLM
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["gemma3", "mistral", "llama"])  # hybrid; every layer sliding; no sliding
+@pytest.mark.parametrize("max_length", [None, 40])  # growing cache; static layers that must compact to fit
+def test_ragged_commits_equal_fresh_forwards_for_every_layer_layout(arch, max_length):
+    """Windows of 4 real tokens, rows that keep different counts, padding slots and left padding: every forward's
+    logits equal the model's own (transformers' sliding mask) on each row's real tokens alone, unpadded."""
+    model = tiny_target(arch, **({} if arch == "llama" else {"sliding_window": 4}))
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([9, 5, 2])
+    mask = (torch.arange(9) >= 9 - lengths[:, None]).long()                # (3, 9) left-padded
+    ids = torch.randint(3, 300, (3, 9), generator=g) * mask
+    kv = BatchKV(model, max_length=max_length)
+    kv.prefill(ids, mask)
+    rows = [ids[b][mask[b].bool()].tolist() for b in range(3)]
+    for _ in range(12):  # ~3 tokens kept per row and round: rows pass the window ~8 times, with holes behind them
+        new = torch.randint(3, 300, (3, 4), generator=g)
+        valid = torch.rand(3, 4, generator=g) > 0.2                        # some padding slots mid-tail
+        valid[:, 0] = True
+        logits = kv.step(new, valid).logits                                # (3, 4, V)
+        kept = torch.randint(0, 5, (3,), generator=g)
+        keep = (valid.long().cumsum(1) <= kept[:, None]) & valid             # a prefix of each row's real slots
+        for b in range(3):
+            fed = rows[b] + new[b][valid[b]].tolist()
+            fresh = model(torch.tensor([fed])).logits[0, len(rows[b]):]     # (real tail slots, V)
+            assert torch.allclose(logits[b][valid[b]], fresh, atol=1e-5), f"{arch} row {b}"
+            rows[b] += new[b][keep[b]].tolist()
+        kv.commit(keep)
+    assert min(map(len, rows)) > 3 * 4
+    if max_length is not None:  # rows outgrew the window and the static layers kept their addresses
+        assert max(map(len, rows)) > 4 and all(layer.keys.shape[2] == max_length for layer in kv.cache.layers)
 
-    config = MistralConfig(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                           num_key_value_heads=2, intermediate_size=64, sliding_window=8)
-    with pytest.raises(ValueError, match="sliding"):
-        BatchKV(MistralForCausalLM(config))
+
+@torch.no_grad()
+def test_a_hybrid_cache_drops_old_columns_from_its_sliding_layers_only():
+    """Gemma-3 layout: full layers keep every column, sliding layers lose those out of every row's window; a
+    compaction in between (ragged keeps leave holes) re-aligns both. Logits stay those of fresh forwards."""
+    model = tiny_target("gemma3", sliding_window=4)
+    kv = BatchKV(model)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (2, 5), generator=g)
+    kv.prefill(ids, torch.ones_like(ids))
+    rows = [ids[b].tolist() for b in range(2)]
+    cropped = compacted = False
+    width = 0
+    for i in range(40):
+        new = torch.randint(3, 300, (2, 4), generator=g)
+        logits = kv.step(new).logits                                        # (2, 4, V)
+        for b in range(2):
+            assert torch.allclose(logits[b], model(torch.tensor([rows[b] + new[b].tolist()])).logits[0, -4:],
+                                  atol=1e-5), f"round {i} row {b}"
+        kept = [4, 1] if i % 10 < 5 else [1, 4]                             # rows drift apart, then back
+        kv.commit(torch.arange(4) < torch.tensor(kept)[:, None])
+        for b in range(2):
+            rows[b] += new[b, : kept[b]].tolist()
+        full, sliding = kv.cache.layers[1].keys.shape[2], kv.cache.layers[0].keys.shape[2]
+        cropped |= sliding < full
+        compacted |= full < width
+        width = full
+        assert sliding == full - kv.front == kv.cache.layers[2].keys.shape[2]
+    assert cropped and compacted
+
+
+def test_a_static_cache_too_small_for_the_real_tokens_says_so():
+    kv = BatchKV(tiny_target("llama"), max_length=8)
+    ids = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(0))
+    kv.prefill(ids, torch.ones_like(ids))
+    with pytest.raises(ValueError, match="static KV cache of 8 columns cannot hold 6 real tokens plus 3 new"):
+        kv.step(ids[:, :3])
+
+
+@torch.no_grad()
+def test_a_cache_whose_layers_all_slide_stays_near_the_window():
+    """Keys behind every row's window are dead: they are masked and compacted away, the cache stays bounded."""
+    model = tiny_target("mistral", sliding_window=4)
+    kv = BatchKV(model)
+    ids = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(0))
+    kv.prefill(ids, torch.ones_like(ids))
+    widths = []
+    for _ in range(40):
+        kv.step(ids[:, :3])
+        kv.commit()
+        widths.append(kv.mask.shape[1])
+        assert int(kv.mask.sum(1).max()) <= 4 - 1                            # only the window's keys stay real
+    assert max(widths) <= 4 + 32 + 3 and kv.length.tolist() == [6 + 3 * 40] * 2
 
 
 def test_token_buffer_appends_ragged_counts_and_grows():
