@@ -39,7 +39,7 @@ def done_ids(out: Path) -> set[str]:
 def regenerate_batch(model, tokenizer, convs: list[list[dict]], max_new_tokens: int, temperature: float,
                      max_context: int, generator=None) -> list[list[dict]]:
     """Replace every assistant turn of each conversation, turn by turn, batching rows at the same turn index."""
-    from specdistill.data.chat import prompt_ids
+    from specdistill.data.chat import prompt_ids, set_chat_template
     from specdistill.decoding import target_generate
     from specdistill.tensors import pad_rows
     from specdistill.tokens import pad_id
@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--chat-template", default=None,
+                    help="a template file or inline Jinja replacing the target's (as data.chat_template in training)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: physical cores)")
     args = ap.parse_args(argv)
 
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_threads(args.threads, "--threads")
     from tqdm.auto import tqdm
 
-    from specdistill.data.chat import prompt_ids
+    from specdistill.data.chat import prompt_ids, set_chat_template
     from specdistill.data.conversations import load_rows, normalize
     from specdistill.models.target import load_causal_lm, load_tokenizer
     from specdistill.decoding.kv import max_positions
@@ -103,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_causal_lm(args.target, args.dtype).to(device).eval()
     tok = load_tokenizer(args.target)
+    set_chat_template(tok, args.chat_template)  # checked: a template that cannot give assistant masks is refused
     rows = load_rows(args.data, max_rows=args.max_rows)
     convs = normalize(rows, args.format)
     if convs.malformed:
