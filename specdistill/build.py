@@ -83,12 +83,12 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
     from specdistill.validation import validate_config
 
     validate_config(cfg, log=(accelerator.print if accelerator is not None else print))  # before loading anything
+    warmup = check_warmup(cfg)  # the warm-up phase's objective (None: no warm-up), bad phase settings fail here
     if cfg.draft.path and reads_draft_path(cfg.draft.init):  # a warm start from a corrupt draft is refused
         from specdistill.files import check_draft_folder
 
         check_draft_folder(cfg.draft.path, what="draft.path draft")
     objective = validate_objective(cfg)  # fail on a bad objective before loading anything
-    warmup = check_warmup(cfg)  # the warm-up phase's objective (None: no warm-up), bad phase settings fail here
     accelerator = accelerator or make_accelerator(cfg)
     torch.manual_seed(cfg.trainer.seed)
     log = accelerator.print

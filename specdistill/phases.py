@@ -62,8 +62,12 @@ class Phase:
         """The phase's own step of global step `step`."""
         return step - self.start
 
+    def factor_at(self, step: int) -> float:
+        """The schedule's factor (0..1) of its lr at global step `step`."""
+        return cosine_with_warmup(self.local(step), self.warmup_steps, self.horizon, self.min_lr_ratio)
+
     def lr_at(self, step: int) -> float:
-        return self.lr * cosine_with_warmup(self.local(step), self.warmup_steps, self.horizon, self.min_lr_ratio)
+        return self.lr * self.factor_at(step)
 
     @property
     def epochs(self) -> int:
@@ -97,7 +101,8 @@ class PhasePlan:
 
     def lr_factor(self, step: int) -> float:
         """LambdaLR's factor for global step `step`: the step's phase lr and schedule, over the optimizer's lr."""
-        return self.at(step).lr_at(step) / self.base_lr
+        phase = self.at(step)
+        return phase.lr / self.base_lr * phase.factor_at(step)  # the ratio is 1.0 for the main phase
 
     def epoch_of(self, step: int) -> int:
         p = self.at(step)

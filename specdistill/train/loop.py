@@ -138,6 +138,8 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
                               "(nothing is overwritten)")
     if resume_from is not None:  # a resume that would not be exact is refused before anything else happens
         check_resume_config(resume_from, config_yaml, t.resume_allow_drift, log=acc.print)
+        check_resume_phases(json.loads((resume_from / "trainer_state.json").read_text()).get("phases"), plan,
+                            t.resume_allow_drift, log=acc.print)
     done = finished_run(resume_from, max_steps, out_dir)
     if done is not None:  # a finished run: every result file stays as it is
         acc.print(nothing_to_do_message(done, out_dir, max_steps))
@@ -155,7 +157,6 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
     result = FitResult(0, None)
     if resume_from is not None:
         state = load_checkpoint(acc, resume_from, plan)  # every phase's objective state
-        check_resume_phases(state.get("phases"), plan, t.resume_allow_drift, log=acc.print)
         step, tokens_seen = state["step"], state["tokens_seen"]
         wall_before = float(state.get("wall_s", 0.0))
         last_saved = step
