@@ -164,11 +164,11 @@ def check_warmup(cfg: DictConfig) -> Optional[Any]:
                          "eagle3, steps: 4, decay: 0.8} (recipe=draft_opd sets it)")
     raw = OmegaConf.to_container(w.objective, resolve=True) if isinstance(w.objective, DictConfig) else w.objective
     objective = make_objective(raw, "warmup.objective")
-    head = kind_for_init(cfg.draft.init).data_objective == "eagle3"
-    if head != (objective.name == "eagle3"):
-        raise ValueError(f"warmup.objective.name={objective.name!r} cannot train draft.init={cfg.draft.init!r}: an "
-                         "EAGLE-3 head (draft=eagle3) warms up with objective eagle3, a standalone LM draft with kd or "
-                         "sft")
+    trains_kind = kind_for_init(cfg.draft.init).data_objective  # the objective that trains this draft kind on data
+    if objective.name != trains_kind:
+        raise ValueError(f"warmup.objective.name={objective.name!r} cannot train draft.init={cfg.draft.init!r}: its "
+                         f"kind trains on data with objective {trains_kind!r} (an EAGLE-3 head: eagle3; a standalone "
+                         f"LM draft: kd): set warmup.objective.name={trains_kind}")
     return objective
 
 
@@ -195,11 +195,19 @@ def plan_phases(cfg: DictConfig, objective, warmup_objective, train_set, pad_id:
     return PhasePlan(phases, base_lr=t.lr)
 
 
+def _fixed(described: list[dict]) -> list[dict]:
+    """What a resume must keep: every phase, its objective and start, and every length but the last phase's (a longer or
+    shorter trainer.max_steps is a resume's business, as it always was)."""
+    return [{k: v for k, v in d.items() if not (k == "steps" and i == len(described) - 1)}
+            for i, d in enumerate(described)]
+
+
 def check_resume_phases(saved: Optional[list], plan: PhasePlan, allow_drift: bool,
                         log: Callable[[str], None] = print) -> None:
     """A checkpoint's phases (trainer_state.json) must be the run's: else step s would train another objective or
-    read other data. Refused unless trainer.resume_allow_drift (checkpoints from before phases existed: not compared)."""
-    if saved is None or saved == plan.describe():
+    read other data. Refused unless trainer.resume_allow_drift (checkpoints from before phases existed: not compared).
+    The last phase's length may change (trainer.max_steps), as it always could."""
+    if saved is None or _fixed(saved) == _fixed(plan.describe()):
         return
     msg = (f"the checkpoint's training phases {saved} differ from this run's {plan.describe()} (warmup.*, draft.path "
            "with warmup.mode=auto, or a phase length changed)")
