@@ -18,7 +18,7 @@ class Components:
     cfg: DictConfig
     accelerator: Any
     models: Any  # objectives.Models
-    objective: Any
+    objective: Any  # the main (last) phase's objective; a step trains phases.at(step).objective
     data: Any  # data.dataset.TokenizedData
     optimizer: torch.optim.Optimizer
     scheduler: Any

@@ -1,7 +1,9 @@
 """THE training loop: accumulate, normalise by the global loss-token count, step, log, evaluate, checkpoint.
 
 It never branches on the objective: an objective turns a batch into per-token losses (StepOutput) and everything
-else (normalisation, accumulation, clipping, schedule, logging, eval cadence, checkpoints, resume) lives here.
+else (normalisation, accumulation, clipping, schedule, logging, eval cadence, checkpoints, resume) lives here. Which
+objective, micro-batches and learning rate a step has comes from the run's phase plan (specdistill/phases.py: one
+phase, or recipe=draft_opd's warm-up then on-policy); a phase's end is logged, evaluated and checkpointed.
 """
 from __future__ import annotations
 
