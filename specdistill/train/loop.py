@@ -195,7 +195,7 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
                 if bar is not None:
                     bar.close()
                 phase = plan.at(step)
-                bar = _phase_bar(cfg, acc, phase, step, many=len(plan.phases) > 1)
+                bar = _phase_bar(c, phase, step, many=len(plan.phases) > 1)
                 roofline = None  # another objective: its FLOPs per token are counted on its first step
                 objective = phase.objective
             if stop.agreed(acc):  # before any work of the step (an on-policy step starts with rollouts)
@@ -374,14 +374,16 @@ def accumulate(c: Components, micro: list[dict], sums: dict, objective=None) -> 
     return n_local, n_global
 
 
-def _phase_bar(cfg, acc, phase: Phase, step: int, many: bool):
+def _phase_bar(c: Components, phase: Phase, step: int, many: bool):
     """The progress bar (with its ETA) of one phase: its own steps, from where a resume starts."""
+    cfg, acc = c.cfg, c.accelerator
     name = f"train {cfg.run_name}" + (f" [{phase.name}: {phase.objective.name}]" if many else "")
     if many:
-        acc.print(f"[train] phase {phase.name}: objective {phase.objective.name}, global steps {phase.start}-"
-                  f"{phase.end - 1} ({phase.steps} steps, {phase.batches.steps_per_epoch} per epoch of "
-                  f"{phase.batches.micro_batch_size} x {phase.batches.grad_accum}), lr {phase.lr:g} (its own warm-up "
-                  f"over {phase.warmup_steps} steps and cosine)")
+        source = c.data.report.get("source", "the training set")
+        acc.print(f"[train] phase {phase.name}: objective {phase.objective.name} on {source}, global steps "
+                  f"{phase.start}-{phase.end - 1} ({phase.steps} steps, {phase.batches.steps_per_epoch} per epoch of {phase.batches.micro_batch_size} x "
+                  f"{phase.batches.grad_accum}), lr {phase.lr:g} (its own warm-up over {phase.warmup_steps} steps, "
+                  "then cosine)")
     return tqdm(total=phase.steps, initial=phase.local(step), desc=name, disable=not acc.is_local_main_process,
                 dynamic_ncols=True)
 
