@@ -110,7 +110,8 @@ class PhasePlan:
 
     def describe(self) -> list[dict]:
         """What a checkpoint records of the plan (trainer_state.json) and a resume compares."""
-        return [{"name": p.name, "objective": p.objective.name, "start": p.start, "steps": p.steps} for p in self.phases]
+        return [{"name": p.name, "objective": p.objective.name, "start": p.start, "steps": p.steps}
+                for p in self.phases]
 
     # The phases' objectives' states, saved per rank with a checkpoint (train/checkpoint.py). One phase: that
     # objective's own state_dict, as before phases existed; several: keyed by phase name.

@@ -135,11 +135,15 @@ def test_two_phase_plan_steps_epochs_and_lr():
 
 
 def test_draft_path_skips_the_warmup(full_run):
-    """A trained head (here the hand-over checkpoint's) at draft.path: one phase, the on-policy one, from its weights."""
+    """A trained head (here the hand-over checkpoint's) at draft.path: one phase, the on-policy one."""
     _, _, dirs = full_run
     head = next(p for p in list_checkpoints(dirs[2] / "full") if p.name == "step-0000003") / "draft"
+    from specdistill.drafts import load_trained_draft
+
     c = build_components(_cfg(dirs, "warm", [f"draft.path={head}", "trainer.max_steps=1"]))
     assert [p.name for p in c.phases.phases] == ["main"] and c.phases.total_steps == 1
+    saved = load_trained_draft(head).state_dict()
+    assert all(torch.equal(v, saved[k]) for k, v in _weights(c).items())  # it starts from the head, not from scratch
     assert fit(c).step == 1
 
 

@@ -43,4 +43,5 @@ def make_objective(raw: Any, key: str = "objective") -> Any:
     return OmegaConf.to_object(merged)
 
 
-__all__ = ["OBJECTIVES", "validate_objective", "make_objective", "Models", "StepOutput", "KDObjective", "SFTObjective", "Eagle3Objective"]
+__all__ = ["OBJECTIVES", "validate_objective", "make_objective", "Models", "StepOutput", "KDObjective", "SFTObjective",
+           "Eagle3Objective"]

@@ -380,10 +380,11 @@ def _phase_bar(c: Components, phase: Phase, step: int, many: bool):
     name = f"train {cfg.run_name}" + (f" [{phase.name}: {phase.objective.name}]" if many else "")
     if many:
         source = c.data.report.get("source", "the training set")
+        b = phase.batches
         acc.print(f"[train] phase {phase.name}: objective {phase.objective.name} on {source}, global steps "
-                  f"{phase.start}-{phase.end - 1} ({phase.steps} steps, {phase.batches.steps_per_epoch} per epoch of {phase.batches.micro_batch_size} x "
-                  f"{phase.batches.grad_accum}), lr {phase.lr:g} (its own warm-up over {phase.warmup_steps} steps, "
-                  "then cosine)")
+                  f"{phase.start}-{phase.end - 1} ({phase.steps} steps, {b.steps_per_epoch} per epoch of "
+                  f"{b.micro_batch_size} x {b.grad_accum}), lr {phase.lr:g} (its own warm-up over {phase.warmup_steps} "
+                  "steps, then cosine)")
     return tqdm(total=phase.steps, initial=phase.local(step), desc=name, disable=not acc.is_local_main_process,
                 dynamic_ncols=True)
 

@@ -130,7 +130,8 @@ def test_recipe_trains_with_each_switch(switches, tiny_target_dir, tiny_data_fil
     from specdistill.train.loop import fit
 
     cfg = compose("draft_opd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "o", tmp_path / "cache")
-                  + ONPOLICY_ALONE + ["trainer.max_steps=2", "objective.max_new_tokens=8", "objective.gamma=3"] + switches)
+                  + ONPOLICY_ALONE + ["trainer.max_steps=2", "objective.max_new_tokens=8", "objective.gamma=3"]
+                  + switches)
     c = build(cfg)
     before = {k: v.clone() for k, v in c.models.draft.state_dict().items()}
     res = fit(c)
@@ -153,7 +154,8 @@ def test_warm_start_from_a_kd_checkpoint(tiny_target_dir, tiny_data_file, tmp_pa
     kd = fit(build(compose("kd", base + ["trainer.max_steps=1"])))
     path = kd.final_checkpoint / "draft"
     cfg = compose("draft_opd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "opd", tmp_path / "cache")
-                  + ONPOLICY_ALONE + ["trainer.max_steps=1", "objective.max_new_tokens=6", "draft=pretrained", f"draft.path={path}"])
+                  + ONPOLICY_ALONE + ["trainer.max_steps=1", "objective.max_new_tokens=6", "draft=pretrained",
+                                      f"draft.path={path}"])
     c = build(cfg)
     from specdistill.drafts import load_trained_draft
     warm = load_trained_draft(path).state_dict()
