@@ -199,3 +199,31 @@ def test_warmup_modes():
     assert [warmup_runs(cfg(m, "x")) for m in ("never", "auto", "always")] == [False, False, True]
     # an init that does not read draft.path (a draft built from the target) warms up under auto
     assert warmup_runs(OmegaConf.create({"warmup": {"mode": "auto"}, "draft": {"init": "from_target", "path": "x"}}))
+
+
+def test_one_command_reuses_the_serving_recipes_store_and_ends_served(tiny_target_dir, tiny_data_file, tmp_path):
+    """recipe=draft_opd as a user runs it, after recipe=eagle3_serve regenerated its data: the warm-up reads that very
+    store (nothing is decoded again: its data settings are eagle3_serve's), then on-policy, a final speculative eval
+    and the vLLM / SGLang exports of the final head, all in one output directory."""
+    from specdistill.pipeline.run import run
+
+    cache = tmp_path / "cache"
+    build_components(compose("eagle3_serve", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "serve",
+                                                            cache)))  # its regeneration stage only
+    (store,) = list((cache / "regenerated").iterdir())
+    stamps = {p.name: p.stat().st_mtime_ns for p in store.glob("part-*")}
+    out = tmp_path / "opd"
+    res = run(compose("draft_opd", tiny_overrides(tiny_target_dir, tiny_data_file, out, cache) + [
+        "warmup.steps=2", "warmup.epochs=null", "trainer.max_steps=2", "objective.max_new_tokens=6",
+        "objective.gamma=2", "eval.spec_eval=true", "eval.num_prompts=2", "eval.max_new_tokens=6",
+        "eval.prompts=" + str(tiny_data_file), "eval.gamma=2"]))
+    assert res.step == 4 and res.preempted is None
+    assert list((cache / "regenerated").iterdir()) == [store]
+    assert {p.name: p.stat().st_mtime_ns for p in store.glob("part-*")} == stamps  # reused, not decoded again
+    assert json.loads((out / "data_report.json").read_text())["source"] == f"regenerated:{store}"
+    final = json.loads((out / "eval" / "final" / "results.json").read_text())
+    assert final["greedy_mismatches"] == 0
+    for fmt in ("vllm", "sglang"):
+        assert json.loads((out / "export" / fmt / "config.json").read_text())["architectures"] == [
+            "LlamaForCausalLMEagle3"]
+    assert [p.name for p in list_checkpoints(out)] == ["step-0000002", "step-0000004"]  # the hand-over, the end
