@@ -212,6 +212,7 @@ class WarmupConfig:
     epochs: Optional[int] = None  # ... epochs over the training data (exactly one of the two)
     lr: Optional[float] = None  # null = trainer.lr
     warmup_steps: Optional[int] = None  # its LR warm-up; null = trainer.warmup_steps
+    schedule_steps: Optional[int] = None  # its cosine decay length; null = its own length
     micro_batch_size: Optional[int] = None  # null = trainer.micro_batch_size
     grad_accum: Optional[int] = None  # null = trainer.grad_accum
 

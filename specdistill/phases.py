@@ -8,7 +8,8 @@ The optimizer and schedule story, in one place:
   - ONE AdamW over the draft's parameters for the whole run: its moments carry across the hand-over.
   - The learning rate RESTARTS at every phase: phase k warms up linearly from 0 over its warmup_steps to its own lr,
     then decays by cosine to lr * trainer.min_lr_ratio at its horizon (the main phase's horizon is trainer.max_steps,
-    as it was before phases existed, even when trainer.epochs ends the phase sooner).
+    as it was before phases existed, even when trainer.epochs ends the phase sooner; the warm-up's is
+    warmup.schedule_steps, or its own length).
   - Phase k reads its own micro-batch stream from its first step: StepBatches(seed = trainer.seed + k), phase step
     s = global step - phase.start reads micro_batches(s). With the step it is a pure function, so a resume at any
     global step (inside a phase or on the boundary) reads what an uninterrupted run reads.
@@ -186,7 +187,7 @@ def plan_phases(cfg: DictConfig, objective, warmup_objective, train_set, pad_id:
         phases.append(Phase("warmup", warmup_objective, batches, 0, steps,
                             lr=w.lr if w.lr is not None else t.lr,
                             warmup_steps=w.warmup_steps if w.warmup_steps is not None else t.warmup_steps,
-                            horizon=steps, min_lr_ratio=t.min_lr_ratio))
+                            horizon=w.schedule_steps or steps, min_lr_ratio=t.min_lr_ratio))
     start = phases[-1].end if phases else 0
     offset = phases[-1].epochs if phases else 0
     batches = StepBatches(train_set, t.micro_batch_size, t.grad_accum, pad_id, t.seed + len(phases), rank, world)

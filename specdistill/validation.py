@@ -115,6 +115,7 @@ RANGES: dict[str, Range] = {
     "warmup.epochs": Range(1, nullable=True),
     "warmup.lr": Range(0, lo_open=True, nullable=True),
     "warmup.warmup_steps": Range(0, nullable=True),
+    "warmup.schedule_steps": Range(1, nullable=True),
     "warmup.micro_batch_size": Range(1, nullable=True),
     "warmup.grad_accum": Range(1, nullable=True),
     "hub.max_retries": NON_NEGATIVE,

@@ -18,6 +18,7 @@ from tests.conftest import compose, tiny_overrides
 # Weights are compared to the bit: without the roofline count, whose first step of each run runs under torch's
 # FlopCounterMode and so differs from an uncounted step by float rounding (~1e-8).
 RUN = ["warmup.steps=3", "warmup.epochs=null", "warmup.micro_batch_size=2", "warmup.warmup_steps=1",
+       "warmup.schedule_steps=null",
        "trainer.max_steps=3", "trainer.save_every=2", "trainer.keep_checkpoints=10", "trainer.lr=5e-3",
        "objective.max_new_tokens=6", "objective.gamma=2", "objective.replay_ratio=0.5", "trainer.export_formats=[]",
        "trainer.measure_roofline=false"]
@@ -62,6 +63,23 @@ def test_resume_equals_uninterrupted_across_the_hand_over(at, full_run):
     # the on-policy state too: the replay buffer holds the same positions with the same priorities
     a, b = full.objective.state.buffer, resumed.objective.state.buffer
     assert len(a) == len(b) > 0 and torch.equal(a.priorities(), b.priorities())
+
+
+def test_the_warmup_is_the_serving_recipes_training(full_run):
+    """recipe=eagle3_serve, run for the warm-up's 3 steps on the same data, ends with the hand-over head to the bit: the
+    warm-up is that recipe's training (data order, objective, batches, optimizer, LR), so a draft.path to its head is
+    the same start as the warm-up."""
+    from safetensors.torch import load_file
+
+    _, _, (target, data, root) = full_run
+    serve = compose("eagle3_serve", tiny_overrides(target, data, root / "serve", root / "cache") + [
+        "trainer.epochs=null", "trainer.max_steps=3", "trainer.grad_accum=1", "trainer.measure_roofline=false"])
+    res = fit(build_components(serve))
+    hand_over = next(p for p in list_checkpoints(root / "full") if p.name == "step-0000003")
+    want = load_file(res.final_checkpoint / "draft" / "model.safetensors")
+    got = load_file(hand_over / "draft" / "model.safetensors")
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
 
 
 def test_checkpoints_and_metrics_record_the_phase(full_run):
