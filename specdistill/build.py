@@ -10,6 +10,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.objectives import validate_objective
+from specdistill.phases import check_warmup, plan_phases
 
 
 @dataclass
@@ -17,11 +18,12 @@ class Components:
     cfg: DictConfig
     accelerator: Any
     models: Any  # objectives.Models
-    objective: Any
+    objective: Any  # the main (last) phase's objective; a step trains phases.at(step).objective
     data: Any  # data.dataset.TokenizedData
     optimizer: torch.optim.Optimizer
     scheduler: Any
     output_dir: Path
+    phases: Any = None  # phases.PhasePlan: the objective, data stream and LR of every step (one phase: `objective`)
 
 
 def make_accelerator(cfg: DictConfig):
@@ -74,7 +76,7 @@ def with_offline_features(cfg: DictConfig, target, data):
 def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = None) -> Components:
     """Components for a run. make_data(cfg, target, tokenizer, log) -> TokenizedData replaces reading cfg.data (the
     pipeline passes its regeneration stage when data.regenerate.enabled; build itself never regenerates)."""
-    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+    from torch.optim.lr_scheduler import LambdaLR
 
     from specdistill.data.dataset import build_data
     from specdistill.drafts import kind_for_init, reads_draft_path
@@ -84,6 +86,7 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
     from specdistill.validation import validate_config
 
     validate_config(cfg, log=(accelerator.print if accelerator is not None else print))  # before loading anything
+    warmup = check_warmup(cfg)  # the warm-up phase's objective (None: no warm-up), bad phase settings fail here
     if cfg.draft.path and reads_draft_path(cfg.draft.init):  # a warm start from a corrupt draft is refused
         from specdistill.files import check_draft_folder
 
@@ -121,10 +124,13 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
     t = cfg.trainer
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=t.lr,
                                   betas=tuple(t.betas), weight_decay=t.weight_decay)
-    scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, t.warmup_steps, max(t.max_steps, 1),
-                                                            min_lr_rate=t.min_lr_ratio)
+    plan = plan_phases(cfg, objective, warmup, data.train, tokenizer.pad_token_id, accelerator.process_index,
+                       accelerator.num_processes)
+    # One optimizer for every phase; the LR restarts per phase (phases.py). A plain function as the lambda: LambdaLR
+    # then saves only its step counter, and the schedule comes from the config on resume.
+    scheduler = LambdaLR(optimizer, lambda step: plan.lr_factor(step))
     draft, optimizer = accelerator.prepare(draft, optimizer)
     # Not prepared: accelerate's scheduler wrapper steps num_processes times per step; we step once per update.
     accelerator.register_for_checkpointing(scheduler)
     return Components(cfg, accelerator, Models(draft, target, tokenizer), objective, data, optimizer, scheduler,
-                      Path(cfg.trainer.output_dir))
+                      Path(cfg.trainer.output_dir), plan)

@@ -204,12 +204,32 @@ class HubConfig:
 
 
 @dataclass
+class WarmupConfig:
+    """A phase before `objective` (specdistill/phases.py): recipe=draft_opd warms its EAGLE-3 head up off-policy
+    (recipe eagle3_serve's objective on its regenerated data) before the on-policy phase, in one run and one output
+    directory. One AdamW for the whole run (moments carry over); the LR schedule restarts at the hand-over: each phase
+    warms up linearly over its warmup_steps to its lr and decays by cosine to lr * trainer.min_lr_ratio over its
+    horizon (warmup.schedule_steps or its length; then trainer.max_steps). trainer.max_steps / trainer.epochs are the
+    length of the phase after the warm-up (`objective`)."""
+    mode: str = "never"  # never | auto (run it unless draft.path holds a trained draft) | always
+    objective: Any = None  # the warm-up's objective, as `objective` (e.g. {name: eagle3, steps: 4, decay: 0.8})
+    steps: Optional[int] = None  # its length: optimizer steps, or ...
+    epochs: Optional[int] = None  # ... epochs over the training data (exactly one of the two)
+    lr: Optional[float] = None  # null = trainer.lr
+    warmup_steps: Optional[int] = None  # its LR warm-up; null = trainer.warmup_steps
+    schedule_steps: Optional[int] = None  # its cosine decay length; null = its own length
+    micro_batch_size: Optional[int] = None  # null = trainer.micro_batch_size
+    grad_accum: Optional[int] = None  # null = trainer.grad_accum
+
+
+@dataclass
 class Config:
     run_name: str = "default"
     target: TargetConfig = field(default_factory=TargetConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     data: DataConfig = field(default_factory=DataConfig)
     objective: Any = MISSING  # validated against the chosen objective's dataclass in objectives.validate_objective
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)  # an optional phase before `objective`
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     hub: HubConfig = field(default_factory=HubConfig)

@@ -112,6 +112,13 @@ RANGES: dict[str, Range] = {
     "eval.warmup_prompts": NON_NEGATIVE,
     "eval.position_bucket": POSITIVE,
     "eval.threads": Range(1, nullable=True),
+    "warmup.steps": Range(1, nullable=True),
+    "warmup.epochs": Range(1, nullable=True),
+    "warmup.lr": Range(0, lo_open=True, nullable=True),
+    "warmup.warmup_steps": Range(0, nullable=True),
+    "warmup.schedule_steps": Range(1, nullable=True),
+    "warmup.micro_batch_size": Range(1, nullable=True),
+    "warmup.grad_accum": Range(1, nullable=True),
     "hub.max_retries": NON_NEGATIVE,
     "hub.backoff_s": NON_NEGATIVE,
 }

@@ -31,17 +31,20 @@ import sys
 import time
 from pathlib import Path
 
+# recipe=draft_opd's on-policy phase alone (no warm-up, the benchmark's --data, a standalone draft, no EAGLE-3 export):
+# like every other variant, it trains from the benchmark's own start (--override draft.path=... / --opd-warm-start)
+OPD = ["warmup.mode=never", "data.regenerate.enabled=false", "draft=from_target", "trainer.export_formats=[]"]
 VARIANTS = {
     "init": None,  # the untrained from_target draft (no training)
     "init_eagle3": None,  # the untrained EAGLE-3 head of the eagle3 recipe (no training)
     "kd": ("kd", []),
     "eagle3": ("eagle3", []),
-    "draft_opd": ("draft_opd", []),
-    "draft_opd_no_replay": ("draft_opd", ["objective.replay=false"]),
-    "draft_opd_no_weighting": ("draft_opd", ["objective.weighting=none"]),
-    "draft_opd_no_assist": ("draft_opd", ["objective.assist=false"]),
-    "draft_opd_kd_mix": ("draft_opd", ["objective.kd_weight=1.0"]),
-    "draft_opd_eagle3": ("draft_opd", ["draft=eagle3", "objective.replay=false"]),
+    "draft_opd": ("draft_opd", OPD),
+    "draft_opd_no_replay": ("draft_opd", OPD + ["objective.replay=false"]),
+    "draft_opd_no_weighting": ("draft_opd", OPD + ["objective.weighting=none"]),
+    "draft_opd_no_assist": ("draft_opd", OPD + ["objective.assist=false"]),
+    "draft_opd_kd_mix": ("draft_opd", OPD + ["objective.kd_weight=1.0"]),
+    "draft_opd_eagle3": ("draft_opd", OPD + ["draft=eagle3", "objective.replay=false"]),
 }
 INIT_RECIPES = {"init": "kd", "init_eagle3": "eagle3"}  # whose draft group builds each untrained baseline
 OFF_POLICY_VARIANTS = ("kd", "eagle3")  # the variants trained on the data alone (no rollouts)

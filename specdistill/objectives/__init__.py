@@ -20,12 +20,18 @@ OBJECTIVES["moe_opd"] = MoEOPDObjective
 def validate_objective(cfg: DictConfig) -> Any:
     """Turn cfg.objective into its objective's dataclass; unknown keys or names fail with the fix in the message."""
     raw = OmegaConf.to_container(cfg.objective, resolve=True) if isinstance(cfg.objective, DictConfig) else cfg.objective
+    return make_objective(raw, "objective")
+
+
+def make_objective(raw: Any, key: str = "objective") -> Any:
+    """An objective's dataclass from a mapping with a `name` (cfg.objective, or a phase's: warmup.objective);
+    `key` names the config key in the errors."""
     if not isinstance(raw, dict) or "name" not in raw:
-        raise ValueError("objective must be a mapping with a `name`; pick one with objective=<name>, "
+        raise ValueError(f"{key} must be a mapping with a `name`; pick one with {key}=<name>, "
                          f"one of {sorted(OBJECTIVES)}")
     name = raw["name"]
     if name not in OBJECTIVES:
-        raise ValueError(f"unknown objective {name!r}; choose one of {sorted(OBJECTIVES)}")
+        raise ValueError(f"unknown objective {key}.name={name!r}; choose one of {sorted(OBJECTIVES)}")
     cls = OBJECTIVES[name]
     schema = OmegaConf.structured(cls)
     OmegaConf.set_struct(schema, True)
@@ -33,8 +39,9 @@ def validate_objective(cfg: DictConfig) -> Any:
         merged = OmegaConf.merge(schema, raw)
     except Exception as e:  # omegaconf's ConfigKeyError / ValidationError
         known = sorted(k for k in schema.keys())
-        raise ValueError(f"bad objective config for {name!r}: {e}. Known keys: {known}") from None
+        raise ValueError(f"bad {key} config for {name!r}: {e}. Known keys: {known}") from None
     return OmegaConf.to_object(merged)
 
 
-__all__ = ["OBJECTIVES", "validate_objective", "Models", "StepOutput", "KDObjective", "SFTObjective", "Eagle3Objective"]
+__all__ = ["OBJECTIVES", "validate_objective", "make_objective", "Models", "StepOutput", "KDObjective", "SFTObjective",
+           "Eagle3Objective"]

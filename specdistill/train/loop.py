@@ -1,7 +1,9 @@
 """THE training loop: accumulate, normalise by the global loss-token count, step, log, evaluate, checkpoint.
 
 It never branches on the objective: an objective turns a batch into per-token losses (StepOutput) and everything
-else (normalisation, accumulation, clipping, schedule, logging, eval cadence, checkpoints, resume) lives here.
+else (normalisation, accumulation, clipping, schedule, logging, eval cadence, checkpoints, resume) lives here. Which
+objective, micro-batches and learning rate a step has comes from the run's phase plan (specdistill/phases.py: one
+phase, or recipe=draft_opd's warm-up then on-policy); a phase's end is logged, evaluated and checkpointed.
 """
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from specdistill.build import Components
+from specdistill.phases import Phase, check_resume_phases
 from specdistill.data.chat import collate
-from specdistill.data.loader import StepBatches
 from specdistill.eval.simulated import simulated_acceptance
 from specdistill.train.checkpoint import check_resume_config, list_checkpoints, load_checkpoint, save_checkpoint
 from specdistill.train.integrity import select_resume
@@ -127,11 +129,9 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
     an epoch end or of the end of training is complete (the hub push plugs in there); with such hooks a checkpoint is
     written at every epoch end."""
     cfg, acc, t = c.cfg, c.accelerator, c.cfg.trainer
-    draft, objective, opt, sched = c.models.draft, c.objective, c.optimizer, c.scheduler
+    draft, plan, opt, sched = c.models.draft, c.phases, c.optimizer, c.scheduler
     out_dir = c.output_dir
-    batches = StepBatches(c.data.train, t.micro_batch_size, t.grad_accum, c.models.tokenizer.pad_token_id, t.seed,
-                          acc.process_index, acc.num_processes)
-    max_steps = t.max_steps if t.epochs is None else min(t.max_steps, t.epochs * batches.steps_per_epoch)
+    max_steps = plan.total_steps  # every phase's steps (phases.py: the objective, data and LR of each step)
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     resume_from = select_resume(t.resume, out_dir, acc, log=acc.print)  # verified; corrupt ones moved aside
     if resume_from is None and list_checkpoints(out_dir):
@@ -140,6 +140,8 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
                               "(nothing is overwritten)")
     if resume_from is not None:  # a resume that would not be exact is refused before anything else happens
         check_resume_config(resume_from, config_yaml, t.resume_allow_drift, log=acc.print)
+        check_resume_phases(json.loads((resume_from / "trainer_state.json").read_text()).get("phases"), plan,
+                            t.resume_allow_drift, log=acc.print)
     done = finished_run(resume_from, max_steps, out_dir)
     if done is not None:  # a finished run: every result file stays as it is
         acc.print(nothing_to_do_message(done, out_dir, max_steps))
@@ -156,7 +158,7 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
     t_fit, wall_before = time.perf_counter(), 0.0  # training wall clock, carried across resumes (learning curves)
     result = FitResult(0, None)
     if resume_from is not None:
-        state = load_checkpoint(acc, resume_from, objective)
+        state = load_checkpoint(acc, resume_from, plan)  # every phase's objective state
         step, tokens_seen = state["step"], state["tokens_seen"]
         wall_before = float(state.get("wall_s", 0.0))
         last_saved = step
@@ -178,16 +180,24 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
     latest: dict = {}
 
     def save() -> Path:
-        state = {"step": step, "epoch": batches.epoch_of(max(step - 1, 0)), "tokens_seen": tokens_seen,
+        now = plan.at(max(step - 1, 0))  # the phase of the last step taken (at a hand-over: the one that ended)
+        state = {"step": step, "epoch": plan.epoch_of(max(step - 1, 0)), "tokens_seen": tokens_seen,
+                 "phase": now.name, "phase_step": now.local(step), "phases": plan.describe(),
                  "heldout_before": result.heldout_before, "wall_s": wall_before + time.perf_counter() - t_fit}
         return save_checkpoint(acc, draft, c.models.tokenizer, out_dir, step, state, latest, config_yaml,
-                               keep=t.keep_checkpoints, objective=objective)
+                               keep=t.keep_checkpoints, objective=plan)
 
-    bar = tqdm(total=max_steps, initial=step, desc=f"train {cfg.run_name}", disable=not acc.is_local_main_process,
-               dynamic_ncols=True)
+    phase, bar = None, None
     draft.train()
     with StopSignal() as stop:
         while step < max_steps:
+            if plan.at(step) is not phase:  # the run's start, or a hand-over: the next phase's bar, objective, data
+                if bar is not None:
+                    bar.close()
+                phase = plan.at(step)
+                bar = _phase_bar(c, phase, step, many=len(plan.phases) > 1)
+                roofline = None  # another objective: its FLOPs per token are counted on its first step
+                objective = phase.objective
             if stop.agreed(acc):  # before any work of the step (an on-policy step starts with rollouts)
                 if step > last_saved:
                     result.final_checkpoint = save()
@@ -195,19 +205,20 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
                 acc.print(f"[train] {result.preempted}: stopped at step {step}, checkpoint {result.final_checkpoint}; "
                           "continue with trainer.resume=auto")
                 break
-            micro = [_to_device(b, acc.device) for b in batches.micro_batches(step)]
+            micro = [_to_device(b, acc.device) for b in phase.batches.micro_batches(phase.local(step))]
             # One micro-batch at a time, the gradient that of the mean over the step's global loss tokens (accumulate).
             if peak_gflops is not None and roofline is None:  # the first step is counted (its window includes
-                counted = count_flops(lambda: accumulate(c, micro, sums))  # the counter's small dispatch overhead)
+                counted = count_flops(lambda: accumulate(c, micro, sums, objective))  # the counter's small overhead)
                 n_local, n_global = counted.result
                 roofline = Roofline(peak_gflops, counted.flops / max(float(n_local), 1.0))
                 acc.print(f"[train] {roofline.flops_per_token / 1e6:.1f} MFLOP per loss token (forward + backward, "
                           f"torch's FlopCounterMode); matmul peak {peak_gflops:.1f} GFLOPS ({t.mixed_precision})")
             else:
-                n_local, n_global = accumulate(c, micro, sums)
+                n_local, n_global = accumulate(c, micro, sums, objective)
             sums["tokens"] = sums.get("tokens", 0) + n_local.float()
             sums["input_tokens"] = sums.get("input_tokens", 0) + sum(b["attention_mask"].sum() for b in micro).float()
             grad_norm = acc.clip_grad_norm_(draft.parameters(), t.max_grad_norm) if t.max_grad_norm > 0 else None
+            lr = sched.get_last_lr()[0]  # the learning rate of this step (logged; sched.step() moves to the next's)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
@@ -217,9 +228,10 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
             steps_window += 1
             bar.update(1)
 
-            epoch_done = step % batches.steps_per_epoch == 0
+            epoch_done = phase.epoch_done(step)  # an epoch of the phase's data, or the phase itself, is done
+            phase_done = step == phase.end  # a hand-over (or the end): log, evaluate and checkpoint here
             last = step == max_steps
-            if step % t.log_every == 0 or last:
+            if step % t.log_every == 0 or phase_done:
                 keys = sorted(sums)
                 totals = acc.reduce(torch.stack([torch.as_tensor(sums[k], device=acc.device) for k in keys]), "sum")
                 red = dict(zip(keys, totals.tolist()))
@@ -227,13 +239,15 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
                 n_input = red.pop("input_tokens")
                 elapsed = time.perf_counter() - t_window
                 latest = ratios(red, ntok)
-                latest.update({"train/lr": sched.get_last_lr()[0], "train/tokens_per_s": tok_window / elapsed,
+                latest.update({"train/lr": lr, "train/tokens_per_s": tok_window / elapsed,
                                "train/input_tokens_per_s": n_input / elapsed,
                                "train/s_per_step": elapsed / steps_window,
                                "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                                "train/peak_mem_mb": peak_memory_mb(acc.device), "step": step,
-                               "epoch": batches.epoch_of(step - 1), "tokens_seen": tokens_seen,
-                               "wall_s": wall_before + time.perf_counter() - t_fit})
+                               "epoch": plan.epoch_of(step - 1), "tokens_seen": tokens_seen,
+                               "wall_s": wall_before + time.perf_counter() - t_fit, "phase": phase.name,
+                               "phase_step": phase.local(step),
+                               "eta_phase_s": elapsed / steps_window * (phase.end - step)})
                 if roofline is not None:
                     latest.update(roofline.metrics(latest["train/tokens_per_s"]))
                 bar.set_postfix(loss=f"{latest.get('train/loss', math.nan):.4f}",
@@ -242,14 +256,15 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
                 _log(acc, latest, step, metrics_file)
                 sums, t_window, tok_window, steps_window = {}, time.perf_counter(), 0, 0
             t_pause = time.perf_counter()  # eval and checkpoint time is kept out of tokens/s and s/step
-            if (t.eval_every and step % t.eval_every == 0) or last:
+            if (t.eval_every and step % t.eval_every == 0) or phase_done:
                 latest.update(evaluate_heldout(c))
-                _log(acc, {k: v for k, v in latest.items() if k.startswith("heldout/")}, step, metrics_file)
+                _log(acc, {"phase": phase.name, **{k: v for k, v in latest.items() if k.startswith("heldout/")}},
+                     step, metrics_file)
             hook_error = None
-            if epoch_done or last:
+            if epoch_done:
                 for hook in epoch_end_hooks:
                     try:
-                        latest.update(hook(c, batches.epoch_of(step - 1), step))
+                        latest.update(hook(c, plan.epoch_of(step - 1), step))
                     except Exception as e:  # noqa: BLE001 - re-raised below, once the trained weights are saved
                         hook_error = hook_error or e
                         acc.print(f"[train] epoch-end hook {getattr(hook, '__name__', hook)} failed at step {step}: "
@@ -258,18 +273,19 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
                 failed = acc.reduce(torch.tensor(float(hook_error is not None), device=acc.device), "sum").item() > 0
             else:
                 failed = False
-            if step % t.save_every == 0 or last or (epoch_done and checkpoint_hooks) or failed:
+            if step % t.save_every == 0 or phase_done or (epoch_done and checkpoint_hooks) or failed:
                 result.final_checkpoint = save()
                 last_saved = step
-                if epoch_done or last:
-                    saved = Saved(result.final_checkpoint, batches.epoch_of(step - 1), step, last, dict(latest))
+                if epoch_done:
+                    saved = Saved(result.final_checkpoint, plan.epoch_of(step - 1), step, last, dict(latest))
                     for hook in checkpoint_hooks:
                         hook(c, saved)
             if failed:
                 raise hook_error if hook_error is not None else RuntimeError(
                     f"an epoch-end hook failed on another rank at step {step}; checkpoint {result.final_checkpoint}")
             t_window += time.perf_counter() - t_pause
-    bar.close()
+    if bar is not None:
+        bar.close()
     result.step = step
     result.heldout_after = {k: v for k, v in latest.items() if k.startswith("heldout/")} or None
     if acc.is_main_process:
@@ -289,7 +305,7 @@ def _global_sum(acc, n) -> torch.Tensor:
     return acc.reduce(torch.as_tensor(n, device=acc.device).detach().clone(), "sum")
 
 
-def accumulate(c: Components, micro: list[dict], sums: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def accumulate(c: Components, micro: list[dict], sums: dict, objective=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of one optimizer step's micro-batches, ONE at a time: a micro-batch is prepared (Draft-OPD:
     its rollout), its loss backpropagated and dropped before the next one is prepared, so only one micro-batch's
     prepared work (rollouts with their target logits) is resident. Metric sums are added to `sums`. Returns
@@ -310,7 +326,8 @@ def accumulate(c: Components, micro: list[dict], sums: dict) -> tuple[torch.Tens
       optimizer inside the last backward, so there (ZeRO-1/2; Draft-OPD refuses sharded drafts) every micro-batch is
       prepared first and held until its backward, as before: exact, but all of a step's rollouts are alive at once.
     """
-    acc, objective, draft, world = c.accelerator, c.objective, c.models.draft, c.accelerator.num_processes
+    acc, draft, world = c.accelerator, c.models.draft, c.accelerator.num_processes
+    objective = objective if objective is not None else c.objective  # the step's phase's objective
     before = [objective.num_tokens_before_prepare(b) for b in micro]
     known = all(n is not None for n in before)
     scale = n_est = None
@@ -355,6 +372,21 @@ def accumulate(c: Components, micro: list[dict], sums: dict) -> tuple[torch.Tens
                 param.grad.mul_(factor.to(param.grad.dtype))
     n_local = torch.as_tensor(n_local, device=acc.device)
     return n_local, n_global
+
+
+def _phase_bar(c: Components, phase: Phase, step: int, many: bool):
+    """The progress bar (with its ETA) of one phase: its own steps, from where a resume starts."""
+    cfg, acc = c.cfg, c.accelerator
+    name = f"train {cfg.run_name}" + (f" [{phase.name}: {phase.objective.name}]" if many else "")
+    if many:
+        source = c.data.report.get("source", "the training set")
+        b = phase.batches
+        acc.print(f"[train] phase {phase.name}: objective {phase.objective.name} on {source}, global steps "
+                  f"{phase.start}-{phase.end - 1} ({phase.steps} steps, {b.steps_per_epoch} per epoch of "
+                  f"{b.micro_batch_size} x {b.grad_accum}), lr {phase.lr:g} (its own warm-up over {phase.warmup_steps} "
+                  "steps, then cosine)")
+    return tqdm(total=phase.steps, initial=phase.local(step), desc=name, disable=not acc.is_local_main_process,
+                dynamic_ncols=True)
 
 
 def _deepspeed(acc) -> bool:

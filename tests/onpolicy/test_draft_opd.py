@@ -13,7 +13,7 @@ from specdistill.objectives import Models
 from specdistill.objectives.draft_opd import DraftOPDObjective
 from specdistill.onpolicy.rollout import FIRST_REJECTED
 from specdistill.onpolicy.weights import reach_weights
-from tests.conftest import compose, tiny_overrides
+from tests.conftest import ONPOLICY_ALONE, compose, tiny_overrides
 from tests.onpolicy.conftest import CountingTarget, perturb, tiny_lm
 
 
@@ -130,7 +130,8 @@ def test_recipe_trains_with_each_switch(switches, tiny_target_dir, tiny_data_fil
     from specdistill.train.loop import fit
 
     cfg = compose("draft_opd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "o", tmp_path / "cache")
-                  + ["trainer.max_steps=2", "objective.max_new_tokens=8", "objective.gamma=3"] + switches)
+                  + ONPOLICY_ALONE + ["trainer.max_steps=2", "objective.max_new_tokens=8", "objective.gamma=3"]
+                  + switches)
     c = build(cfg)
     before = {k: v.clone() for k, v in c.models.draft.state_dict().items()}
     res = fit(c)
@@ -153,7 +154,8 @@ def test_warm_start_from_a_kd_checkpoint(tiny_target_dir, tiny_data_file, tmp_pa
     kd = fit(build(compose("kd", base + ["trainer.max_steps=1"])))
     path = kd.final_checkpoint / "draft"
     cfg = compose("draft_opd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "opd", tmp_path / "cache")
-                  + ["trainer.max_steps=1", "objective.max_new_tokens=6", "draft=pretrained", f"draft.path={path}"])
+                  + ONPOLICY_ALONE + ["trainer.max_steps=1", "objective.max_new_tokens=6", "draft=pretrained",
+                                      f"draft.path={path}"])
     c = build(cfg)
     from specdistill.drafts import load_trained_draft
     warm = load_trained_draft(path).state_dict()
@@ -227,7 +229,7 @@ def test_resume_equals_uninterrupted_with_replay_and_a_cached_rollout(draft, tem
 
     def run(name, extra=()):
         cfg = compose("draft_opd", tiny_overrides(target, tiny_data_file, tmp_path / name, tmp_path / "cache")
-                      + ["trainer.max_steps=4", "trainer.save_every=2", "trainer.keep_checkpoints=5",
+                      + ONPOLICY_ALONE + ["trainer.max_steps=4", "trainer.save_every=2", "trainer.keep_checkpoints=5",
                          "trainer.grad_accum=2", "trainer.micro_batch_size=1", "objective.max_new_tokens=6",
                          "objective.gamma=3", "objective.rollout_every=3", "objective.replay_ratio=0.5",
                          f"objective.temperature={temperature}",

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.conftest import tiny_overrides
+from tests.conftest import ONPOLICY_ALONE, tiny_overrides
 from tests.scaleout.conftest import BIN, STEPS, assert_matches_reference, run_cmd, subprocess_env
 
 pytestmark = pytest.mark.slow  # real multi-process launches (deselect with -m "not slow")
@@ -32,7 +32,7 @@ def test_draft_opd_under_ddp_rolls_out_per_rank_and_keeps_replicas_identical(tin
     draft: no collectives), then one DDP forward per micro-batch syncs gradients: no hang, identical replicas, and
     each rank's replay buffer is checkpointed as its own objective state."""
     out = tmp_path / "opd2"
-    over = tiny_overrides(tiny_target_dir, tiny_data_file, out, tmp_path / "cache") + [
+    over = tiny_overrides(tiny_target_dir, tiny_data_file, out, tmp_path / "cache") + ONPOLICY_ALONE + [
         "trainer.max_steps=2", "trainer.save_every=2", "objective.max_new_tokens=6", "objective.gamma=3"]
     proc = run_cmd([str(BIN / "accelerate"), "launch", "--config_file", "specdistill/conf/accelerate/ddp.yaml",
                     "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
