@@ -26,7 +26,8 @@ def test_a_variant_is_reevaluated_from_its_saved_draft_by_its_kind(name, recipe,
 # ------------------------------------------------------------------------------------------------ the head benchmark
 def test_checkpoint_steps_are_the_budget_fractions_of_one_run():
     assert bench.checkpoint_steps([0.5, 1.0], 40) == [20, 40]
-    assert bench.checkpoint_steps([0.25, 0.5, 1.0], 3) == [1, 2, 3]  # at least one step, distinct, the last one last
+    assert bench.checkpoint_steps([0.25, 0.5, 1.0], 3) == [1, 2, 3]  # at least one step, the last one last
+    assert bench.checkpoint_steps([0.1, 0.2, 1.0], 4) == [1, 1, 4]  # one per fraction: the points stay aligned
     assert bench.checkpoint_steps([0.3, 1.0], 75, quantum=4) == [24, 75]  # multiples of the quantum, but the end
 
 
@@ -79,6 +80,7 @@ def test_head_arms_at_equal_target_tokens_scored_at_two_budget_points(head_bench
     opd, off = res["draft_opd_eagle3"], res["eagle3_regen"]
     # one run per arm, scored at its checkpoints; the on-policy reference's target tokens are the off-policy budget
     assert [p["steps"] for p in opd["points"]] == [1, 2]
+    assert [p["fraction"] for p in off["points"]] == [0.5, 1.0]  # the reference's fractions of the token budget
     assert opd["points"][0]["target_forward_tokens"] < opd["points"][1]["target_forward_tokens"]
     for p_off, p_opd in zip(off["points"], opd["points"]):
         assert p_off["target_forward_tokens"] >= p_opd["target_forward_tokens"]  # the first step that reaches it

@@ -186,9 +186,9 @@ def steps_for_target_tokens(c, budgets: list[int], cap: int) -> list[int]:
 
 def checkpoint_steps(fractions: list[float], steps: int, quantum: int = 1) -> list[int]:
     """The steps at which a run of `steps` optimizer steps is scored: f x steps for each fraction, rounded to a
-    multiple of `quantum` (fewer checkpoints to write), at least one step, distinct, the last one `steps`."""
-    marks = [max(quantum, round(f * steps / quantum) * quantum) for f in fractions[:-1]] + [steps]
-    return sorted(set(m for m in marks if m <= steps))
+    multiple of `quantum` (fewer checkpoints to write), at least one step, the last one `steps`: one per fraction
+    (two fractions of a short run can share a step)."""
+    return [min(steps, max(quantum, round(f * steps / quantum) * quantum)) for f in fractions[:-1]] + [steps]
 
 
 def _objective_target_tokens(checkpoint: Path) -> int:
@@ -266,7 +266,7 @@ def train(args, name: str, steps: int, log=print, marks: list[int] | None = None
         c = build(cfg)
         res = fit(c)
         by_step = {int(p.name.split("-")[1]): p for p in list_checkpoints(run_dir)}
-        points = [_point(c, recipe, by_step[m], m / steps) for m in marks]
+        points = [_point(c, recipe, by_step[m], f) for m, f in zip(marks, args.checkpoints_at)]
         cap_reached = False
         for step, p in by_step.items():  # checkpoints that are no budget point: not kept
             if step not in marks:
