@@ -148,6 +148,10 @@ class TrainerConfig:
     # EAGLE-3 heads: serving exports written from the final checkpoint into <output_dir>/export/<format>
     # (vllm | sglang | speculators; validated by specdistill.export). [] = none.
     export_formats: list[str] = field(default_factory=list)
+    # A wall-clock budget: stop (with a resumable checkpoint) once the run's training wall time, carried across resumes
+    # as the logs' wall_s, reaches this many minutes (null = no limit; max_steps still applies). specdistill-bench's
+    # equal-wall-time budget.
+    max_minutes: Optional[float] = None
 
 
 @dataclass

@@ -95,6 +95,7 @@ RANGES: dict[str, Range] = {
     "trainer.keep_checkpoints": NON_NEGATIVE,  # 0 = keep all
     "trainer.eval_every": NON_NEGATIVE,  # 0 = only at the end
     "trainer.threads": Range(1, nullable=True),
+    "trainer.max_minutes": Range(0, lo_open=True, nullable=True),
     "eval.gamma": NON_NEGATIVE,
     "eval.max_batches": POSITIVE,
     "eval.num_prompts": Range(1, nullable=True),

@@ -7,9 +7,11 @@ the real speculative evaluator (specdistill.eval) on MT-bench at gamma 4, temper
 
 Variants: kd, eagle3, draft_opd and its ablations (no_replay: objective.replay=false, no_weighting:
 objective.weighting=none, no_assist: objective.assist=false), optionally draft_opd_kd_mix (objective.kd_weight=1:
-on-policy plus KD on the data batch) and draft_opd_eagle3 (an EAGLE-3 head trained on-policy, no replay), `init` (the
-untrained from_target draft every standalone variant starts from) and `init_eagle3` (the head eagle3 and
-draft_opd_eagle3 start from). A warm start for all of them: --override draft.path=... (and --opd-warm-start for a
+on-policy plus KD on the data batch), `init` (the untrained from_target draft every standalone variant starts from) and
+`init_eagle3` (the untrained head of recipe eagle3). From one EAGLE-3 head (--variants head, with --override
+draft.path=<head>): eagle3_regen (recipe eagle3_serve's off-policy objective on its regenerated data, the cached store
+reused) against draft_opd_eagle3 (Draft-OPD on the head, replay on) and its _no_replay / _no_weighting / _no_assist
+ablations. A warm start for all of them: --override draft.path=... (and --opd-warm-start for a
 standalone draft when the EAGLE-3 variants run alongside). Variants can run in parallel processes with separate
 --out folders and the same knobs; --merge then joins them into one table.
 
@@ -19,13 +21,24 @@ Compute budget (--budget, recorded per run in results.json):
   target_tokens  draft_opd (the full variant) runs --steps steps first; every other variant then gets as many
                  steps as it takes to run the target over the same number of tokens (kd / eagle3: one target forward
                  per micro-batch over its tokens; draft_opd: prefill + verification tokens of the rollouts).
-Either way each run records optimizer steps, target-forward tokens, trained positions and wall seconds.
-Writes <out>/results.json, <out>/results.md, <out>/tau.png; each run's checkpoints under <out>/runs/<variant>/.
+  wall_time      every variant trains until --minutes of training wall time (trainer.max_minutes; --steps is then the
+                 step cap and the LR schedule's horizon). Run the variants one after another on the same machine.
+--checkpoints-at F1 F2 ..: each variant's ONE run is scored at those fractions of its budget (its checkpoints at
+f x steps / f x the on-policy reference's target tokens / f x minutes: a wall-time run is stopped at each fraction,
+scored, and resumed exactly), so the trend with the budget shows without retraining.
+Scoring: the real evaluator at each --temperatures under --draft-policy (greedy: the serving engines' policy), tau and
+a_k overall and per prompt category, and each arm's tau against the best off-policy arm at the same budget point as a
+paired bootstrap interval over prompts (specdistill.eval.compare, the code of scripts/compare_evals.py).
+Each run records optimizer steps, target-forward tokens, trained positions and wall seconds.
+Writes <out>/results.json, <out>/results.md (with the command), <out>/tau.png and <out>/tau_vs_budget.png; each
+run's checkpoints under <out>/runs/<variant>/.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import shlex
 import shutil
 import sys
 import time
@@ -34,6 +47,7 @@ from pathlib import Path
 # recipe=draft_opd's on-policy phase alone (no warm-up, the benchmark's --data, a standalone draft, no EAGLE-3 export):
 # like every other variant, it trains from the benchmark's own start (--override draft.path=... / --opd-warm-start)
 OPD = ["warmup.mode=never", "data.regenerate.enabled=false", "draft=from_target", "trainer.export_formats=[]"]
+OPD_HEAD = ["warmup.mode=never", "draft=eagle3", "trainer.export_formats=[]"]  # the on-policy phase of an EAGLE-3 head
 VARIANTS = {
     "init": None,  # the untrained from_target draft (no training)
     "init_eagle3": None,  # the untrained EAGLE-3 head of the eagle3 recipe (no training)
@@ -44,22 +58,37 @@ VARIANTS = {
     "draft_opd_no_weighting": ("draft_opd", OPD + ["objective.weighting=none"]),
     "draft_opd_no_assist": ("draft_opd", OPD + ["objective.assist=false"]),
     "draft_opd_kd_mix": ("draft_opd", OPD + ["objective.kd_weight=1.0"]),
-    "draft_opd_eagle3": ("draft_opd", OPD + ["draft=eagle3", "objective.replay=false"]),
+    # From a strong EAGLE-3 head (--override draft.path=<head>): the off-policy continuation on recipe eagle3_serve's
+    # regenerated data (its data.regenerate store, reused from the cache) against Draft-OPD and its ablations, whose
+    # rollouts start from the same store's prompts (recipe draft_opd's on-policy phase, no warm-up).
+    "eagle3_regen": ("eagle3_serve", ["trainer.epochs=null", "trainer.export_formats=[]"]),
+    "draft_opd_eagle3": ("draft_opd", OPD_HEAD),
+    "draft_opd_eagle3_no_replay": ("draft_opd", OPD_HEAD + ["objective.replay=false"]),
+    "draft_opd_eagle3_no_weighting": ("draft_opd", OPD_HEAD + ["objective.weighting=none"]),
+    "draft_opd_eagle3_no_assist": ("draft_opd", OPD_HEAD + ["objective.assist=false"]),
 }
 INIT_RECIPES = {"init": "kd", "init_eagle3": "eagle3"}  # whose draft group builds each untrained baseline
-OFF_POLICY_VARIANTS = ("kd", "eagle3")  # the variants trained on the data alone (no rollouts)
+OFF_POLICY_VARIANTS = ("kd", "eagle3", "eagle3_regen")  # the variants trained on the data alone (no rollouts)
 DEFAULT = ["init", "kd", "eagle3", "draft_opd", "draft_opd_no_replay", "draft_opd_no_weighting", "draft_opd_no_assist"]
+# The issue's benchmark: every arm continues the same EAGLE-3 head (--override draft.path=<head>).
+HEAD_ARMS = ["eagle3_regen", "draft_opd_eagle3", "draft_opd_eagle3_no_replay", "draft_opd_eagle3_no_weighting",
+             "draft_opd_eagle3_no_assist"]
+BUDGETS = ("steps", "target_tokens", "wall_time")
 
 
 def parse_args(argv=None):
     a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    a.add_argument("--variants", nargs="+", default=DEFAULT, choices=sorted(VARIANTS))
+    a.add_argument("--variants", nargs="+", default=DEFAULT, choices=sorted(VARIANTS) + ["head"],
+                   help="'head': the EAGLE-3 head arms " + " ".join(HEAD_ARMS))
     a.add_argument("--target", default="embedded:smollm2-135m-instruct")
     a.add_argument("--data", default="embedded:sharegpt")
     a.add_argument("--max-rows", type=int, default=2000, help="data rows read")
     a.add_argument("--max-length", type=int, default=384, help="data.max_length (training conversations)")
     a.add_argument("--steps", type=int, default=40, help="optimizer steps (the budget, or draft_opd's share of it)")
-    a.add_argument("--budget", choices=("steps", "target_tokens"), default="steps")
+    a.add_argument("--budget", choices=BUDGETS, default="steps")
+    a.add_argument("--minutes", type=float, default=None, help="--budget wall_time: training minutes per variant")
+    a.add_argument("--checkpoints-at", type=float, nargs="+", default=[1.0],
+                   help="fractions of the budget at which each variant's run is scored (e.g. 0.5 1.0)")
     a.add_argument("--micro-batch-size", type=int, default=4)
     a.add_argument("--grad-accum", type=int, default=1)
     a.add_argument("--lr", type=float, default=None, help="null: each recipe's own")
@@ -70,6 +99,8 @@ def parse_args(argv=None):
     a.add_argument("--max-new-tokens", type=int, default=128, help="evaluation tokens per prompt")
     a.add_argument("--gamma", type=int, default=4)
     a.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    a.add_argument("--draft-policy", choices=("greedy", "sample"), default="greedy",
+                   help="how drafts are proposed at T > 0 in scoring (greedy: argmax, one-hot; what vLLM does)")
     a.add_argument("--eval-batch-size", type=int, default=1,
                    help="prompts decoded together in the evaluation (tau does not depend on it; tok/s does)")
     a.add_argument("--no-cost", action="store_true", help="skip the evaluator's draft/target cost timing")
@@ -90,6 +121,15 @@ def parse_args(argv=None):
     args = a.parse_args(argv)
     if min(args.steps, args.num_prompts, args.max_new_tokens, args.gamma, args.eval_batch_size) < 1:
         a.error("--steps, --num-prompts, --max-new-tokens, --gamma and --eval-batch-size must be >= 1")
+    if "head" in args.variants:
+        args.variants = list(dict.fromkeys(v for x in args.variants for v in (HEAD_ARMS if x == "head" else [x])))
+    if (args.budget == "wall_time") != (args.minutes is not None):
+        a.error("--budget wall_time needs --minutes M (training minutes per variant), and --minutes needs it")
+    if args.minutes is not None and args.minutes <= 0:
+        a.error(f"--minutes must be > 0, got {args.minutes}")
+    f = args.checkpoints_at
+    if any(not 0 < x <= 1 for x in f) or sorted(set(f)) != f or f[-1] != 1.0:
+        a.error(f"--checkpoints-at takes increasing fractions in (0, 1] ending at 1.0 (e.g. 0.5 1.0), got {f}")
     return args
 
 
@@ -105,13 +145,14 @@ def compose(recipe: str, overrides: list[str]):
         return hydra_compose("config", overrides=[f"recipe={recipe}"] + overrides)
 
 
-def common_overrides(args, name: str, steps: int) -> list[str]:
+def common_overrides(args, name: str, steps: int, save_every: int | None = None) -> list[str]:
     out = [f"target.path={args.target}", f"data.path={args.data}", f"data.max_rows={args.max_rows}",
            f"data.max_length={args.max_length}", f"trainer.max_steps={steps}", f"trainer.seed={args.seed}",
            f"trainer.micro_batch_size={args.micro_batch_size}", f"trainer.grad_accum={args.grad_accum}",
-           f"trainer.output_dir={Path(args.out) / 'runs' / name}", f"trainer.save_every={steps}",
-           "trainer.eval_every=0", f"trainer.log_every={max(1, min(5, steps))}", "trainer.warmup_steps=" +
-           str(min(4, max(steps // 10, 0))), "eval.max_batches=2", "eval.spec_eval=false", f"run_name=bench_{name}"]
+           f"trainer.output_dir={Path(args.out) / 'runs' / name}", f"trainer.save_every={save_every or steps}",
+           "trainer.keep_checkpoints=0", "trainer.eval_every=0", f"trainer.log_every={max(1, min(5, steps))}",
+           "trainer.warmup_steps=" + str(min(4, max(steps // 10, 0))), "eval.max_batches=2", "eval.spec_eval=false",
+           f"run_name=bench_{name}"]
     if args.lr is not None:
         out.append(f"trainer.lr={args.lr}")
     return out + list(args.override)
@@ -132,20 +173,64 @@ def data_target_tokens(c, steps: int) -> tuple[int, int]:
     return fwd, loss
 
 
-def steps_for_target_tokens(c, budget: int, cap: int) -> int:
+def steps_for_target_tokens(c, budgets: list[int], cap: int) -> list[int]:
+    """For each budget of target-forward tokens (increasing), the optimizer steps an offline recipe takes to run the
+    target over that many tokens (its own micro-batches, in the loop's order), at most `cap`."""
     from specdistill.data.loader import StepBatches
 
     t = c.cfg.trainer
     sb = StepBatches(c.data.train, t.micro_batch_size, t.grad_accum, c.models.tokenizer.pad_token_id, t.seed)
-    used, s = 0, 0
-    while used < budget and s < cap:
-        used += sum(int(b["attention_mask"].sum()) for b in sb.micro_batches(s))
-        s += 1
-    return max(s, 1)
+    used, s, out = 0, 0, []
+    for budget in budgets:
+        while used < budget and s < cap:
+            used += sum(int(b["attention_mask"].sum()) for b in sb.micro_batches(s))
+            s += 1
+        out.append(max(s, 1))
+    return out
 
 
-def train(args, name: str, steps: int, log=print) -> dict:
+def checkpoint_steps(fractions: list[float], steps: int, quantum: int = 1) -> list[int]:
+    """The steps at which a run of `steps` optimizer steps is scored: f x steps for each fraction, rounded to a
+    multiple of `quantum` (fewer checkpoints to write), at least one step, the last one `steps`: one per fraction
+    (two fractions of a short run can share a step)."""
+    return [min(steps, max(quantum, round(f * steps / quantum) * quantum)) for f in fractions[:-1]] + [steps]
+
+
+def _objective_target_tokens(checkpoint: Path) -> int:
+    """An on-policy run's target-forward tokens up to a checkpoint: DraftOPDState.target_tokens_total in the
+    objective's saved state (state/objective_0.pt; found at any depth, the state of one phase of many included)."""
+    import torch
+
+    def find(x):
+        if isinstance(x, dict):
+            if "target_tokens_total" in x:
+                return int(x["target_tokens_total"])
+            return next((v for v in map(find, x.values()) if v is not None), None)
+        return None
+
+    f = checkpoint / "state" / "objective_0.pt"
+    got = find(torch.load(f, map_location="cpu", weights_only=False)) if f.exists() else None
+    if got is None:
+        raise ValueError(f"{f} holds no target_tokens_total: an on-policy checkpoint was expected")
+    return got
+
+
+def _point(c, recipe: str, checkpoint: Path, fraction: float) -> dict:
+    """A scored budget point of a run: its checkpoint and what the run had spent up to it."""
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    step = int(state["step"])
+    fwd = _objective_target_tokens(checkpoint) if recipe == "draft_opd" else data_target_tokens(c, step)[0]
+    return {"fraction": fraction, "steps": step, "target_forward_tokens": fwd,
+            "trained_positions": int(state.get("tokens_seen", 0)), "train_seconds": float(state.get("wall_s", 0.0)),
+            "checkpoint": str(checkpoint)}
+
+
+def train(args, name: str, steps: int, log=print, marks: list[int] | None = None) -> dict:
+    """One variant's ONE run, and the budget points it is scored at: its checkpoints at the `marks` steps (step and
+    target-token budgets), or (wall_time) at the --checkpoints-at fractions of --minutes, where the run stops at
+    each fraction (trainer.max_minutes) and resumes exactly from its checkpoint (trainer.resume=auto)."""
     from specdistill.pipeline.run import build_components as build  # with the regeneration stage
+    from specdistill.train.checkpoint import list_checkpoints
     from specdistill.train.loop import fit
 
     from specdistill.drafts import saved_kind
@@ -164,19 +249,44 @@ def train(args, name: str, steps: int, log=print) -> dict:
         if not args.overwrite:
             raise FileExistsError(f"{run_dir} exists from an earlier benchmark: pass --overwrite or another --out")
         shutil.rmtree(run_dir)
-    cfg = compose(recipe, common_overrides(args, name, steps) + extra)
-    c = build(cfg)
     t0 = time.perf_counter()
-    res = fit(c)
-    seconds = time.perf_counter() - t0
-    if recipe == "draft_opd":
-        fwd, trained = c.objective.state.target_tokens_total, int(res.history[-1].get("tokens_seen", 0))
+    if args.budget == "wall_time":  # one run, stopped at each fraction of the minutes and resumed
+        cap_reached = False
+        for k, f in enumerate(args.checkpoints_at):
+            cfg = compose(recipe, common_overrides(args, name, steps) + extra + [
+                f"trainer.max_minutes={f * args.minutes}"] + (["trainer.resume=auto"] if k else []))
+            c = build(cfg)
+            res = fit(c)
+            if res.step >= steps:
+                cap_reached = True
+                log(f"[bench] {name} reached the step cap --steps={steps} before {f * args.minutes:.2f} minutes: "
+                    "raise --steps so that the wall clock is the budget")
+                break
+        by_step = {int(p.name.split("-")[1]): p for p in list_checkpoints(run_dir)}
+        points = [_point(c, recipe, p, f) for f, p in zip(args.checkpoints_at, by_step.values())]
     else:
-        fwd, trained = data_target_tokens(c, res.step)
-    log(f"[bench] {name}: {res.step} steps, {fwd} target-forward tokens, {trained} trained positions, {seconds:.1f} s")
-    return {"components": c, "steps": res.step, "target_forward_tokens": fwd, "trained_positions": trained,
-            "train_seconds": seconds, "checkpoint": str(res.final_checkpoint), "config": run_config(cfg),
-            "last_train_metrics": {k: v for k, v in res.history[-1].items() if k.startswith("train/")}}
+        marks = marks or [steps]
+        g = math.gcd(*marks)
+        cfg = compose(recipe, common_overrides(args, name, steps, save_every=g) + extra)
+        c = build(cfg)
+        res = fit(c)
+        by_step = {int(p.name.split("-")[1]): p for p in list_checkpoints(run_dir)}
+        points = [_point(c, recipe, by_step[m], f) for m, f in zip(marks, args.checkpoints_at)]
+        cap_reached = False
+        for step, p in by_step.items():  # checkpoints that are no budget point: not kept
+            if step not in marks:
+                shutil.rmtree(p)
+    seconds = time.perf_counter() - t0
+    last = points[-1]
+    log(f"[bench] {name}: {last['steps']} steps, {last['target_forward_tokens']} target-forward tokens, "
+        f"{last['trained_positions']} trained positions, {last['train_seconds']:.1f} s training wall time "
+        f"({seconds:.1f} s with building and resumes); scored at steps {[p['steps'] for p in points]}")
+    return {"components": c, "steps": last["steps"], "target_forward_tokens": last["target_forward_tokens"],
+            "trained_positions": last["trained_positions"], "train_seconds": last["train_seconds"],
+            "checkpoint": last["checkpoint"], "points": points, "step_cap_reached": cap_reached,
+            "config": run_config(cfg),
+            "last_train_metrics": {k: v for k, v in res.history[-1].items() if k.startswith("train/")}
+            if res.history else {}}
 
 
 def reeval_recipe(args, name: str, run: dict) -> tuple[str, list[str]]:
@@ -188,6 +298,16 @@ def reeval_recipe(args, name: str, run: dict) -> tuple[str, list[str]]:
     # The recipe named after the kind's data objective (kd / eagle3) builds it; its saved draft replaces the built one.
     return (kind.data_objective,
             common_overrides(args, name + "_reeval", 1) + kind.warm_start_overrides(Path(run["checkpoint"]) / "draft"))
+
+
+def load_checkpoint_draft(c, checkpoint: str):
+    """The draft saved in a training checkpoint (its kind's adapter loads it), on the target's device, for scoring."""
+    from specdistill.decoding.kv import device_of
+    from specdistill.drafts import draft_adapter, load_trained_draft
+
+    draft = load_trained_draft(Path(checkpoint) / "draft").to(device_of(c.models.target.model))
+    draft_adapter(draft).check_target(c.models.target.model, "a scored draft must match the benchmark's target")
+    return draft.requires_grad_(False).eval()
 
 
 def variant_kind(cfg):
@@ -213,7 +333,8 @@ def evaluate_draft(args, c, draft, prompts, temperature: float, log=print) -> di
                       max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed,
                       batch_size=args.eval_batch_size, batch_sizes=[args.eval_batch_size],
                       sweep_prompts=args.num_prompts, warmup_prompts=min(1, args.num_prompts),
-                      measure_cost=not args.no_cost, output_dir=str(Path(args.out) / "eval"))
+                      draft_policy=args.draft_policy, measure_cost=not args.no_cost,
+                      output_dir=str(Path(args.out) / "eval"))
     was = draft.training
     draft.eval()
     try:
@@ -221,36 +342,90 @@ def evaluate_draft(args, c, draft, prompts, temperature: float, log=print) -> di
     finally:
         draft.train(was)
     per_prompt = [[x["new_tokens"], x["target_forwards"]] for x in r.samples]
+    keep = ("prompt", "category", "new_tokens", "target_forwards", "reached_per_pos", "accepted_per_pos")
     return {"mean_accept_len": r.mean_accept_len, "tau_ci95": tau_interval(per_prompt, args.seed),
-            "per_prompt_tokens_forwards": per_prompt, "alpha": r.alpha, "speedup": r.speedup,
+            "per_prompt_tokens_forwards": per_prompt, "samples": [{k: x[k] for k in keep} for x in r.samples],
+            "by_category": r.by_category, "eval_settings": eval_settings(args, temperature),
+            "alpha": r.alpha, "speedup": r.speedup,
             "accept_rate_per_pos": r.accept_rate_per_pos, "tokens_per_s": r.tokens_per_s,
             "target_only_tokens_per_s": r.target_only_tokens_per_s, "greedy_mismatches": r.greedy_mismatches,
             "new_tokens": r.new_tokens, "predicted_speedup": r.predicted_speedup}
+
+
+def eval_settings(args, temperature: float) -> dict:
+    """The evaluator settings that make two scorings comparable (specdistill.eval.compare.COMPARABLE)."""
+    return {"prompts": args.prompts, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
+            "temperature": temperature, "gamma": args.gamma, "draft_policy": args.draft_policy}
 
 
 def size_knobs(args) -> dict:
     """What makes two benchmark runs comparable (checked by --append and --merge)."""
     keys = ("target", "data", "max_rows", "max_length", "steps", "budget", "micro_batch_size", "grad_accum", "lr",
             "rollout_tokens", "opd_warm_start", "prompts", "num_prompts", "max_new_tokens", "gamma", "temperatures",
-            "eval_batch_size",
+            "eval_batch_size", "minutes", "checkpoints_at", "draft_policy",
             "seed", "override")
     return {k: getattr(args, k) for k in keys}
 
 
+def _points(r: dict) -> list[dict]:
+    """A variant's scored budget points (an untrained baseline, or a run of an older benchmark: its one result)."""
+    return r.get("points") or [{"fraction": 1.0, **{k: r.get(k, 0) for k in (
+        "steps", "target_forward_tokens", "trained_positions", "train_seconds")}, "eval": r["eval"]}]
+
+
+def compare_to_off_policy(args, results: dict) -> list[dict]:
+    """Per budget point (k-th fraction) and temperature: every trained arm's tau against the best off-policy arm's
+    there, overall and per category, with paired bootstrap intervals over prompts (specdistill.eval.compare)."""
+    from specdistill.eval.compare import RunCounts, compare
+
+    off = [n for n in OFF_POLICY_VARIANTS if n in results]
+    trained = [n for n in results if n not in INIT_RECIPES]
+    out = []
+    if not off:
+        return out
+    for k, f in enumerate(args.checkpoints_at):
+        for T in args.temperatures:
+            key = f"T={T:g}"
+            runs = {}
+            for n in trained:
+                pts = _points(results[n])
+                e = pts[k]["eval"][key] if k < len(pts) else None
+                if e is not None and e.get("samples"):
+                    runs[n] = RunCounts.from_samples(n, e.get("eval_settings") or eval_settings(args, T), e["samples"])
+            offs = [n for n in off if n in runs]
+            if not offs or len(runs) < 2:
+                continue
+            best = max(offs, key=lambda n: _points(results[n])[k]["eval"][key]["mean_accept_len"])
+            out.append({"fraction": f, "temperature": T, "baseline": best,
+                        **compare(list(runs.values()), best, args.seed)})
+    return out
+
+
+def _budget_x(args, p: dict) -> float:
+    """A budget point's position on the plot's x axis, in the budget's own unit."""
+    if args.budget == "wall_time":
+        return p["train_seconds"] / 60
+    return p["target_forward_tokens"] if args.budget == "target_tokens" else p["steps"]
+
+
 def write_outputs(args, results: dict, budget: dict, knobs: dict) -> dict[str, Path]:
-    from specdistill.eval.stats import ratio_interval
+    from specdistill.eval.compare import markdown as compare_markdown
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"knobs": knobs, "budget": budget, "argv": sys.argv[1:]}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "variants": results}, indent=1))
+    argv = sys.argv[1:] if getattr(args, "argv", None) is None else args.argv
+    command = "specdistill-bench " + shlex.join(argv)
+    comparisons = compare_to_off_policy(args, results)
+    meta = {"knobs": knobs, "budget": budget, "argv": argv, "command": command}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "variants": results, "comparisons": comparisons},
+                                                 indent=1))
     temps = args.temperatures
     head = ["variant", "steps", "target-fwd tokens", "trained positions", "train s"]
     for T in temps:
         head += [f"tau T={T:g}", f"alpha T={T:g}", f"speedup T={T:g}"]
     lines = [f"# Recipes on {args.target}, MT-bench-style prompts ({args.prompts}, {args.num_prompts} prompts, "
-             f"{args.max_new_tokens} new tokens), gamma {args.gamma}",
-             "", f"Budget: {budget['unit']} ({budget['description']}).", "",
+             f"{args.max_new_tokens} new tokens), gamma {args.gamma}, draft policy {args.draft_policy}",
+             "", f"Command: `{command}`", "", f"Budget: {budget['unit']} ({budget['description']}).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in results.items():
         row = [name, str(r.get("steps", 0)), str(r.get("target_forward_tokens", 0)), str(r.get("trained_positions", 0)),
@@ -262,21 +437,18 @@ def write_outputs(args, results: dict, budget: dict, knobs: dict) -> dict[str, P
             row += [tau, f"{e['alpha']:.3f}", f"{e['speedup']:.3f}"]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "tau: tokens per target forward, [95% bootstrap interval over prompts] where recorded."]
-    off = [n for n in OFF_POLICY_VARIANTS if n in results]
-    on = [n for n in results if n.startswith("draft_opd")]
-    if off and on:  # the issue's goal: draft_opd's tau >= 1.15 x the best off-policy recipe's at equal budget
-        lines.append("")
-        for T in temps:
-            tau = lambda n: results[n]["eval"][f"T={T:g}"]["mean_accept_len"]  # noqa: E731
-            best = max(off, key=tau)
-            parts = []
-            for n in on:
-                ci = ratio_interval(results[n]["eval"][f"T={T:g}"].get("per_prompt_tokens_forwards") or [],
-                                    results[best]["eval"][f"T={T:g}"].get("per_prompt_tokens_forwards") or [],
-                                    args.seed)
-                parts.append(f"{n} {tau(n) / tau(best):.3f}x" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""))
-            lines.append(f"T={T:g}: tau / best off-policy ({best}, {tau(best):.3f}): " + ", ".join(parts))
-        lines.append("[paired 95% bootstrap interval over prompts, where both runs recorded per-prompt counts]")
+    if len(args.checkpoints_at) > 1:
+        lines += ["", "## tau against the budget (each variant's one run, scored at its checkpoints)", "",
+                  "| variant | fraction | steps | target-fwd tokens | train s | " +
+                  " | ".join(f"tau T={T:g}" for T in temps) + " |", "|---|---|---|---|---|" + "---|" * len(temps)]
+        for name, r in results.items():
+            for p in _points(r):
+                taus = [f"{p['eval'][f'T={T:g}']['mean_accept_len']:.3f}" for T in temps]
+                lines.append(f"| {name} | {p['fraction']:g} | {p['steps']} | {p['target_forward_tokens']} | "
+                             f"{p['train_seconds']:.1f} | " + " | ".join(taus) + " |")
+    for cmp in comparisons:  # the issue's goal: tau >= 1.15 x the best off-policy arm's, paired interval above 1
+        lines += [""] + compare_markdown(cmp, f"## At {cmp['fraction']:g} of the budget, T={cmp['temperature']:g}: "
+                                              f"against the best off-policy arm ({cmp['baseline']})")
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
     import matplotlib
@@ -297,7 +469,22 @@ def write_outputs(args, results: dict, budget: dict, knobs: dict) -> dict[str, P
     fig.tight_layout()
     fig.savefig(out / "tau.png", dpi=120)
     plt.close(fig)
-    return {"json": out / "results.json", "md": out / "results.md", "plot": out / "tau.png"}
+
+    unit = {"wall_time": "training minutes", "target_tokens": "target-forward tokens"}.get(args.budget, "steps")
+    fig, axes = plt.subplots(1, len(temps), figsize=(4.5 * len(temps), 3.5), squeeze=False)
+    for ax, T in zip(axes[0], temps):
+        for n in names:
+            pts = [p for p in _points(results[n]) if n not in INIT_RECIPES]
+            if pts:
+                ax.plot([_budget_x(args, p) for p in pts], [p["eval"][f"T={T:g}"]["mean_accept_len"] for p in pts],
+                        "o-" if len(pts) > 1 else "o", label=n)
+        ax.set(xlabel=unit, ylabel=f"tau, gamma {args.gamma}", title=f"T={T:g} ({args.draft_policy} drafts)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "tau_vs_budget.png", dpi=120)
+    plt.close(fig)
+    return {"json": out / "results.json", "md": out / "results.md", "plot": out / "tau.png",
+            "budget_plot": out / "tau_vs_budget.png"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -314,6 +501,7 @@ def run_bench(argv: list[str] | None = None) -> dict:
     from specdistill.decoding.kv import max_positions
 
     args = parse_args(argv)
+    args.argv = list(argv) if argv is not None else None  # the command recorded in results.md
     from specdistill.threads import configure_threads
 
     configure_threads(args.threads, "--threads")
@@ -350,14 +538,20 @@ def run_bench(argv: list[str] | None = None) -> dict:
             return {"unit": "optimizer steps", "steps": args.steps,
                     "description": f"{args.steps} optimizer steps of {args.micro_batch_size} x {args.grad_accum} "
                                    "conversations/prompts each, same data order; target-forward tokens recorded"}
+        if args.budget == "wall_time":
+            return {"unit": "training wall time", "minutes": args.minutes,
+                    "description": f"{args.minutes:g} minutes of training wall time per variant (trainer.max_minutes, "
+                                   f"step cap {args.steps}), variants one after another; steps and tokens recorded"}
         return {"unit": "target-forward tokens", "target_forward_tokens": budget_tokens,
-                "description": f"{budget_tokens} tokens through the target (draft_opd's {args.steps} steps); "
+                "description": f"{budget_tokens} tokens through the target ({reference}'s {args.steps} steps); "
                                "steps per variant recorded"}
 
     def save() -> dict[str, Path]:  # after every variant: an interrupted benchmark keeps what it measured
         return write_outputs(args, {n: results[n] for n in args.variants if n in results}, budget_now(), knobs)
 
-    budget_tokens = results.get("draft_opd", {}).get("target_forward_tokens") if args.budget == "target_tokens" \
+    on_policy = [v for v in args.variants if v in VARIANTS and VARIANTS[v] and VARIANTS[v][0] == "draft_opd"]
+    reference = on_policy[0] if on_policy else None  # target_tokens: its target-forward tokens are the others' budget
+    budget_tokens = results.get(reference, {}).get("target_forward_tokens") if args.budget == "target_tokens" \
         else None
     if args.reeval:
         if not args.append or not args.only:
@@ -377,23 +571,30 @@ def run_bench(argv: list[str] | None = None) -> dict:
                              "eval": eval_all(c0, c0.accelerator.unwrap_model(c0.models.draft))}
             del c0
             save()
-    # target_tokens: draft_opd first, its target-forward tokens are the budget of the others
     order = [v for v in todo if v not in INIT_RECIPES]
     if args.budget == "target_tokens" and budget_tokens is None:
-        if "draft_opd" not in order:
-            raise ValueError("--budget target_tokens measures the budget on the draft_opd variant: include it")
-        order = ["draft_opd"] + [v for v in order if v != "draft_opd"]
+        if reference is None or reference not in order:
+            raise ValueError("--budget target_tokens measures the budget on an on-policy variant (draft_opd or "
+                             "draft_opd_eagle3 ...): include one; the first listed is the reference")
+        order = [reference] + [v for v in order if v != reference]
+    marks_ref = checkpoint_steps(args.checkpoints_at, args.steps)
     for name in order:
-        steps = args.steps
-        if budget_tokens is not None and VARIANTS[name][0] != "draft_opd":
-            probe = build(compose(VARIANTS[name][0], common_overrides(args, name + "_probe", 1)))
-            steps = steps_for_target_tokens(probe, budget_tokens, cap=100 * args.steps)
-            del probe  # on-policy variants keep draft_opd's steps (their target tokens per step are alike)
-        run = train(args, name, steps, log)
-        if name == "draft_opd" and args.budget == "target_tokens":
+        recipe, extra = VARIANTS[name]
+        steps, marks = args.steps, marks_ref
+        if budget_tokens is not None and recipe != "draft_opd":  # the reference's target tokens at each point
+            tokens = [p["target_forward_tokens"] for p in results[reference]["points"]]
+            probe = build(compose(recipe, common_overrides(args, name + "_probe", 1) + extra))
+            exact = steps_for_target_tokens(probe, tokens, cap=100 * args.steps)
+            del probe  # on-policy variants keep the reference's steps (their target tokens per step are alike)
+            steps = exact[-1]
+            marks = checkpoint_steps([m / steps for m in exact], steps, quantum=max(1, exact[0] // 8))
+        run = train(args, name, steps, log, marks=marks)
+        if name == reference and args.budget == "target_tokens":
             budget_tokens = run["target_forward_tokens"]
         c = run.pop("components")
-        run["eval"] = eval_all(c, c.accelerator.unwrap_model(c.models.draft))
+        for point in run["points"]:  # every budget point of the one run, scored from its checkpoint
+            point["eval"] = eval_all(c, load_checkpoint_draft(c, point["checkpoint"]))
+        run["eval"] = run["points"][-1]["eval"]
         results[name] = run
         del c
         save()

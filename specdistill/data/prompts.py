@@ -10,6 +10,7 @@ Sources (`eval.prompts`):
                       (MT-bench question.jsonl).
 A prompt is the conversation up to and including its first user turn (a leading system turn is kept); later turns
 are dropped. The target's chat template is applied with the generation prompt (specdistill.data.chat.prompt_ids).
+A row's `category` field (MT-bench's eight) is kept as Prompt.category: the evaluator reports tau per category.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class Prompt:
     messages: list[dict]     # [{"role", "content"}], ends with the first user turn
     ids: list[int]           # chat-templated token ids, generation prompt included
     source_index: int        # row index in the source
+    category: Optional[str] = None  # the row's `category` (MT-bench: writing, roleplay, ..., humanities) if it has one
 
 
 @dataclass
@@ -45,6 +47,10 @@ class PromptSet:
     @property
     def ids(self) -> list[list[int]]:
         return [p.ids for p in self.prompts]
+
+    @property
+    def categories(self) -> list[Optional[str]]:
+        return [p.category for p in self.prompts]
 
 
 def first_turn(row: dict, index: int = 0) -> list[dict]:
@@ -100,10 +106,18 @@ def _sharegpt_heldout(n: int) -> tuple[list[tuple[int, list[dict]]], dict]:
 def load_prompt_messages(source: str, num_prompts: Optional[int] = None, split: str = "train",
                          heldout: Optional[list] = None) -> tuple[list[tuple[int, list[dict]]], dict]:
     """(source index, messages) pairs, at most num_prompts, in source order. Malformed rows raise PromptError."""
+    messages, _, skipped = _load_messages(source, num_prompts, split, heldout)
+    return messages, skipped
+
+
+def _load_messages(source: str, num_prompts: Optional[int], split: str, heldout: Optional[list],
+                   ) -> tuple[list[tuple[int, list[dict]]], dict[int, str], dict]:
+    """(source index, messages) pairs, {source index: the row's category} where rows carry one, skipped counts."""
     if num_prompts is not None and num_prompts < 1:
         raise PromptError(f"eval.num_prompts must be >= 1 (or null for all), got {num_prompts}")
     if source == "embedded:sharegpt":
-        return _sharegpt_heldout(num_prompts or 256)
+        picked, skipped = _sharegpt_heldout(num_prompts or 256)
+        return picked, {}, skipped
     if source == "heldout":
         if heldout is None:
             raise PromptError("eval.prompts=heldout means the training run's held-out conversations and exists only "
@@ -118,7 +132,8 @@ def load_prompt_messages(source: str, num_prompts: Optional[int] = None, split: 
     rows = rows[:num_prompts] if num_prompts is not None else rows
     if not rows:
         raise PromptError(f"prompt source {source!r} has no rows")
-    return [(i, first_turn(r, i)) for i, r in enumerate(rows)], {}
+    categories = {i: str(r["category"]) for i, r in enumerate(rows) if isinstance(r, dict) and r.get("category")}
+    return [(i, first_turn(r, i)) for i, r in enumerate(rows)], categories, {}
 
 
 def tokenize_prompts(tokenizer, messages: list[tuple[int, list[dict]]], context: Optional[int], max_new_tokens: int,
@@ -150,7 +165,9 @@ def load_prompts(source: str, tokenizer, *, num_prompts: Optional[int], max_new_
                  context: Optional[int] = None, max_prompt_tokens: Optional[int] = None, split: str = "train",
                  heldout: Optional[list] = None) -> PromptSet:
     """Read, normalise and tokenize a prompt set (see the module docstring for the sources)."""
-    messages, skipped = load_prompt_messages(source, num_prompts, split, heldout)
+    messages, categories, skipped = _load_messages(source, num_prompts, split, heldout)
     ps = tokenize_prompts(tokenizer, messages, context, max_new_tokens, max_prompt_tokens, source)
     ps.skipped = skipped
+    for p in ps.prompts:
+        p.category = categories.get(p.source_index)
     return ps

@@ -18,6 +18,8 @@ Definitions (every ratio is a ratio of sums over all prompts, never a mean of pe
                      tokens / of 1 token, both timed here on the first batch (medians)
   predicted_speedup  Leviathan et al. (2023): (1 - a^(g+1)) / ((1 - a)(g c + 1)) with a = overall alpha, g = mean
                      gamma; predicted_speedup_measured_tau = tau / (g c + v) adds the measured verify cost
+  by_category        the same tau and a_k within each prompt category (MT-bench's eight), from per-prompt counts that
+                     outputs.jsonl keeps (category, new_tokens, target_forwards, reached/accepted per draft position)
   greedy_mismatches  temperature 0 only: prompts whose speculative output differs from target-only output (should be 0;
                      a mismatch at a near-tie of the target's top-2 logits is floating-point noise, reported as such)
 """
@@ -37,7 +39,8 @@ from specdistill.decoding.kv import device_of, max_positions
 from specdistill.drafts import draft_adapter
 from specdistill.eval.batches import PromptBatch, make_batches
 from specdistill.eval.hf_baseline import HF_MODES, hf_generate, hf_runners, hf_summary  # noqa: F401  (re-exported)
-from specdistill.eval.metrics import SpecCounts, leviathan_speedup, weighted_percentiles
+from specdistill.eval.metrics import (SpecCounts, category_summary, leviathan_speedup, row_acceptance,
+                                     weighted_percentiles)
 from specdistill.eval.results import CostRatio, EvalResult, SweepPoint  # noqa: F401  (re-exported)
 from specdistill.eval.timing import Run, Runner, Throughput, measure_cost, run_pass, timed  # noqa: F401
 from specdistill.tokens import eos_ids, pad_id as pad_id_of
@@ -80,16 +83,24 @@ def check_eval_config(cfg: EvalConfig) -> None:
         raise ValueError("eval.compare_hf compares outputs token for token: it needs eval.temperature=0")
 
 
-def _prompt_ids(prompts, tokenizer, target_model, cfg: EvalConfig,
-                source: Optional[str]) -> tuple[list[list[int]], str]:
-    """A PromptSet, message lists or token-id lists -> (token ids per prompt, the source's name for reports)."""
+@dataclass
+class _Prompts:
+    ids: list[list[int]]              # token ids per prompt
+    source: str                       # the source's name for reports
+    categories: list[Optional[str]]   # per prompt (MT-bench's categories; None where the source has none)
+
+
+def _prompt_ids(prompts, tokenizer, target_model, cfg: EvalConfig, source: Optional[str]) -> _Prompts:
+    """A PromptSet, message lists or token-id lists -> their token ids, source name and categories."""
     from specdistill.data.prompts import PromptSet, tokenize_prompts
 
     if prompts is None or len(prompts) == 0:
         raise ValueError("the prompt set is empty: pass at least one prompt (eval.num_prompts >= 1)")
+    categories = [None] * len(prompts)
     if isinstance(prompts, PromptSet):
         source = source or prompts.source
         prompt_ids = prompts.ids
+        categories = prompts.categories
     elif prompts and isinstance(prompts[0], (list, tuple)) and prompts[0] and isinstance(prompts[0][0], int):
         prompt_ids = [list(p) for p in prompts]
         source = source or "token ids"
@@ -100,7 +111,7 @@ def _prompt_ids(prompts, tokenizer, target_model, cfg: EvalConfig,
         prompt_ids = ps.ids
     if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
         raise ValueError("empty prompt set or an empty prompt: every prompt needs at least one token")
-    return prompt_ids, source
+    return _Prompts(prompt_ids, source, categories)
 
 
 # ------------------------------------------------------------------------------------------------ decoding calls
@@ -232,14 +243,18 @@ def _greedy_mismatches(target_model, batches: list[PromptBatch], runs: dict[str,
     return mismatches
 
 
-def _samples(tokenizer, batches: list[PromptBatch], runs: dict[str, list[Run]]) -> list[dict]:
-    """Per prompt: its decoded speculative output and counts (outputs.jsonl)."""
+def _samples(tokenizer, batches: list[PromptBatch], runs: dict[str, list[Run]], categories: list[Optional[str]],
+             max_gamma: int) -> list[dict]:
+    """Per prompt: its category, decoded speculative output and counts, per draft position too (outputs.jsonl)."""
     samples = []
     for b, rs, rt in zip(batches, runs["spec"], runs["target"]):
+        rows = row_acceptance(rs.rollout, max_gamma) if rs.rollout is not None else None
         for row, i in enumerate(b.index):
-            samples.append({"prompt": i, "prompt_tokens": int(b.attention_mask[row].sum()),
+            samples.append({"prompt": i, "category": categories[i], "prompt_tokens": int(b.attention_mask[row].sum()),
                             "new_tokens": len(rs.tokens[row]),
                             "target_forwards": 0 if rs.rollout is None else int(rs.rollout.target_forwards[row]),
+                            "reached_per_pos": [] if rows is None else rows.reached[row].tolist(),
+                            "accepted_per_pos": [] if rows is None else rows.accepted[row].tolist(),
                             "identical": rs.tokens[row] == rt.tokens[row],
                             "text": tokenizer.decode(rs.tokens[row], skip_special_tokens=False)})
     return samples
@@ -329,7 +344,7 @@ def _assemble(cfg: EvalConfig, drafter_name: str, source: str, num_prompts: int,
         cost=cost, predicted_tau_from_alpha=pred_tau, predicted_speedup=pred,
         predicted_speedup_measured_tau=pred_measured,
         greedy_mismatches=len(mismatches) if greedy else None, mismatches=mismatches,
-        batch_sweep=sweep, hf=hf, env=env, samples=samples)
+        by_category=category_summary(samples), batch_sweep=sweep, hf=hf, env=env, samples=samples)
 
 
 # ------------------------------------------------------------------------------------------------ the evaluator
@@ -342,7 +357,8 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
     """
     check_eval_config(cfg)
     target_model.eval()
-    prompt_ids, source = _prompt_ids(prompts, tokenizer, target_model, cfg, source)
+    ps = _prompt_ids(prompts, tokenizer, target_model, cfg, source)
+    prompt_ids, source = ps.ids, ps.source
     drafter, drafter_name = make_drafter(drafter_spec, target_model, cfg)
     eos = eos_ids(tokenizer, target_model, cfg.ignore_eos)
     dec = _Decoders(target_model, drafter, cfg, eos, pad_id_of(tokenizer, eos), device_of(target_model))
@@ -365,7 +381,7 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
     tot = _totals(runs, policy.max_gamma, cfg.position_bucket)
     greedy = cfg.temperature == 0
     mismatches = _greedy_mismatches(target_model, batches, runs, log) if greedy else []
-    samples = _samples(tokenizer, batches, runs)
+    samples = _samples(tokenizer, batches, runs, ps.categories, policy.max_gamma)
 
     # 4. HF side by side at batch 1; 5. the batch-size sweep; 6. assemble.
     hf_result = _hf_side_by_side(dec, prompt_ids, runs, hf, drafter_name, progress) if hf else None

@@ -1,12 +1,14 @@
 """The evaluator's pure counters and formulas (no model, no clock): acceptance counts, latency percentiles, speedup.
 
-SpecCounts sums acceptance over rollouts, weighted_percentiles gives token-weighted latency percentiles, and
+SpecCounts sums acceptance over rollouts, row_acceptance keeps the same counts per row (per prompt, for per-category
+and paired comparisons: category_summary), weighted_percentiles gives token-weighted latency percentiles, and
 leviathan_speedup is Leviathan et al.'s (2023) predicted speedup. Tests call them directly
-(tests/eval/test_eval_metrics.py).
+(tests/eval/test_eval_metrics.py, tests/eval/test_eval_categories.py).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +27,57 @@ def weighted_percentiles(values: list[float], weights: list[float], qs=(50, 95, 
     out = {f"p{q}": 1000 * v[min(int(torch.searchsorted(cum, q / 100)), len(v) - 1)].item() for q in qs}
     out["mean"] = 1000 * (v * w).sum().item() / w.sum().item()
     return out
+
+
+def _reach(rnd) -> tuple[torch.Tensor, torch.Tensor]:
+    """One round -> (accepted (B, K), reached (B, K)): draft k accepted / drafted with drafts 1..k-1 accepted, active
+    rows only."""
+    active = rnd.active.cpu()
+    acc = rnd.accepted.cpu() & active[:, None]                          # (B, K)
+    reach = torch.cat([active[:, None], acc[:, :-1]], dim=1)            # (B, K)
+    return acc, reach
+
+
+@dataclass
+class RowAcceptance:
+    """Per row of a rollout, summed over its rounds: drafts that reached position k (drafted with drafts 1..k-1
+    accepted) and were accepted there. Summed over rows they are SpecCounts' reached and accepted."""
+    reached: torch.Tensor    # (B, G) long
+    accepted: torch.Tensor   # (B, G) long
+
+
+def row_acceptance(r: Rollout, max_gamma: int) -> RowAcceptance:
+    B, G = r.sequences.shape[0], max_gamma
+    out = RowAcceptance(torch.zeros(B, G, dtype=torch.long), torch.zeros(B, G, dtype=torch.long))
+    for rnd in r.rounds:
+        if rnd.gamma:
+            acc, reach = _reach(rnd)
+            out.reached[:, :rnd.gamma] += reach.long()
+            out.accepted[:, :rnd.gamma] += acc.long()
+    return out
+
+
+def category_summary(samples: list[dict]) -> dict[str, dict]:
+    """Per-prompt samples (the evaluator's outputs.jsonl rows: category, new_tokens, target_forwards, reached_per_pos,
+    accepted_per_pos) -> {category: prompts, tau, accept_rate_per_pos a_k, summed counts}, ratios of sums within the
+    category, categories in first-seen order. Prompts without a category are left out; {} when none has one."""
+    sums: dict[str, dict] = {}
+    for s in samples:
+        cat = s.get("category")
+        if cat is None:
+            continue
+        c = sums.setdefault(cat, {"prompts": 0, "new_tokens": 0, "target_forwards": 0, "reached": None,
+                                  "accepted": None})
+        c["prompts"] += 1
+        c["new_tokens"] += s["new_tokens"]
+        c["target_forwards"] += s["target_forwards"]
+        for key in ("reached", "accepted"):
+            row = torch.tensor(s[f"{key}_per_pos"], dtype=torch.long)
+            c[key] = row if c[key] is None else c[key] + row
+    return {cat: {"prompts": c["prompts"], "new_tokens": c["new_tokens"], "target_forwards": c["target_forwards"],
+                  "tau": c["new_tokens"] / max(c["target_forwards"], 1),
+                  "accept_rate_per_pos": (c["accepted"] / c["reached"].clamp(min=1)).tolist()}
+            for cat, c in sums.items()}
 
 
 class SpecCounts:
@@ -53,8 +106,7 @@ class SpecCounts:
             active = rnd.active.cpu()
             K = rnd.gamma
             if K:
-                acc = rnd.accepted.cpu() & active[:, None]                          # (B, K)
-                reach = torch.cat([active[:, None], acc[:, :-1]], dim=1)            # (B, K)
+                _, reach = _reach(rnd)                                              # (B, K)
                 self.reached[:K] += reach.sum(0)
                 self.alpha_reached[:K] += (rnd.alpha.cpu().double() * reach).sum(0)
             starts = (rnd.offset.cpu() // self.bucket).tolist()

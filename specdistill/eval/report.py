@@ -89,6 +89,10 @@ def markdown(r: EvalResult) -> str:
                   "|---|---|---|---|"]
         lines += [f"| {b['start']}-{b['end'] - 1} | {b['rounds']} | {_f(b['tau'])} | {_f(b['accept_rate'])} |"
                   for b in r.accept_by_output_position]
+    if r.by_category:
+        lines += ["", "## Per category", "", "| category | prompts | tau | a_k per draft position |", "|---|---|---|---|"]
+        lines += [f"| {cat} | {c['prompts']} | {_f(c['tau'])} | {', '.join(_f(a) for a in c['accept_rate_per_pos'])} |"
+                  for cat, c in r.by_category.items()]
     if r.hf:
         h = r.hf
         lines += ["", f"## Side by side with HF transformers (batch 1, {h['num_prompts']} prompts)", "",

@@ -72,6 +72,8 @@ class EvalResult:
     # losslessness
     greedy_mismatches: Optional[int]  # None at temperature > 0
     mismatches: list[dict]
+    # per prompt category (MT-bench: writing, roleplay, ...): {category: prompts, tau, accept_rate_per_pos, counts}
+    by_category: dict = field(default_factory=dict)
     # extras
     batch_sweep: list[SweepPoint] = field(default_factory=list)
     hf: Optional[dict] = None

@@ -205,6 +205,11 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
                 acc.print(f"[train] {result.preempted}: stopped at step {step}, checkpoint {result.final_checkpoint}; "
                           "continue with trainer.resume=auto")
                 break
+            if t.max_minutes is not None and _out_of_time(acc, wall_before + time.perf_counter() - t_fit, t.max_minutes):
+                if step > last_saved:
+                    result.final_checkpoint = save()
+                acc.print(f"[train] trainer.max_minutes={t.max_minutes} reached at step {step}")
+                break
             micro = [_to_device(b, acc.device) for b in phase.batches.micro_batches(phase.local(step))]
             # One micro-batch at a time, the gradient that of the mean over the step's global loss tokens (accumulate).
             if peak_gflops is not None and roofline is None:  # the first step is counted (its window includes
@@ -298,6 +303,11 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
     if t.wandb:
         acc.end_training()
     return result
+
+
+def _out_of_time(acc, wall_s: float, max_minutes: float) -> bool:
+    """Whether the wall-clock budget is spent, on any rank (all ranks stop at the same step)."""
+    return acc.reduce(torch.tensor(float(wall_s >= 60 * max_minutes), device=acc.device), "max").item() > 0
 
 
 def _global_sum(acc, n) -> torch.Tensor:

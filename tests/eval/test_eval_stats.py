@@ -33,32 +33,44 @@ def test_paired_ratio_removes_the_spread_both_runs_share():
     assert ratio_interval(a, a[:-1]) is None          # not the same prompts: no paired interval
 
 
-def _eval_dir(path, tau_scale, prompts=(0, 1, 2, 3), temperature=0.0):
+def _eval_dir(path, tau_scale, prompts=(0, 1, 2, 3), temperature=0.0, draft_policy="greedy"):
     path.mkdir()
-    rows = [{"prompt": p, "new_tokens": round(30 * tau_scale) + p, "target_forwards": 30} for p in prompts]
+    rows = [{"prompt": p, "category": "math" if p % 2 else "writing", "new_tokens": round(30 * tau_scale) + p,
+             "target_forwards": 30, "reached_per_pos": [30, 20], "accepted_per_pos": [20, 10]} for p in prompts]
     (path / "outputs.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     tau = sum(r["new_tokens"] for r in rows) / sum(r["target_forwards"] for r in rows)
-    (path / "results.json").write_text(json.dumps({"mean_accept_len": tau, "config": {
+    (path / "results.json").write_text(json.dumps({"mean_accept_len": tau, "draft_policy": draft_policy, "config": {
         "temperature": temperature, "gamma": 4, "draft_path": str(path)}}))
     return str(path)
 
 
-def test_compare_evals_writes_paired_ratios_and_refuses_other_prompts(tmp_path):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    from compare_evals import main
+def test_compare_evals_writes_paired_ratios_overall_and_per_category(tmp_path):
+    from specdistill.cli.compare_evals import main
 
     base, better = _eval_dir(tmp_path / "kd", 1.2), _eval_dir(tmp_path / "opd", 1.5)
-    table = main([base, better, "--out", str(tmp_path / "cmp")])
+    res = main([base, better, "--out", str(tmp_path / "cmp")])
+    table = res["overall"]
     assert table[better]["ratio_to_baseline"] == pytest.approx(table[better]["tau"] / table[base]["tau"])
-    assert table[base]["ratio_ci95"] == [1.0, 1.0]
-    assert (tmp_path / "cmp" / "compare.md").read_text().count("|") > 8
+    assert table[base]["ratio_ci95"] == [1.0, 1.0] and table[better]["ratio_ci95"][0] > 1.0
+    assert table[better]["accept_rate_per_pos"] == [pytest.approx(2 / 3), 0.5]
+    # per category: each category's tau is its own prompts' ratio of sums (math: prompts 1 and 3)
+    math = res["by_category"]["math"][better]
+    assert math["prompts"] == 2 and math["tau"] == pytest.approx((45 + 1 + 45 + 3) / 60)
+    assert set(res["by_category"]) == {"math", "writing"}
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "| math | 2 |" in md and md.count("|") > 8
     assert json.loads((tmp_path / "cmp" / "compare.json").read_text())["meta"]["baseline"] == base
-    other = _eval_dir(tmp_path / "other", 1.3, prompts=(0, 1, 2, 5))
-    with pytest.raises(ValueError, match="same eval.prompts"):
-        main([base, other, "--out", str(tmp_path / "cmp2")])
-    hot = _eval_dir(tmp_path / "hot", 1.3, temperature=1.0)
-    with pytest.raises(ValueError, match="temperature"):
-        main([base, hot, "--out", str(tmp_path / "cmp3")])
+
+
+@pytest.mark.parametrize("name, kw, says", [("other", {"prompts": (0, 1, 2, 5)}, "prompt indices"),
+                                            ("hot", {"temperature": 1.0}, "temperature"),
+                                            ("sampled", {"draft_policy": "sample"}, "draft_policy")])
+def test_compare_evals_refuses_runs_made_under_other_settings_unless_allowed(tmp_path, name, kw, says):
+    from specdistill.cli.compare_evals import main
+
+    base, other = _eval_dir(tmp_path / "kd", 1.2), _eval_dir(tmp_path / name, 1.3, **kw)
+    with pytest.raises(ValueError, match=f"{says}.*--allow-mismatch"):
+        main([base, other, "--out", str(tmp_path / "cmp")])
+    res = main([base, other, "--out", str(tmp_path / "cmp"), "--allow-mismatch"])
+    assert res["differences"][other] and "Settings differ" in (tmp_path / "cmp" / "compare.md").read_text()
+    assert res["overall"][other]["prompts"] == (3 if name == "other" else 4)  # paired on the prompts both ran
