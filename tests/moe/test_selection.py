@@ -98,3 +98,20 @@ def test_config_path_records_the_selection(tiny_moe_dirs, tiny_data_file, tmp_pa
     meta = c.models.draft.config.specdistill_moe
     assert meta["selection"] == "cold" and meta["selection_seed"] is None and len(meta["coverage"]) == 2
     assert all(len(e) == 3 for e in meta["experts"]) and all(0 <= x <= 1 for x in meta["coverage"])
+
+
+def test_eagle3_mlp_takes_the_selected_experts(tiny_moe):
+    from specdistill.models.eagle3 import build_eagle3
+    from specdistill.moe.build import init_eagle3_mlp_from_experts, mass_weights, merge_experts
+
+    prof = profile_routing(tiny_moe, [random_batch(tiny_moe.config.vocab_size)])
+    L = tiny_moe.config.num_hidden_layers
+    head = build_eagle3(tiny_moe, torch.arange(tiny_moe.config.vocab_size), None)
+    info = init_eagle3_mlp_from_experts(head, tiny_moe, prof, count=2, selection="cold")
+    cold = select_experts(prof, [L - 1], count=2, selection="cold")[L - 1]
+    assert info["experts"] == [cold] and info["selection"] == "cold"
+    assert info["coverage"] == [round(prof.coverage(L - 1, cold), 4)]
+    experts = tiny_moe.model.layers[L - 1].mlp.experts
+    w = mass_weights(prof, L - 1, cold)
+    gate_up, down = merge_experts([(experts, e, float(x)) for e, x in zip(cold, w)], "concat")
+    assert torch.allclose(head.midlayer.mlp.down_proj.weight, down.to(head.midlayer.mlp.down_proj.weight.dtype))
