@@ -240,7 +240,7 @@ def _selection_of(draft, cfg) -> dict:
         return {k: meta.get(k) for k in ("kind", "selection", "selection_seed", "source_layers", "experts",
                                          "coverage")}
     m = cfg.draft.moe
-    if cfg.draft.init == "eagle3" and m.eagle3_mlp:
+    if m.eagle3_mlp:  # an EAGLE-3 head's config has no provenance field: recompute its (pure, seeded) choice
         from specdistill.moe.build import select_experts, selection_record
         from specdistill.moe.profiler import RoutingProfile
 
