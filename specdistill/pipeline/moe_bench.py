@@ -140,17 +140,22 @@ def markdown(summary: dict) -> str:
              "prompts; each arm's ratio is to its baseline arm (same phase). Verdict: the after-training interval "
              "excludes 1.", "",
              "| arm | params | experts (coverage) | tau_sim before -> after | tau real before [CI] | "
-             "tau real after [CI] | / baseline after [paired CI] | verdict |",
-             "|---|---|---|---|---|---|---|---|"]
+             "tau real after [CI] | / baseline before [paired CI] | / baseline after [paired CI] | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def ratio(name: str, s: dict) -> str:
+        r = res[name]
+        if s.get("ratio_to_baseline") is None or name == r["baseline"]:
+            return "-"
+        return f"{s['ratio_to_baseline']:.3f}x{ci(s.get('ratio_ci95'))} vs {r['baseline']}"
+
     for name, r in res.items():
         b, a = r["before"] or {}, r["after"] or {}
         sel = r["selection"]
         kept = f"{sel.get('experts')} ({sel.get('coverage')})" if sel.get("experts") is not None else "-"
-        ratio = "-" if a.get("ratio_to_baseline") is None or name == r["baseline"] else (
-            f"{a['ratio_to_baseline']:.3f}x{ci(a.get('ratio_ci95'))} vs {r['baseline']}")
         lines.append(f"| {name}: {r['label']} | {r['params']:,} | {kept} | {num(b.get('tau_sim'))} -> "
                      f"{num(a.get('tau_sim'))} | {num(b.get('tau_real'))}{ci(b.get('tau_real_ci95'))} | "
-                     f"{num(a.get('tau_real'))}{ci(a.get('tau_real_ci95'))} | {ratio} | "
+                     f"{num(a.get('tau_real'))}{ci(a.get('tau_real_ci95'))} | {ratio(name, b)} | {ratio(name, a)} | "
                      f"{summary['verdicts'].get(name, '-')} |")
     lines += ["", "| arm | train loss first -> last | loss tokens | steps | greedy mismatches (after) | seconds |",
               "|---|---|---|---|---|---|"]
@@ -302,9 +307,9 @@ def bench(overrides: list[str], out: Path, names: Optional[list[str]] = None, ea
     for phase in ("before", "after"):
         paired_scores(results, phase)
     summary = {"target": str(first.target.path), "command": command, "overrides": base,
-               "budget": (f"{first.trainer.max_steps} steps x {first.trainer.micro_batch_size} x "
-                          f"{first.trainer.grad_accum} rows of <= {first.data.max_length} tokens, seed "
-                          f"{first.trainer.seed}"),
+               "budget": (f"{first.trainer.max_steps} steps of {first.trainer.micro_batch_size} rows x "
+                          f"{first.trainer.grad_accum} micro-batches, <= {first.data.max_length} tokens a row, "
+                          f"trainer.seed {first.trainer.seed}"),
                "eval": (f"{first.eval.prompts}, {first.eval.num_prompts} prompts x {first.eval.max_new_tokens} "
                         f"tokens, T={first.eval.temperature}, gamma {first.eval.gamma}"),
                "profile": str(prof_path),

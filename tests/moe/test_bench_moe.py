@@ -46,6 +46,7 @@ def test_arm_table_pairs_each_arm_with_a_baseline_of_the_same_family():
 
 def test_bench_smoke_every_arm_on_a_tiny_mixtral(tiny_moe_dirs, tiny_data_file, tmp_path):
     from specdistill.cli.bench_moe import main
+    from specdistill.moe.build import select_experts
     from specdistill.moe.profiler import RoutingProfile
 
     out = tmp_path / "bench"
@@ -63,6 +64,8 @@ def test_bench_smoke_every_arm_on_a_tiny_mixtral(tiny_moe_dirs, tiny_data_file, 
     assert a["hot"]["selection"]["experts"] == [sorted(prof.ranked(s)[:2]) for s in (0, 1)]
     assert a["cold"]["selection"]["experts"] == [sorted(prof.ranked(s)[-2:]) for s in (0, 1)]
     assert a["dense"]["selection"]["experts"] == a["hot"]["selection"]["experts"]
+    rnd = select_experts(prof, [0, 1], count=2, selection="random", seed=0)
+    assert a["random"]["selection"]["experts"] == [rnd[0], rnd[1]] and a["random"]["selection"]["selection_seed"] == 0
     assert a["eagle3_hot"]["selection"]["experts"] == [prof.ranked(2)[:1]]
     # equal parameters (dense: minus the router rows it drops; EAGLE-3 pair: the MLP of one expert = the plain MLP)
     assert a["hot"]["params"] == a["random"]["params"] == a["cold"]["params"]
