@@ -186,9 +186,10 @@ def plot(summary: dict, path: Path) -> Path:
             for n in names:
                 s = summary["arms"][n][phase] or {}
                 v = s.get(key) or float("nan")
-                c = s.get(f"{key}_ci95") or [v, v]
+                c = s.get(f"{key}_ci95") or [v, v]  # simulated tau has no interval (one aggregate count)
                 vals.append(v), lo.append(v - c[0]), hi.append(c[1] - v)
-            ax.bar(xs, vals, width=0.38, yerr=[lo, hi], capsize=3, label=phase)
+            err = [lo, hi] if key == "tau_real" else None
+            ax.bar(xs, vals, width=0.38, yerr=err, capsize=3, label=phase)
         ax.set_xticks(range(len(names)), names, rotation=20)
         ax.set_title(title)
         ax.axhline(1.0, color="gray", lw=0.5)
