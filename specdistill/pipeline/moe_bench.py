@@ -59,7 +59,7 @@ def arms(eagle3_experts: int = 1, random_seed: int = 0) -> dict[str, Arm]:
 SMALL = ("data.max_rows=300", "data.max_length=128", "data.heldout_size=16", "trainer.max_steps=8",
          "trainer.micro_batch_size=2", "trainer.grad_accum=1", "trainer.warmup_steps=1", "trainer.lr=3e-3",
          "trainer.log_every=2", "trainer.eval_every=0", "trainer.save_every=1000", "trainer.seed=0",
-         "draft.num_layers=2", "draft.moe.num_experts=3", "draft.moe.coverage=null", "draft.moe.profile_batches=4",
+         "draft.num_layers=2", "draft.draft_vocab_size=8192", "draft.moe.num_experts=3", "draft.moe.coverage=null", "draft.moe.profile_batches=4",
          "eval.gamma=4", "eval.max_batches=2", "eval.spec_eval=false", "eval.prompts=embedded:mt_bench",
          "eval.num_prompts=2", "eval.max_new_tokens=24", "eval.warmup_prompts=0", "eval.measure_cost=false",
          "eval.temperature=0")
@@ -301,7 +301,9 @@ def bench(overrides: list[str], out: Path, names: Optional[list[str]] = None, ea
     prof_path = profile_target(arm_cfg(table["hot"]), out, log)
     results: dict[str, ArmResult] = {}
     for i, n in enumerate(names):
-        log(f"[bench] arm {i + 1}/{len(names)}: {n} ({time.perf_counter() - t0:.0f}s so far)")
+        done = [r.seconds for r in results.values()]
+        eta = f", about {sum(done) / len(done) * (len(names) - i):.0f}s to go" if done else ""
+        log(f"[bench] arm {i + 1}/{len(names)}: {n} ({time.perf_counter() - t0:.0f}s so far{eta})")
         cfg = arm_cfg(table[n], (f"draft.moe.profile={prof_path}", f"trainer.output_dir={out / n}",
                                  "trainer.resume=null"))
         results[n] = run_arm(table[n], cfg, log)
