@@ -278,7 +278,8 @@ def profile_target(cfg, out: Path, log=print) -> Path:
 
 
 def bench(overrides: list[str], out: Path, names: Optional[list[str]] = None, eagle3_experts: int = 1,
-          random_seed: int = 0, command: str = "", compose: Callable = None, log=print) -> dict:
+          random_seed: int = 0, command: str = "", compose: Callable = None, spread_prompts: Optional[int] = None,
+          log=print) -> dict:
     """Run the arms `names` (default: all) with `overrides` on top of SMALL; write results.json, results.md,
     results.png, profile.json and heatmap.png to `out`. compose(recipe, overrides) -> DictConfig (Hydra)."""
     t0 = time.perf_counter()
@@ -297,6 +298,10 @@ def bench(overrides: list[str], out: Path, names: Optional[list[str]] = None, ea
         return compose(arm.recipe, [*base, *arm.overrides, *extra])
 
     first = arm_cfg(table[names[0]])
+    if spread_prompts:  # eval.prompts is ordered (MT-bench: by category): take evenly spaced prompts, not the first N
+        base += [f"eval.prompts={spread_subset(first.eval.prompts, spread_prompts, out / 'prompts.jsonl')}",
+                 "eval.num_prompts=null"]
+        first = arm_cfg(table[names[0]])
     _ensure_target(first.target.path, log)
     prof_path = profile_target(arm_cfg(table["hot"]), out, log)
     results: dict[str, ArmResult] = {}
@@ -325,6 +330,19 @@ def bench(overrides: list[str], out: Path, names: Optional[list[str]] = None, ea
     plot(summary, out / "results.png")
     log(markdown(summary))
     return summary
+
+
+def spread_subset(source: str, n: int, path: Path) -> Path:
+    """Write `n` evenly spaced first turns of prompt `source` (indices round(i * len / n)) to a .jsonl of messages."""
+    from specdistill.data.prompts import load_prompt_messages
+
+    rows, _ = load_prompt_messages(source)
+    if not 1 <= n <= len(rows):
+        raise ValueError(f"--spread-prompts={n}: {source} has {len(rows)} prompts; choose 1..{len(rows)}")
+    picked = [rows[round(i * len(rows) / n)][1] for i in range(n)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in picked))
+    return path
 
 
 def _ensure_target(path: str, log) -> None:

@@ -53,10 +53,10 @@ def test_bench_smoke_every_arm_on_a_tiny_mixtral(tiny_moe_dirs, tiny_data_file, 
     over = [o for o in tiny_overrides(tiny_moe_dirs["mixtral"], tiny_data_file, tmp_path / "unused", tmp_path / "c")
             if not o.startswith("trainer.output_dir")]
     over += ["trainer.max_steps=2", "trainer.grad_accum=1", "draft.num_layers=2", "draft.moe.num_experts=2",
-             "draft.moe.profile_batches=2", "draft.draft_vocab_size=64", "eval.prompts=heldout", "eval.num_prompts=3",
+             "draft.moe.profile_batches=2", "draft.draft_vocab_size=64", f"eval.prompts={tiny_data_file}",
              "eval.max_new_tokens=6", "eval.gamma=3", "trainer.lr=3e-3"]
-    r = main([f"--out={out}", *over])
-    for f in ("results.json", "results.md", "results.png", "profile.json", "heatmap.png"):
+    r = main([f"--out={out}", "--spread-prompts=3", *over])
+    for f in ("results.json", "results.md", "results.png", "profile.json", "heatmap.png", "prompts.jsonl"):
         assert (out / f).exists(), f
     a = r["arms"]
     prof = RoutingProfile.load(out / "profile.json")
@@ -80,6 +80,7 @@ def test_bench_smoke_every_arm_on_a_tiny_mixtral(tiny_moe_dirs, tiny_data_file, 
             s = arm[phase]
             assert s["greedy_mismatches"] == 0, (n, phase)
             assert s["tau_real"] >= 1 and s["tau_sim"] >= 1
+            assert len(r["counts"][n][phase]) == 3  # the spread prompts, every arm and phase
     # one bootstrap implementation: scripts/compare_evals.py on the bench's folders gives the bench's interval
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
     import compare_evals
@@ -88,3 +89,16 @@ def test_bench_smoke_every_arm_on_a_tiny_mixtral(tiny_moe_dirs, tiny_data_file, 
     table = compare_evals.main([cold_dir, hot_dir, "--baseline", hot_dir, "--out", str(tmp_path / "cmp")])
     assert table[cold_dir]["ratio_ci95"] == pytest.approx(a["cold"]["after"]["ratio_ci95"])
     assert json.loads((out / "results.json").read_text())["verdicts"]["hot"] == "-"
+
+
+def test_spread_subset_takes_evenly_spaced_first_turns(tiny_data_file, tmp_path):
+    from specdistill.data.prompts import load_prompt_messages
+    from specdistill.pipeline.moe_bench import spread_subset
+
+    rows, _ = load_prompt_messages(str(tiny_data_file))
+    got, _ = load_prompt_messages(str(spread_subset(str(tiny_data_file), 4, tmp_path / "p.jsonl")))
+    n = len(rows)
+    assert [m for _, m in got] == [rows[round(i * n / 4)][1] for i in range(4)]
+    assert len({json.dumps(m) for _, m in got}) == 4
+    with pytest.raises(ValueError, match="--spread-prompts=0"):
+        spread_subset(str(tiny_data_file), 0, tmp_path / "q.jsonl")
