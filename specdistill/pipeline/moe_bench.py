@@ -95,14 +95,21 @@ class ArmResult:
     before: Optional[PhaseScore] = None
     after: Optional[PhaseScore] = None
     counts: dict = field(default_factory=dict)  # phase -> (N, 2) per prompt [new tokens, target forwards]
+    prompts: dict = field(default_factory=dict)  # phase -> the N prompts, in the order of counts
 
 
 # ------------------------------------------------------------------------------------------------ pure parts
-def prompt_counts(outputs_jsonl: Path) -> list[list[int]]:
-    """(N, 2) per-prompt [new tokens, target forwards], sorted by prompt text (compare_evals' pairing order)."""
+@dataclass
+class PerPrompt:
+    """An evaluator run's per-prompt record, sorted by prompt text (compare_evals' pairing order)."""
+    prompts: list[str]
+    counts: list[list[int]]  # (N, 2) [new tokens, target forwards]
+
+
+def per_prompt(outputs_jsonl: Path) -> PerPrompt:
     rows = [json.loads(x) for x in Path(outputs_jsonl).read_text().splitlines() if x.strip()]
     rows.sort(key=lambda r: r["prompt"])
-    return [[r["new_tokens"], r["target_forwards"]] for r in rows]
+    return PerPrompt([r["prompt"] for r in rows], [[r["new_tokens"], r["target_forwards"]] for r in rows])
 
 
 def paired_scores(results: dict[str, ArmResult], phase: str, seed: int = 0) -> None:
@@ -117,6 +124,9 @@ def paired_scores(results: dict[str, ArmResult], phase: str, seed: int = 0) -> N
         s.tau_real_ci95 = tau_interval(c, seed)
         b = results.get(r.baseline)
         cb = b.counts.get(phase) if b is not None else None
+        if cb is not None and r.prompts.get(phase) != b.prompts.get(phase):
+            raise ValueError(f"arms {r.name} and {r.baseline} were evaluated on different prompts ({phase}): a paired "
+                             "interval needs the same eval.prompts and num_prompts in every arm")
         if cb is not None and getattr(b, phase).tau_real:
             s.ratio_to_baseline = s.tau_real / getattr(b, phase).tau_real
             s.ratio_ci95 = ratio_interval(c, cb, seed)
@@ -228,7 +238,8 @@ def run_arm(arm: Arm, cfg, log: Callable[[str], None] = print) -> ArmResult:
     for phase, held in (("before", res.heldout_before), ("after", res.heldout_after)):
         d = Path(c.output_dir) / "eval" / phase
         rj = json.loads((d / "results.json").read_text())
-        out.counts[phase] = prompt_counts(d / "outputs.jsonl")
+        pp = per_prompt(d / "outputs.jsonl")
+        out.counts[phase], out.prompts[phase] = pp.counts, pp.prompts
         setattr(out, phase, PhaseScore(
             tau_sim=held["heldout/mean_accept_len"], top1_sim=held["heldout/top1_agreement"],
             tau_real=rj["mean_accept_len"], tau_real_ci95=None, ratio_to_baseline=None, ratio_ci95=None,
@@ -321,7 +332,8 @@ def bench(overrides: list[str], out: Path, names: Optional[list[str]] = None, ea
                "eval": (f"{first.eval.prompts}, {first.eval.num_prompts} prompts x {first.eval.max_new_tokens} "
                         f"tokens, T={first.eval.temperature}, gamma {first.eval.gamma}"),
                "profile": str(prof_path),
-               "arms": {n: {k: v for k, v in asdict(r).items() if k != "counts"} for n, r in results.items()},
+               "arms": {n: {k: v for k, v in asdict(r).items() if k not in ("counts", "prompts")}
+                        for n, r in results.items()},
                "counts": {n: r.counts for n, r in results.items()},
                "verdicts": {n: verdict(results, n) for n in results},
                "seconds": round(time.perf_counter() - t0, 1)}

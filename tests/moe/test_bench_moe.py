@@ -16,7 +16,7 @@ def _arm(name, baseline, counts):
                    ratio_ci95=None, accept_rate_per_pos=None, greedy_mismatches=0, eval_dir=None)
     return ArmResult(name=name, label=name, baseline=baseline, params=1, trainable_params=1, selection={}, steps=1,
                      loss_tokens=1, train_loss_first=1.0, train_loss_last=1.0, seconds=0.0, after=s,
-                     counts={"after": counts})
+                     counts={"after": counts}, prompts={"after": [f"p{i}" for i in range(len(counts))]})
 
 
 def test_paired_verdicts_follow_the_interval():
@@ -35,6 +35,9 @@ def test_paired_verdicts_follow_the_interval():
     assert res["same"].after.ratio_ci95 == [1.0, 1.0] and res["better"].after.ratio_to_baseline > 1
     lo, hi = res["hot"].after.tau_real_ci95
     assert lo <= res["hot"].after.tau_real <= hi
+    res["worse"].prompts["after"][0] = "another prompt"
+    with pytest.raises(ValueError, match="different prompts"):
+        paired_scores(res, "after")
 
 
 def test_arm_table_pairs_each_arm_with_a_baseline_of_the_same_family():
