@@ -43,6 +43,9 @@ class MoEDraftConfig:
     token_selection: str = "loss_mask"  # tokens profiled: loss_mask (trained positions) | all (non-padding)
     eagle3_mlp: bool = False  # init=eagle3: the head's MLP merged from the hot experts of eagle3_layers
     eagle3_layers: Optional[list[int]] = None  # null = the target's last MoE layer
+    # Which experts, at the count above: hot (most routing weight) | random (seeded, per layer) | cold (least used)
+    selection: str = "hot"
+    selection_seed: int = 0  # selection=random only
 
 
 @dataclass

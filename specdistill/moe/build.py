@@ -31,14 +31,42 @@ DRAFT_KINDS = ("moe", "dense")
 MERGES = ("concat", "average")
 
 
+SELECTIONS = ("hot", "random", "cold")
+
+
 def select_experts(profile: RoutingProfile, layers: list[int], coverage: Optional[float] = None,
-                   count: Optional[int] = None) -> dict[int, list[int]]:
-    """Hot experts per source layer. An HF MoE config has one expert count for all layers, so with `coverage` each
-    layer keeps the most used experts up to the largest count any layer needs (every layer reaches coverage)."""
-    if count is not None:
-        return {s: profile.hot_experts(s, count=count) for s in layers}
-    k = max(len(profile.hot_experts(s, coverage=coverage)) for s in layers)
-    return {s: profile.hot_experts(s, count=k) for s in layers}
+                   count: Optional[int] = None, selection: str = "hot", seed: int = 0) -> dict[int, list[int]]:
+    """Kept expert ids per source layer (ascending: the order a sliced router keeps), the same count in every layer.
+
+    The count: `count`, or with `coverage` the largest number of hot experts any layer needs to reach it (an HF
+    config has one expert count for all layers). Which experts (`selection`), at that equal count:
+      hot:    the most used by routing weight (profile.ranked);
+      cold:   the least used (the control that should lose);
+      random: a uniform draw without replacement, seeded by (seed, layer) so a rerun keeps the same ids.
+    """
+    if selection not in SELECTIONS:
+        raise ValueError(f"draft.moe.selection={selection!r}: choose one of {SELECTIONS}")
+    k = count if count is not None else max(len(profile.hot_experts(s, coverage=coverage)) for s in layers)
+    if not 1 <= k <= profile.num_experts:
+        raise ValueError(f"expert count {k} must be in [1, {profile.num_experts}] (draft.moe.num_experts)")
+    chosen = {}
+    for s in layers:
+        if selection == "hot":
+            ids = profile.ranked(s)[:k]
+        elif selection == "cold":
+            ids = profile.ranked(s)[-k:]
+        else:
+            g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(s))
+            ids = torch.randperm(profile.num_experts, generator=g)[:k].tolist()
+        chosen[s] = sorted(ids)
+    return chosen
+
+
+def selection_record(profile: RoutingProfile, experts: dict[int, list[int]], selection: str, seed: int) -> dict:
+    """What a draft records about its experts (config.specdistill_moe): how they were chosen and, per source
+    layer, the share of the target's routing weight they hold (1.0 = every routed token's weight)."""
+    return {"selection": selection, "selection_seed": int(seed) if selection == "random" else None,
+            "coverage": [round(profile.coverage(s, ids), 4) for s, ids in experts.items()]}
 
 
 def mass_weights(profile: RoutingProfile, layer: int, experts: list[int]) -> torch.Tensor:
@@ -161,7 +189,7 @@ def draft_param_count(model) -> int:
 
 def init_eagle3_mlp_from_experts(head, target_model, profile: RoutingProfile, layers: Optional[list[int]] = None,
                                  coverage: Optional[float] = None, count: Optional[int] = None,
-                                 merge: str = "concat") -> dict:
+                                 merge: str = "concat", selection: str = "hot", seed: int = 0) -> dict:
     """Replace an EAGLE-3 head's MLP by a merge of the hot experts of target `layers` (default: the last MoE layer),
     weighted by routing mass over all (layer, expert) pairs. The head's intermediate size becomes the merged size
     (written into its config, so the export carries it). Returns what was merged."""
@@ -169,7 +197,7 @@ def init_eagle3_mlp_from_experts(head, target_model, profile: RoutingProfile, la
 
     blocks = require_moe(target_model)
     layers = list(layers) if layers else [max(blocks)]
-    chosen = select_experts(profile, layers, coverage, count)
+    chosen = select_experts(profile, layers, coverage, count, selection, seed)
     pairs = [(s, e) for s in layers for e in chosen[s]]
     mass = torch.tensor([profile.weight_mass[profile.row(s)][e] for s, e in pairs], dtype=torch.float64)
     w = mass / mass.sum() if mass.sum() > 0 else torch.full_like(mass, 1.0 / len(pairs))
@@ -182,4 +210,5 @@ def init_eagle3_mlp_from_experts(head, target_model, profile: RoutingProfile, la
         g, u = gate_up.chunk(2, dim=0)
         mlp.gate_proj.weight.copy_(g), mlp.up_proj.weight.copy_(u), mlp.down_proj.weight.copy_(down)
     head.midlayer.mlp = mlp.to(next(head.parameters()).dtype)
-    return {"layers": layers, "experts": [chosen[s] for s in layers], "merge": merge, "intermediate_size": inter}
+    return {"layers": layers, "experts": [chosen[s] for s in layers], "merge": merge, "intermediate_size": inter,
+            **selection_record(profile, chosen, selection, seed)}

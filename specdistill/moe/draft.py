@@ -1,9 +1,10 @@
-"""Config -> expert-selective draft: load or compute the target's routing profile, pick hot experts, build."""
+"""Config -> expert-selective draft: load or compute the target's routing profile, pick experts
+(draft.moe.selection: hot / random / cold, equal count), build."""
 from __future__ import annotations
 
 from typing import Optional
 
-from specdistill.moe.build import build_moe_draft, init_eagle3_mlp_from_experts, select_experts
+from specdistill.moe.build import build_moe_draft, init_eagle3_mlp_from_experts, select_experts, selection_record
 from specdistill.moe.profiler import RoutingProfile, calibration_batches, profile_routing
 from specdistill.moe.routing import require_moe
 from specdistill.tokens import pad_id
@@ -48,12 +49,12 @@ def build_from_config(cfg, target_model, data=None, log=print):
         raise ValueError("draft.moe.layers is empty")
     prof = routing_profile(m, target_model, data, log)
     coverage, count = _selection(m)
-    experts = select_experts(prof, layers, coverage, count)
+    experts = select_experts(prof, layers, coverage, count, m.selection, m.selection_seed)
     draft = build_moe_draft(target_model, layers, experts, m.kind, m.top_k, m.merge, prof)
-    cov = [round(prof.coverage(s, experts[s]), 3) for s in layers]
-    draft.config.specdistill_moe["coverage"] = cov
-    log(f"[moe] {m.kind} draft from target layers {layers}: experts {[experts[s] for s in layers]}, "
-        f"routing-weight coverage {cov}")
+    record = selection_record(prof, experts, m.selection, m.selection_seed)
+    draft.config.specdistill_moe.update(record)  # saved with the draft's config.json
+    log(f"[moe] {m.kind} draft from target layers {layers}: {m.selection} experts {[experts[s] for s in layers]}, "
+        f"routing-weight coverage {record['coverage']}")
     return draft
 
 
@@ -62,7 +63,9 @@ def init_eagle3_from_config(head, draft_cfg, target_model, data=None, log=print)
     m = draft_cfg.moe
     prof = routing_profile(m, target_model, data, log)
     coverage, count = _selection(m)
-    info = init_eagle3_mlp_from_experts(head, target_model, prof, m.eagle3_layers, coverage, count, m.merge)
-    log(f"[moe] EAGLE-3 MLP merged ({info['merge']}) from layers {info['layers']} experts {info['experts']}: "
+    info = init_eagle3_mlp_from_experts(head, target_model, prof, m.eagle3_layers, coverage, count, m.merge,
+                                        m.selection, m.selection_seed)
+    log(f"[moe] EAGLE-3 MLP merged ({info['merge']}) from layers {info['layers']} {info['selection']} experts "
+        f"{info['experts']} (coverage {info['coverage']}): "
         f"intermediate {info['intermediate_size']}")
     return info
