@@ -298,6 +298,8 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
                    "final_checkpoint": str(result.final_checkpoint) if result.final_checkpoint else None,
                    "preempted": result.preempted, "num_processes": acc.num_processes,
                    "distributed_type": str(acc.distributed_type),
+                   "torch_threads": torch.get_num_threads(),  # per process: throughput figures depend on it
+                   "wall_s": wall_before + time.perf_counter() - t_fit,
                    "last_train_metrics": {k: v for k, v in latest.items() if k.startswith("train/")}}
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     if t.wandb:
