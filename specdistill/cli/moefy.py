@@ -1,8 +1,8 @@
 """`specdistill-moefy`: turn a dense target into an MoE whose experts specialise (specdistill/moe/convert.py), save it
 as a standard transformers Mixtral folder, and report how real it is (specdistill/moe/realness.py).
 
-  specdistill-moefy --experts 8 --top-k 2 --out ~/.cache/specdistill/models/smollm2-135m-moefied-e8k2
-  python scripts/moefy.py --experts 8 --top-k 2 --tokens 16384            # the same, through the shim
+  specdistill-moefy --experts 8 --top-k 6 --out ~/.cache/specdistill/models/smollm2-135m-moefied-e8k6
+  python scripts/moefy.py --experts 8 --top-k 6 --tokens 16384            # the same, through the shim
   python scripts/profile_moe.py target=smollm2_moefied draft=moe_experts  # then the usual MoE tools
 
 Steps: tokenize the data (ShareGPT by default, through the project's data code); run the dense model on the first
@@ -31,7 +31,7 @@ CONVERTER_VERSION = 1  # bump when the conversion changes what it writes: older 
 def parse_args(argv=None) -> argparse.Namespace:
     a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a.add_argument("--experts", type=int, default=8, help="E: experts per layer (must divide the intermediate size)")
-    a.add_argument("--top-k", type=int, default=2, help="k: experts active per token, 1 <= k <= E")
+    a.add_argument("--top-k", type=int, default=6, help="k: experts active per token, 1 <= k <= E")
     a.add_argument("--tokens", type=int, default=16384, help="calibration tokens for clustering and the router fit")
     a.add_argument("--out", default=None, help="model folder (default: ~/.cache/specdistill/models/<target>-moefied-e<E>k<k>)")
     a.add_argument("--target", default=DEFAULT_TARGET, help="a dense Llama-family model: local folder or embedded:*")

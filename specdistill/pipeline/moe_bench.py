@@ -363,4 +363,4 @@ def _ensure_target(path: str, log) -> None:
     ensure_default_target(path, log=log)  # the upcycled smollm2_moe folder is made on demand; others must exist
     if "moefied" in str(path) and not (Path(path).expanduser() / "config.json").exists():
         raise FileNotFoundError(f"the MoEfied target {path} does not exist yet: create it once with "
-                                "`python scripts/moefy.py --experts 8 --top-k 2 --tokens 16384` (minutes)")
+                                "`python scripts/moefy.py --experts 8 --top-k 6 --tokens 16384` (minutes)")
