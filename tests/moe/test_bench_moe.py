@@ -90,7 +90,7 @@ def test_bench_smoke_every_arm_on_a_tiny_mixtral(tiny_moe_dirs, tiny_data_file, 
 
     hot_dir, cold_dir = a["hot"]["after"]["eval_dir"], a["cold"]["after"]["eval_dir"]
     table = compare_evals.main([cold_dir, hot_dir, "--baseline", hot_dir, "--out", str(tmp_path / "cmp")])
-    assert table[cold_dir]["ratio_ci95"] == pytest.approx(a["cold"]["after"]["ratio_ci95"])
+    assert table["overall"][cold_dir]["ratio_ci95"] == pytest.approx(a["cold"]["after"]["ratio_ci95"])
     assert json.loads((out / "results.json").read_text())["verdicts"]["hot"] == "-"
 
 
