@@ -28,6 +28,8 @@ def main(argv=None) -> int:
     ap.add_argument("--last", action="store_true", help="only the newest checkpoint (tau of the final draft)")
     ap.add_argument("--out", default=None, help="default: <run>/curve")
     ap.add_argument("--merge", nargs="+", default=None, help="curve dirs to draw together (with --out)")
+    ap.add_argument("--heldout", action="store_true",
+                    help="no decoding: the run's in-training held-out proxy (metrics.jsonl) as the curve")
     a = ap.parse_args(argv)
     command = "python scripts/learning_curve.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
 
@@ -51,6 +53,17 @@ def main(argv=None) -> int:
         return 0
     if not a.run:
         ap.error("--run is required (or --merge)")
+    if a.heldout:
+        from omegaconf import OmegaConf
+
+        from specdistill.pipeline.curve import heldout_curve
+
+        run = Path(a.run)
+        label = a.label or f"{OmegaConf.load(run / 'config.yaml').run_name} (held-out proxy)"
+        out = write_curve(heldout_curve(run), a.out or run / "curve_heldout", command, label=label,
+                          extra={"source": "metrics.jsonl heldout/mean_accept_len"})
+        print(f"wrote {out}/curve.json, curve.md, curve.png")
+        return 0
     from omegaconf import OmegaConf
 
     from specdistill.data.prompts import load_prompts

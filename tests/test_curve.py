@@ -24,3 +24,24 @@ def test_curve_scores_every_checkpoint_with_real_decoding(tiny_target_dir, tiny_
     data = json.loads((d / "curve.json").read_text())
     assert data["command"] == "test command" and len(data["points"]) == 2
     assert (d / "curve.png").exists() and "| 4 |" in (d / "curve.md").read_text()
+
+
+def test_heldout_curve_reads_the_in_training_proxy(tmp_path):
+    import json
+
+    import pytest
+
+    from specdistill.pipeline.curve import heldout_curve
+
+    rows = [{"step": 8, "train/loss": 3.0, "tokens_seen": 100},
+            {"step": 16, "tokens_seen": 200, "wall_s": 120.0, "heldout/mean_accept_len": 1.25,
+             "heldout/accept_rate_per_pos": [0.2, 0.1], "heldout/num_positions": 50},
+            {"step": 32, "tokens_seen": 400, "wall_s": 240.0},
+            {"step": 32, "heldout/mean_accept_len": 1.5}]  # the loop writes eval lines after the step's train line
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    pts = heldout_curve(tmp_path)
+    assert [(p.step, p.tokens_seen, p.tau) for p in pts] == [(16, 200, 1.25), (32, 400, 1.5)]
+    assert pts[0].wall_minutes == 2.0 and pts[0].accept_rate_per_pos == [0.2, 0.1]
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(ValueError, match="held-out"):
+        heldout_curve(tmp_path)
