@@ -329,7 +329,8 @@ def bench(overrides: list[str], out: Path, names: Optional[list[str]] = None, ea
                "budget": (f"{first.trainer.max_steps} steps of {first.trainer.micro_batch_size} rows x "
                           f"{first.trainer.grad_accum} micro-batches, <= {first.data.max_length} tokens a row, "
                           f"trainer.seed {first.trainer.seed}"),
-               "eval": (f"{first.eval.prompts}, {first.eval.num_prompts} prompts x {first.eval.max_new_tokens} "
+               "eval": (f"{first.eval.prompts}, {len(next(iter(results.values())).counts.get('after', [])) or first.eval.num_prompts} "
+                        f"prompts x {first.eval.max_new_tokens} "
                         f"tokens, T={first.eval.temperature}, gamma {first.eval.gamma}"),
                "profile": str(prof_path),
                "arms": {n: {k: v for k, v in asdict(r).items() if k not in ("counts", "prompts")}
