@@ -75,3 +75,20 @@ def ragged_prompts():
 @pytest.fixture
 def first_three_marginals():
     return _first_three_marginals
+
+
+def _interleaved(prompts: list[list[int]], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n * K, L) left-padded ids and mask whose rows cycle through the K prompts: every length sits next to every
+    other one, so one batch mixes paddings (and, once acceptance is ragged, cache holes)."""
+    L, K = max(map(len, prompts)), len(prompts)
+    ids = torch.zeros(n * K, L, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r in range(n * K):
+        p = prompts[r % K]
+        ids[r, L - len(p):], mask[r, L - len(p):] = torch.tensor(p), 1
+    return ids, mask
+
+
+@pytest.fixture
+def interleaved_prompts():
+    return _interleaved

@@ -85,19 +85,16 @@ def test_the_window_shapes_these_generations(arch):
 
 
 @torch.no_grad()
-def test_sampling_with_a_sliding_window_follows_the_target(chi_square_pvalue, first_three_marginals):
+def test_sampling_with_a_sliding_window_follows_the_target(chi_square_pvalue, first_three_marginals,
+                                                          interleaved_prompts):
     """T=1, window 3 shorter than every prompt, three prompt lengths in one left-padded batch and ragged acceptance
     (holes): each row's first three tokens follow the target's exact marginals on its unpadded prompt."""
     V, N = 16, 1500
     target = tiny_target("mistral", vocab_size=V, sliding_window=3)
     draft = _perturbed(target, 0.3)
     prompts = [[3, 9, 4, 9, 4], [7, 2, 5, 8], [5, 11, 6, 8, 13, 10]]
-    L, K = max(map(len, prompts)), len(prompts)
-    ids = torch.zeros(N * K, L, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r in range(N * K):  # rows interleave the prompts: every length sits next to every other one
-        p = prompts[r % K]
-        ids[r, L - len(p):], mask[r, L - len(p):] = torch.tensor(p), 1
+    K = len(prompts)
+    ids, mask = interleaved_prompts(prompts, N)
     out = speculative_generate(target, LMDrafter(draft), ids, mask, gamma=2, max_new_tokens=3, temperature=1.0,
                                generator=torch.Generator().manual_seed(0))
     assert 0.1 < out.acceptance_per_position[0] < 0.9

@@ -180,18 +180,15 @@ def test_sampled_tokens_follow_the_target(temperature, top_p, policy, tiny_lm, c
 @torch.no_grad()
 @pytest.mark.parametrize("policy", ["sample", "greedy"])
 def test_sampled_tokens_follow_the_target_on_left_padded_prompts_of_different_lengths(policy, tiny_lm, chi_square_pvalue,
-                                                                                        first_three_marginals):
+                                                                                        first_three_marginals,
+                                                                                        interleaved_prompts):
     """One batch mixes three prompt lengths (left padding), and ragged acceptance leaves masked holes in the KV cache
     from the second round on: each row's first three tokens still follow the target alone on its unpadded prompt."""
     V, N = 16, 2000
     target, draft = tiny_lm(0, vocab=V), tiny_lm(1, vocab=V)
     prompts = [[3, 9, 4, 9, 4], [7, 2], [5, 11, 6, 8]]
-    L, K = max(len(p) for p in prompts), len(prompts)
-    ids = torch.zeros(N * K, L, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r in range(N * K):  # rows interleave the prompts: every length sits next to every other one
-        p = prompts[r % K]
-        ids[r, L - len(p):], mask[r, L - len(p):] = torch.tensor(p), 1
+    K = len(prompts)
+    ids, mask = interleaved_prompts(prompts, N)
     out = speculative_generate(target, LMDrafter(draft), ids, mask, gamma=2, max_new_tokens=3, temperature=1.0,
                                generator=torch.Generator().manual_seed(0), draft_policy=policy)
     assert 0.02 < out.acceptance_per_position[0] < 0.98  # accepted and rejected drafts: rows advance unevenly
