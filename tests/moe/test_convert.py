@@ -212,7 +212,7 @@ def test_cli_converts_reports_and_reuses_its_output(cli_inputs, capsys):
     assert json.loads((out / "moefy.json").read_text())["inputs"]["settings"]["top_k"] == 1
 
 
-@pytest.mark.parametrize("args,message", [(["--experts", "3"], "does not divide the MLP's intermediate size 64"),
+@pytest.mark.parametrize("args,message", [(["--experts", "3", "--top-k", "2"], "does not divide the MLP's intermediate size 64"),
                                           (["--experts", "4", "--top-k", "5"], "--top-k 5 > --experts 4"),
                                           (["--experts", "4", "--top-k", "0"], "at least 1 active expert"),
                                           (["--out", "{d}"], "holds no model: it would be replaced")])
