@@ -94,8 +94,8 @@ class Eagle3Draft(DraftAdapter):
     def row_feature_layers(self) -> Optional[list[int]]:
         return list(self.module.config.aux_layer_ids)
 
-    def logits_at(self, rows, row, context_len, index, features, pad_id: int) -> torch.Tensor:
-        return eagle3_logits_at(self.model, rows, features, row, context_len, index, pad_id)
+    def logits_at(self, rows, row, context_len, index, features, pad_id: int, shares=None) -> torch.Tensor:
+        return eagle3_logits_at(self.model, rows, features, row, context_len, index, pad_id, shares)
 
     def restrict(self, p_logits: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         return restrict_to_draft_vocab(p_logits, self.module.t2d)
@@ -146,25 +146,55 @@ def build_eagle3_draft(draft_cfg, target, data):
 
 
 def eagle3_logits_at(head, rows: list[torch.Tensor], aux: torch.Tensor, row: torch.Tensor, context_len: torch.Tensor,
-                     index: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """(P, Vd) the head's draft-vocabulary logits at each drafted position, WITH grad: one TTT unroll of
-    max(index)+1 steps over all rows (right-padded), read at slot context_len - index - 2, step index. Only the read
-    (row, slot)s of each step go through the lm_head (readout_at): rollout rows hold ~one drafting slot per round."""
-    ids, mask = pad_rows(rows, pad_id, side="right", device=aux.device, length=aux.shape[1])
-    R, L = ids.shape
-    steps = int(index.max()) + 1
-    flat = row * L + (context_len - index - 2)                               # (P,) the (row, slot) each one reads
-    masks, parts, order = [], [], []
-    for j in range(steps):
-        at = (index == j).nonzero().squeeze(-1)                              # (P_j,) positions read at step j
-        m = torch.zeros(R * L, dtype=torch.bool, device=ids.device)
-        m[flat[at]] = True                                                   # positions may share a (row, slot)
-        masks.append(m.view(R, L))
-        parts.append((m.long().cumsum(0) - 1)[flat[at]])                     # (P_j,) rank among step j's read slots
-        order.append(at)
-    step_logits = head(aux, ids, mask, steps=steps, readout_at=masks)       # steps x (N_j, Vd), row-major slots
-    logits = torch.cat([q[k] for q, k in zip(step_logits, parts)])           # (P, Vd) in order of `order`
-    return logits[torch.argsort(torch.cat(order))]                           # (P, Vd) in position order
+                     index: torch.Tensor, pad_id: int, shares: Optional[list[int]] = None) -> torch.Tensor:
+    """(P, Vd) the head's draft-vocabulary logits at each drafted position, WITH grad: drafted position p is step
+    index[p] of the TTT unroll at slot context_len - index - 2 of its row (module docstring).
+
+    Sparse (Eagle3Head.unroll_chains): step 0 runs over every slot of the rows that carry a context (its keys are
+    what the drafting steps attend to); the later steps only along chains, one per (row, drafting slot) read.
+    shares (R,): row r's tokens and features equal row shares[r]'s up to each of its drafting slots + 1 (a branch row
+    and its trajectory), so its chains run on that row's step 0 with their own tokens: a branch costs its chain's
+    steps, not a forward over its whole length. Checked on the tokens. The lm_head runs on the P read states only."""
+    device = aux.device
+    P, steps = row.shape[0], int(index.max()) + 1
+    slot = context_len - index - 2                                             # (P,) drafting slot of each one
+    base = row if shares is None else torch.as_tensor(shares, dtype=torch.long, device=row.device)[row]  # (P,)
+    # chains: one per (row, slot); grouped by the base row whose step 0 they read
+    key = (row * (int(slot.max()) + 1) + slot).tolist()
+    chain_of: dict[int, int] = {}
+    chains: list[tuple[int, int, int]] = []                                    # (row, slot, base)
+    for k, r, s, b in zip(key, row.tolist(), slot.tolist(), base.tolist()):
+        if k not in chain_of:
+            chain_of[k] = len(chains)
+            chains.append((r, s, b))
+    bases = sorted({b for _, _, b in chains})
+    base_at = {b: i for i, b in enumerate(bases)}
+    need = {b: 0 for b in bases}                                               # tokens step 0 needs per base row
+    per_base: list[list[int]] = [[] for _ in bases]
+    for c, (r, s, b) in enumerate(chains):
+        need[b] = max(need[b], s + 2)
+        per_base[base_at[b]].append(c)
+        if r != b and not torch.equal(rows[r][: s + 2], rows[b][: s + 2]):
+            raise ValueError(f"eagle3_logits_at: shares[{r}] = {b}, but the rows' tokens differ before slot {s + 2}")
+    ids, mask = pad_rows([rows[b][: need[b]] for b in bases], pad_id, side="right", device=device)  # (Rb, Lb)
+    Lb = ids.shape[1]
+    feats = aux[torch.tensor(bases, device=device), :Lb]                       # (Rb, Lb, D)
+    if feats.shape[1] < Lb:
+        feats = torch.cat([feats, feats.new_zeros(len(bases), Lb - feats.shape[1], feats.shape[2])], dim=1)
+    C = max(len(cs) for cs in per_base)
+    chain_slot = torch.zeros(len(bases), C, dtype=torch.long, device=device)   # padding chains: slot 0, ignored
+    chain_tok = torch.full((len(bases), C, max(steps - 1, 0)), pad_id, dtype=torch.long, device=device)
+    where = torch.zeros(len(chains), 2, dtype=torch.long)                      # chain -> (base row, column)
+    for bi, cs in enumerate(per_base):
+        for ci, c in enumerate(cs):
+            r, s, _ = chains[c]
+            chain_slot[bi, ci] = s
+            t = rows[r][s + 2: s + 1 + steps]                                  # tokens read at steps 1 .. steps-1
+            chain_tok[bi, ci, : len(t)] = t
+            where[c] = torch.tensor([bi, ci])
+    hidden = torch.stack(head.unroll_chains(feats, ids, mask, chain_slot, chain_tok, steps))  # (steps, Rb, C, H)
+    at = where[torch.tensor([chain_of[k] for k in key])].to(device)            # (P, 2)
+    return head.readout(hidden[index, at[:, 0], at[:, 1]])                     # (P, Vd)
 
 
 def eagle3_alpha(p_logits: torch.Tensor, q_logits: torch.Tensor, t2d: torch.Tensor, temperature: float,

@@ -311,6 +311,57 @@ class Eagle3Head(nn.Module):
             logits.append(self.readout(g if readout_at is None else g[readout_at[j]]))
         return logits
 
+    def unroll_chains(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      slot: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """The TTT unroll of `forward`, sparse: step 0 at every slot (its keys are what later steps attend to), steps
+        1..steps-1 only along C chains per row. Returns pre-norm hidden states [(B, C, H)] * steps: entry j is step
+        j's output at each chain's slot, which is `forward`'s step-j feature there when the chain's tokens are the
+        row's own (readout(h) = its logits).
+
+        aux_hidden (B, T, 3Ht), input_ids / attention_mask (B, T) right-padded, as `forward`;
+        slot (B, C) long: the slot chain c of row b unrolls at; tokens (B, C, steps-1): the token chain c reads at
+        step j >= 1 is tokens[b, c, j-1] (`forward` reads input_ids[b, slot+1+j]). A chain's tokens may leave the
+        row after slot+1 (a branch: drafts after a rejection), since step j at a slot attends only to step-0 keys at
+        slots <= it and to the chain's own keys of steps 1..j. Padding chains (any valid slot) are computed and
+        ignored. Cost: one layer over B x T slots plus (steps-1) layers over B x C, instead of steps x B x T."""
+        B, T = input_ids.shape
+        scale = 1.0 / math.sqrt(self.config.head_dim)
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, T)
+        valid = attention_mask.bool()
+        causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None, None] & valid[:, None, None, :]
+        step0 = {}
+
+        def attend0(q, k, v):  # step 0: causal over the row, as `forward`
+            step0["k"], step0["v"] = k, v
+            s = (q @ k.transpose(-1, -2)) * scale
+            return s.masked_fill(~causal, torch.finfo(s.dtype).min).float().softmax(-1).to(q.dtype) @ v
+
+        g1, _, _ = self._layer(torch.roll(input_ids, -1, dims=1), self.fc(aux_hidden), position_ids, attend0)
+        H = g1.shape[-1]
+        h = g1.gather(1, slot[..., None].expand(*slot.shape, H))               # (B, C, H)
+        out = [h]
+        if steps == 1:
+            return out
+        chain_pos = position_ids.gather(1, slot)                                # (B, C)
+        key_ok = (torch.arange(T, device=slot.device)[None, None] <= slot[..., None]) & valid[:, None, :]  # (B, C, T)
+        diag_k, diag_v = [], []
+
+        def attend(q, k, v):  # q (B, nh, C, hd): step-0 keys at slots <= the chain's, then one diagonal per step
+            diag_k.append(k), diag_v.append(v)
+            s0 = (q @ step0["k"].transpose(-1, -2)) * scale                   # (B, nh, C, T)
+            s0 = s0.masked_fill(~key_ok[:, None], torch.finfo(s0.dtype).min)
+            diag = [(q * kk).sum(-1, keepdim=True) * scale for kk in diag_k]   # j x (B, nh, C, 1)
+            p = torch.cat([s0] + diag, dim=-1).float().softmax(-1).to(q.dtype)
+            o = p[..., :T] @ step0["v"]
+            for i, vv in enumerate(diag_v):
+                o = o + p[..., T + i: T + i + 1] * vv
+            return o
+
+        for j in range(1, steps):
+            h, _, _ = self._layer(tokens[:, :, j - 1], h, chain_pos + j, attend)
+            out.append(h)
+        return out
+
     # ------------------------------------------------------------------ inference: one call per draft step
     def step(self, token_ids: torch.Tensor, g: torch.Tensor, position_ids: torch.Tensor,
              past: Optional[tuple[torch.Tensor, torch.Tensor]] = None,

@@ -18,8 +18,10 @@ Per call (one micro-batch), in order:
 Positions after the first rejection of a round (off_trajectory=branch): their context contains the rejected draft,
 so it is NOT a prefix of the final trajectory. Each such round adds one "branch" row (trajectory up to the accepted
 drafts + the round's drafts); the draft runs on it with grad like on any other row, so every position is trained on
-exactly the context it was proposed in. Extra draft compute: one row per round with a rejection before its last
-draft (about rounds x context tokens). off_trajectory=drop skips those positions instead.
+exactly the context it was proposed in. Extra draft compute for an LM draft: one row per round with a rejection
+before its last draft (about rounds x context tokens); an EAGLE-3 head runs its step 0 once per trajectory and a
+branch costs only its round's drafting steps (drafts/eagle3.py: eagle3_logits_at with `shares`).
+off_trajectory=drop skips those positions instead.
 
 Normalisation: the loss is a mean over positions (fresh + replayed + data tokens when kd_weight > 0). That count is
 known only after the rollout, so steps 1-2 are `prepare()` (objectives/base.py's protocol), the count is
@@ -330,7 +332,10 @@ class DraftOPDObjective(Objective):
             row_aux = {r: replay[k].aux for k, r in enumerate(row_of)}  # a replayed row's trajectory features
             aux = _stack_aux(fresh.aux.to(device), [row_aux[r] for r in range(len(replay_rows))],
                              max(len(r) for r in rows))                                          # (R, L, D)
-        q_logits = draft.logits_at(rows, row, ctx, index, aux, pad)                              # (P + Q, Vd)
+        # a branch row agrees with its trajectory up to its round's start (positions.py); a replayed row is its own
+        shares = (list(fresh.source) if fresh.source is not None else list(range(len(fresh.rows)))) + \
+            list(range(len(fresh.rows), len(rows)))
+        q_logits = draft.logits_at(rows, row, ctx, index, aux, pad, shares)                      # (P + Q, Vd)
         p_logits, in_vocab = draft.restrict(p_full)                                     # (P + Q, Vd), (P + Q,) | None
         loss = self._divergence(p_logits, q_logits)
         if in_vocab is not None:  # target argmax outside the draft vocabulary: masked, as the eagle3 objective does

@@ -161,3 +161,49 @@ def test_head_replay_rescores_from_cached_target_features(target):
                     assert obj.state.buffer.items[it.uid].priority == pytest.approx(1 - float(alpha), abs=1e-5)
     finally:
         models.target.detach_counter()
+
+
+def _dense_logits_at(head, rows, aux, row, context_len, index):
+    """The reference: the full TTT unroll (Eagle3Head.forward) over every row's whole length, read per position."""
+    from specdistill.tensors import pad_rows
+
+    ids, mask = pad_rows(rows, 0, side="right", length=aux.shape[1])
+    steps = head(aux, ids, mask, steps=int(index.max()) + 1)                         # steps x (R, L, Vd)
+    slot = context_len - index - 2
+    return torch.stack([steps[int(i)][int(r), int(s)] for r, s, i in zip(row, slot, index)])  # (P, Vd)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sparse_unroll_equals_the_dense_unroll_values_and_grads(target, seed):
+    """The sparse unroll (step 0 over rows, later steps only along chains; branch rows reuse their trajectory's step
+    0 through `shares`) gives the dense unroll's logits and parameter gradients at every drafted position."""
+    head = _head(target, 40, seed=seed).eval()
+    ids, mask = _prompts()
+    pos = collect_rollout(target, head, ids, mask, gamma=4, max_new_tokens=14, temperature=1.0,
+                          generator=torch.Generator().manual_seed(seed), draft_policy="sample")
+    assert any(s != r for r, s in enumerate(pos.source))  # branch rows exist, so sharing is exercised
+    head.train()
+    w = torch.randn(len(pos), 40, generator=torch.Generator().manual_seed(7))
+    grads = []
+    for fn in (lambda: _dense_logits_at(head, pos.rows, pos.aux, pos.row, pos.context_len, pos.index),
+               lambda: eagle3_logits_at(head, pos.rows, pos.aux, pos.row, pos.context_len, pos.index, 0, None),
+               lambda: eagle3_logits_at(head, pos.rows, pos.aux, pos.row, pos.context_len, pos.index, 0,
+                                        pos.source)):
+        head.zero_grad()
+        q = fn()
+        (q * w).sum().backward()
+        grads.append((q.detach(), {n: p.grad.clone() for n, p in head.named_parameters() if p.requires_grad}))
+    for q, g in grads[1:]:
+        assert torch.allclose(q, grads[0][0], atol=1e-5)
+        for n in g:
+            assert torch.allclose(g[n], grads[0][1][n], atol=1e-4), n
+
+
+def test_sparse_unroll_refuses_rows_that_do_not_share_their_prefix(target):
+    head = _head(target, 40).eval()
+    ids, mask = _prompts()
+    pos = collect_rollout(target, head, ids, mask, gamma=4, max_new_tokens=14, temperature=1.0,
+                          generator=torch.Generator().manual_seed(0), draft_policy="sample")
+    wrong = [(s + 1) % 3 if s != r else s for r, s in enumerate(pos.source)]  # branches pointed at another row
+    with pytest.raises(ValueError, match="tokens differ"):
+        eagle3_logits_at(head, pos.rows, pos.aux, pos.row, pos.context_len, pos.index, 0, wrong)
