@@ -5,9 +5,16 @@ tau with a bootstrap interval over prompts, and each run's tau against a baselin
   python scripts/compare_evals.py outputs/eval_kd outputs/eval_opd --baseline outputs/eval_kd --out outputs/cmp
 
 Each folder is a scripts/evaluate.py output (results.json + outputs.jsonl with per-prompt new_tokens,
-target_forwards, category and per-position counts). Runs made under different prompt sets, max_new_tokens,
-temperatures, gamma or draft policies are refused unless --allow-mismatch. Writes <out>/compare.json and
-<out>/compare.md.
+target_forwards, category and per-position counts), or one scoring inside a specdistill-bench output, written
+BENCH_DIR#VARIANT[@FRACTION]: the variant's scoring at that budget point (default its last) at --temperature, read
+from BENCH_DIR/results.json (the bench keeps every scoring's per-prompt counts there), so arms of different benchmark
+runs can be paired:
+
+  python scripts/compare_evals.py outputs/bench_a#eagle3_regen@0.5 outputs/bench_b#draft_opd_eagle3_no_replay \
+      --temperature 0 --out outputs/cmp
+
+Runs made under different prompt sets, max_new_tokens, temperatures, gamma or draft policies are refused unless
+--allow-mismatch. Writes <out>/compare.json and <out>/compare.md.
 """
 from __future__ import annotations
 
@@ -19,8 +26,12 @@ from pathlib import Path
 from specdistill.eval.compare import COMPARABLE, RunCounts, compare, markdown
 
 
-def load_run(folder: Path) -> RunCounts:
-    """An evaluator output folder -> its per-prompt counts and the settings that make runs comparable."""
+def load_run(folder, temperature: float = 0.0) -> RunCounts:
+    """An evaluator output folder, or BENCH_DIR#VARIANT[@FRACTION] -> its per-prompt counts and the settings that make
+    runs comparable."""
+    if "#" in str(folder):
+        return load_bench_run(str(folder), temperature)
+    folder = Path(folder)
     res, outs = folder / "results.json", folder / "outputs.jsonl"
     for f in (res, outs):
         if not f.exists():
@@ -34,9 +45,47 @@ def load_run(folder: Path) -> RunCounts:
     return RunCounts.from_samples(str(folder), settings, rows, draft=r.get("draft_path", cfg.get("draft_path")))
 
 
+def load_bench_run(spec: str, temperature: float) -> RunCounts:
+    """BENCH_DIR#VARIANT[@FRACTION]: one scoring of a specdistill-bench run (its results.json), at `temperature`."""
+    bench_dir, _, rest = spec.partition("#")
+    variant, _, frac = rest.partition("@")
+    res = Path(bench_dir) / "results.json"
+    if not res.exists():
+        raise FileNotFoundError(f"{res} is missing: {spec!r} names a variant of a specdistill-bench output folder "
+                                "(BENCH_DIR#VARIANT[@FRACTION])")
+    variants = json.loads(res.read_text())["variants"]
+    if variant not in variants:
+        raise ValueError(f"{spec!r}: {res} holds no variant {variant!r}; it has {sorted(variants)}")
+    r = variants[variant]
+    points = r.get("points") or [{"fraction": 1.0, "eval": r["eval"]}]  # an untrained baseline: its one scoring
+    if frac:
+        try:
+            want = float(frac)
+        except ValueError:
+            raise ValueError(f"{spec!r}: the budget fraction {frac!r} is not a number (e.g. @0.5)") from None
+        match = [p for p in points if abs(float(p["fraction"]) - want) < 1e-6]
+        if not match:
+            raise ValueError(f"{spec!r}: {variant} was scored at fractions {[p['fraction'] for p in points]}, "
+                             f"not {want:g}")
+        point = match[0]
+    else:
+        point = points[-1]
+    key = f"T={temperature:g}"
+    if key not in point["eval"]:
+        raise ValueError(f"{spec!r} was scored at {sorted(point['eval'])}, not {key}: pass --temperature")
+    e = point["eval"][key]
+    if not e.get("samples"):
+        raise ValueError(f"{spec!r}: its scoring at {key} kept no per-prompt samples (an older bench): re-score it "
+                         "with specdistill-bench --append --reeval --only " + variant)
+    return RunCounts.from_samples(spec, e["eval_settings"], e["samples"], draft=f"{variant} at {point['fraction']:g} "
+                                  f"of its budget ({point.get('steps', 0)} steps)")
+
+
 def main(argv=None) -> dict:
     a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    a.add_argument("runs", nargs="+", help="scripts/evaluate.py output folders")
+    a.add_argument("runs", nargs="+", help="scripts/evaluate.py output folders, or BENCH_DIR#VARIANT[@FRACTION]")
+    a.add_argument("--temperature", type=float, default=0.0,
+                   help="which scoring of a bench variant (T=0 or T=1); evaluator folders hold one")
     a.add_argument("--baseline", default=None, help="the run the others are divided by (default: the first)")
     a.add_argument("--out", default="outputs/compare_evals")
     a.add_argument("--seed", type=int, default=0)
@@ -45,9 +94,10 @@ def main(argv=None) -> dict:
                         "draft_policy anyway (the report says which differ)")
     args = a.parse_args(argv)
     base_dir = args.baseline or args.runs[0]
-    runs = [load_run(Path(f)) for f in dict.fromkeys(list(args.runs) + [base_dir])]
-    result = compare(runs, str(Path(base_dir)), args.seed, args.allow_mismatch)
-    base = next(r for r in runs if r.name == str(Path(base_dir)))
+    name = lambda f: f if "#" in f else str(Path(f))  # noqa: E731
+    runs = [load_run(f, args.temperature) for f in dict.fromkeys(list(args.runs) + [base_dir])]
+    result = compare(runs, name(base_dir), args.seed, args.allow_mismatch)
+    base = next(r for r in runs if r.name == name(base_dir))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"baseline": base_dir, "settings": base.settings, "drafts": {r.name: r.draft for r in runs},

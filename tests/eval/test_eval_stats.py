@@ -74,3 +74,49 @@ def test_compare_evals_refuses_runs_made_under_other_settings_unless_allowed(tmp
     res = main([base, other, "--out", str(tmp_path / "cmp"), "--allow-mismatch"])
     assert res["differences"][other] and "Settings differ" in (tmp_path / "cmp" / "compare.md").read_text()
     assert res["overall"][other]["prompts"] == (3 if name == "other" else 4)  # paired on the prompts both ran
+
+
+def _bench_dir(path, variants):
+    """A specdistill-bench output folder: results.json with each variant's scorings (per-prompt samples)."""
+    def scoring(scale, T):
+        rows = [{"prompt": p, "category": "math" if p % 2 else "writing", "new_tokens": round(30 * scale) + p,
+                 "target_forwards": 30, "reached_per_pos": [30, 20], "accepted_per_pos": [20, 10]} for p in range(6)]
+        settings = {"prompts": "embedded:mt_bench", "num_prompts": 6, "max_new_tokens": 64, "temperature": T,
+                    "gamma": 4, "draft_policy": "greedy"}
+        return {"mean_accept_len": sum(r["new_tokens"] for r in rows) / 180, "samples": rows,
+                "eval_settings": settings}
+    path.mkdir()
+    out = {}
+    for name, scales in variants.items():
+        points = [{"fraction": f, "steps": 10 * (k + 1), "eval": {"T=0": scoring(s, 0.0), "T=1": scoring(s - 0.1, 1.0)}}
+                  for k, (f, s) in enumerate(scales)]
+        out[name] = {"points": points, "eval": points[-1]["eval"]}
+    (path / "results.json").write_text(json.dumps({"variants": out}))
+    return str(path)
+
+
+def test_compare_evals_pairs_scorings_of_different_bench_runs_by_variant_and_budget_point(tmp_path):
+    from specdistill.cli.compare_evals import main
+
+    a = _bench_dir(tmp_path / "wall", {"eagle3_regen": [(0.5, 1.2), (1.0, 1.3)]})
+    b = _bench_dir(tmp_path / "abl", {"no_replay": [(1.0, 1.5)]})
+    res = main([f"{a}#eagle3_regen@0.5", f"{b}#no_replay", "--out", str(tmp_path / "cmp")])
+    t = res["overall"]
+    base, other = t[f"{a}#eagle3_regen@0.5"], t[f"{b}#no_replay"]
+    assert base["tau"] == pytest.approx((36 * 6 + 15) / 180) and other["tau"] == pytest.approx((45 * 6 + 15) / 180)
+    assert other["ratio_ci95"][0] > 1.0
+    last = main([f"{a}#eagle3_regen", f"{a}#eagle3_regen@0.5", "--temperature", "1", "--out", str(tmp_path / "c2")])
+    assert last["overall"][f"{a}#eagle3_regen"]["tau"] == pytest.approx((round(30 * 1.2) * 6 + 15) / 180)  # T=1, 1.0
+
+
+@pytest.mark.parametrize("spec, says", [("{a}#kd", "holds no variant 'kd'"), ("{a}#eagle3_regen@0.7", "not 0.7"),
+                                        ("{a}#eagle3_regen@half", "not a number"),
+                                        ("{m}#eagle3_regen", "results.json is missing")])
+def test_compare_evals_names_what_is_wrong_with_a_bench_spec(tmp_path, spec, says):
+    from specdistill.cli.compare_evals import main
+
+    a = _bench_dir(tmp_path / "wall", {"eagle3_regen": [(0.5, 1.2), (1.0, 1.3)]})
+    with pytest.raises((ValueError, FileNotFoundError), match=says):
+        main([f"{a}#eagle3_regen", spec.format(a=a, m=tmp_path / "nothing"), "--out", str(tmp_path / "cmp")])
+    with pytest.raises(ValueError, match="not T=0.5: pass --temperature"):
+        main([f"{a}#eagle3_regen", "--temperature", "0.5", "--out", str(tmp_path / "cmp")])
