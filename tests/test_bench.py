@@ -109,3 +109,27 @@ def test_wall_time_budget_stops_each_arm_at_its_minutes_and_resumes(head_bench):
     assert len(pts) == 2 and 0 < pts[0]["steps"] < pts[1]["steps"] < 1000  # the clock, not the step cap, stopped it
     assert 0.5 * 0.03 * 60 <= pts[0]["train_seconds"] < pts[1]["train_seconds"]
     assert pts[1]["train_seconds"] >= 0.03 * 60 and not res["draft_opd_eagle3"]["step_cap_reached"]
+
+
+def test_a_signal_that_stops_a_variants_training_stops_the_benchmark(head_bench, monkeypatch):
+    """SIGTERM makes the loop checkpoint and return early; the bench must not score (or resume) that run as if its
+    budget were spent, nor go on to the next variant beside whatever sent the signal."""
+    import specdistill.train.loop as loop
+
+    knobs, root = head_bench
+    real = loop.fit
+
+    def stopped(c):
+        res = real(c)
+        res.preempted = "SIGTERM"
+        return res
+
+    monkeypatch.setattr(loop, "fit", stopped)
+    out = root / "stopped"
+    argv = ["--variants", "eagle3_regen", "draft_opd_eagle3", "--steps", "1", "--temperatures", "0",
+            "--out", str(out)] + knobs
+    with pytest.raises(bench.BenchStopped, match="eagle3_regen: its training was stopped by SIGTERM"):
+        bench.run_bench(argv)
+    assert not (out / "runs" / "draft_opd_eagle3").exists()  # the next variant never started
+    with pytest.raises(SystemExit, match="--append --overwrite"):
+        bench.main(argv + ["--overwrite"])

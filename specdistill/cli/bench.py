@@ -225,6 +225,19 @@ def _point(c, recipe: str, checkpoint: Path, fraction: float) -> dict:
             "checkpoint": str(checkpoint)}
 
 
+class BenchStopped(RuntimeError):
+    """A variant's training was stopped by a signal: its budget was not spent, so nothing of it is scored."""
+
+
+def _stop_if_preempted(res, name: str, run_dir: Path) -> None:
+    """SIGTERM / SIGINT make the training loop checkpoint and return early (train/loop.py); a benchmark that went on
+    would score a shorter run than its budget says (or, at wall time, resume it beside whatever sent the signal)."""
+    if res.preempted:
+        raise BenchStopped(f"{name}: its training was stopped by {res.preempted} at step {res.step}, before its budget "
+                           f"was spent; the benchmark stops here. The variants scored before it are in results.json; "
+                           f"run the rest again with --append --overwrite (its partial run is in {run_dir}).")
+
+
 def train(args, name: str, steps: int, log=print, marks: list[int] | None = None) -> dict:
     """One variant's ONE run, and the budget points it is scored at: its checkpoints at the `marks` steps (step and
     target-token budgets), or (wall_time) at the --checkpoints-at fractions of --minutes, where the run stops at
@@ -257,6 +270,7 @@ def train(args, name: str, steps: int, log=print, marks: list[int] | None = None
                 f"trainer.max_minutes={f * args.minutes}"] + (["trainer.resume=auto"] if k else []))
             c = build(cfg)
             res = fit(c)
+            _stop_if_preempted(res, name, run_dir)
             if res.step >= steps:
                 cap_reached = True
                 log(f"[bench] {name} reached the step cap --steps={steps} before {f * args.minutes:.2f} minutes: "
@@ -270,6 +284,7 @@ def train(args, name: str, steps: int, log=print, marks: list[int] | None = None
         cfg = compose(recipe, common_overrides(args, name, steps, save_every=g) + extra)
         c = build(cfg)
         res = fit(c)
+        _stop_if_preempted(res, name, run_dir)
         by_step = {int(p.name.split("-")[1]): p for p in list_checkpoints(run_dir)}
         points = [_point(c, recipe, by_step[m], f) for m, f in zip(marks, args.checkpoints_at)]
         cap_reached = False
@@ -489,7 +504,10 @@ def write_outputs(args, results: dict, budget: dict, knobs: dict) -> dict[str, P
 
 def main(argv: list[str] | None = None) -> None:
     """The console entry point (`specdistill-bench`; scripts/bench_recipes.py): run_bench with the command line."""
-    run_bench(argv)
+    try:
+        run_bench(argv)
+    except BenchStopped as e:
+        raise SystemExit(f"[bench] {e}") from None
 
 
 def run_bench(argv: list[str] | None = None) -> dict:
