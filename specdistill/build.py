@@ -104,6 +104,7 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
                          "or pass make_data=specdistill.pipeline.regenerate.build_regenerated_data to build()")
     draft_cfg = OmegaConf.to_object(cfg.draft) if isinstance(cfg.draft, DictConfig) else cfg.draft
     kind = kind_for_init(draft_cfg.init)
+    objective.check_draft_kind(kind)  # e.g. draft-only rollouts of a draft that cannot decode alone: before loading
     with accelerator.main_process_first():  # rank 0 converts/caches the embedded target and the data first
         target = build_target(cfg)
         tokenizer = build_tokenizer(cfg)

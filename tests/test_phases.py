@@ -185,6 +185,7 @@ BAD = [
     (["warmup.mode=always", "draft.path=__HEAD__"], "warmup.mode=always with draft.path"),
     (["draft=from_target"], "cannot train draft.init='from_target'"),
     (["+warmup.objective.stepz=3"], "bad warmup.objective config for 'eagle3'"),
+    (["objective.assist=false"], "objective.assist=false (draft-only rollouts) needs a draft that decodes alone"),
 ]
 
 

@@ -10,8 +10,8 @@ objective.weighting=none, no_assist: objective.assist=false), optionally draft_o
 on-policy plus KD on the data batch), `init` (the untrained from_target draft every standalone variant starts from) and
 `init_eagle3` (the untrained head of recipe eagle3). From one EAGLE-3 head (--variants head, with --override
 draft.path=<head>): eagle3_regen (recipe eagle3_serve's off-policy objective on its regenerated data, the cached store
-reused) against draft_opd_eagle3 (Draft-OPD on the head, replay on) and its _no_replay / _no_weighting / _no_assist
-ablations. A warm start for all of them: --override draft.path=... (and --opd-warm-start for a
+reused) against draft_opd_eagle3 (Draft-OPD on the head, replay on) and its _no_replay / _no_weighting ablations (a
+head cannot decode without the target's features, so it has no no_assist arm). A warm start for all of them: --override draft.path=... (and --opd-warm-start for a
 standalone draft when the EAGLE-3 variants run alongside). Variants can run in parallel processes with separate
 --out folders and the same knobs; --merge then joins them into one table.
 
@@ -65,14 +65,13 @@ VARIANTS = {
     "draft_opd_eagle3": ("draft_opd", OPD_HEAD),
     "draft_opd_eagle3_no_replay": ("draft_opd", OPD_HEAD + ["objective.replay=false"]),
     "draft_opd_eagle3_no_weighting": ("draft_opd", OPD_HEAD + ["objective.weighting=none"]),
-    "draft_opd_eagle3_no_assist": ("draft_opd", OPD_HEAD + ["objective.assist=false"]),
 }
 INIT_RECIPES = {"init": "kd", "init_eagle3": "eagle3"}  # whose draft group builds each untrained baseline
 OFF_POLICY_VARIANTS = ("kd", "eagle3", "eagle3_regen")  # the variants trained on the data alone (no rollouts)
 DEFAULT = ["init", "kd", "eagle3", "draft_opd", "draft_opd_no_replay", "draft_opd_no_weighting", "draft_opd_no_assist"]
 # The benchmark: every arm continues the same EAGLE-3 head (--override draft.path=<head>).
-HEAD_ARMS = ["eagle3_regen", "draft_opd_eagle3", "draft_opd_eagle3_no_replay", "draft_opd_eagle3_no_weighting",
-             "draft_opd_eagle3_no_assist"]
+# No assist=false arm for a head: it cannot decode without the target's features (DraftOPDObjective.check_draft_kind).
+HEAD_ARMS = ["eagle3_regen", "draft_opd_eagle3", "draft_opd_eagle3_no_replay", "draft_opd_eagle3_no_weighting"]
 BUDGETS = ("steps", "target_tokens", "wall_time")
 
 

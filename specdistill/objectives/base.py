@@ -60,6 +60,10 @@ class Objective:
     separate object that state_dict() saves. The defaults suit objectives on the data's own loss tokens.
     """
 
+    def check_draft_kind(self, kind) -> None:
+        """Before anything loads (build.py): refuse a draft kind (a drafts.DraftAdapter class) this objective's
+        settings cannot train, naming the fix. Default: every kind."""
+
     def num_tokens_before_prepare(self, batch: dict) -> Optional[torch.Tensor]:
         return batch["loss_mask"].sum()
 

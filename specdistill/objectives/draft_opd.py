@@ -225,6 +225,13 @@ class DraftOPDObjective(Objective):
         """Steps 1-2 (no grad): the rollout (refreshed every rollout_every calls) and the replayed positions."""
         return self._prepare(batch, models)
 
+    def check_draft_kind(self, kind) -> None:
+        if not self.assist and not kind.decodes_alone:
+            raise ValueError(f"objective.assist=false (draft-only rollouts) needs a draft that decodes alone; a "
+                             f"{kind.kind} draft conditions every token on the target's hidden states, so it cannot. "
+                             "Keep objective.assist=true for it, or ablate assistance on a standalone LM draft "
+                             "(draft=pretrained / draft=from_target)")
+
     def num_tokens_before_prepare(self, batch: dict) -> None:
         """Unknown before the rollout: the loop counts after prepare() (num_tokens) and rescales the gradients."""
         return None
