@@ -184,16 +184,16 @@ def eagle3_logits_at(head, rows: list[torch.Tensor], aux: torch.Tensor, row: tor
     C = max(len(cs) for cs in per_base)
     chain_slot = torch.zeros(len(bases), C, dtype=torch.long, device=device)   # padding chains: slot 0, ignored
     chain_tok = torch.full((len(bases), C, max(steps - 1, 0)), pad_id, dtype=torch.long, device=device)
-    where = torch.zeros(len(chains), 2, dtype=torch.long)                      # chain -> (base row, column)
+    where = [(0, 0)] * len(chains)                                             # chain -> (base row, column)
     for bi, cs in enumerate(per_base):
         for ci, c in enumerate(cs):
             r, s, _ = chains[c]
             chain_slot[bi, ci] = s
             t = rows[r][s + 2: s + 1 + steps]                                  # tokens read at steps 1 .. steps-1
             chain_tok[bi, ci, : len(t)] = t
-            where[c] = torch.tensor([bi, ci])
+            where[c] = (bi, ci)
     hidden = torch.stack(head.unroll_chains(feats, ids, mask, chain_slot, chain_tok, steps))  # (steps, Rb, C, H)
-    at = where[torch.tensor([chain_of[k] for k in key])].to(device)            # (P, 2)
+    at = torch.tensor([where[chain_of[k]] for k in key], dtype=torch.long, device=device)  # (P, 2)
     return head.readout(hidden[index, at[:, 0], at[:, 1]])                     # (P, Vd)
 
 

@@ -223,6 +223,20 @@ class Eagle3StepOutput:
     values: torch.Tensor
 
 
+def _ttt_attend(q, k0, v0, allow, diag_k, diag_v, scale: float) -> torch.Tensor:
+    """Training-time-test attention: queries q (B, nh, n, hd) over the step-0 keys/values k0, v0 (B, nh, T, hd) where
+    `allow` (broadcast to (B, nh, n, T)) permits, plus one diagonal per later step (diag_k / diag_v: j x (B, nh, n, hd),
+    each query's own slot at steps 1..j). One softmax over both. -> (B, nh, n, hd)."""
+    T = k0.shape[2]
+    s0 = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~allow, torch.finfo(q.dtype).min)  # (B, nh, n, T)
+    diag = [(q * kk).sum(-1, keepdim=True) * scale for kk in diag_k]                     # j x (B, nh, n, 1)
+    p = torch.cat([s0] + diag, dim=-1).float().softmax(-1).to(q.dtype)
+    out = p[..., :T] @ v0
+    for i, vv in enumerate(diag_v):
+        out = out + p[..., T + i: T + i + 1] * vv
+    return out
+
+
 class Eagle3Head(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
@@ -296,14 +310,7 @@ class Eagle3Head(nn.Module):
 
         def attend(q, k, v):  # q (B, nh, T, hd): step-0 block (causal) + one diagonal per earlier step
             keys.append(k), values.append(v)
-            s0 = (q @ keys[0].transpose(-1, -2)) * scale  # (B, nh, T, T)
-            s0 = s0.masked_fill(~causal, torch.finfo(s0.dtype).min)
-            diag = [(q * kk).sum(-1, keepdim=True) * scale for kk in keys[1:]]  # j x (B, nh, T, 1)
-            p = torch.cat([s0] + diag, dim=-1).float().softmax(-1).to(q.dtype)
-            out = p[..., :T] @ values[0]
-            for i, vv in enumerate(values[1:]):
-                out = out + p[..., T + i: T + i + 1] * vv
-            return out
+            return _ttt_attend(q, keys[0], values[0], causal, keys[1:], values[1:], scale)
 
         for j in range(steps):
             tokens = torch.roll(input_ids, -(1 + j), dims=1)  # token t+1+j at slot t (wrapped slots are masked out)
@@ -333,8 +340,7 @@ class Eagle3Head(nn.Module):
 
         def attend0(q, k, v):  # step 0: causal over the row, as `forward`
             step0["k"], step0["v"] = k, v
-            s = (q @ k.transpose(-1, -2)) * scale
-            return s.masked_fill(~causal, torch.finfo(s.dtype).min).float().softmax(-1).to(q.dtype) @ v
+            return _ttt_attend(q, k, v, causal, [], [], scale)
 
         g1, _, _ = self._layer(torch.roll(input_ids, -1, dims=1), self.fc(aux_hidden), position_ids, attend0)
         H = g1.shape[-1]
@@ -348,14 +354,7 @@ class Eagle3Head(nn.Module):
 
         def attend(q, k, v):  # q (B, nh, C, hd): step-0 keys at slots <= the chain's, then one diagonal per step
             diag_k.append(k), diag_v.append(v)
-            s0 = (q @ step0["k"].transpose(-1, -2)) * scale                   # (B, nh, C, T)
-            s0 = s0.masked_fill(~key_ok[:, None], torch.finfo(s0.dtype).min)
-            diag = [(q * kk).sum(-1, keepdim=True) * scale for kk in diag_k]   # j x (B, nh, C, 1)
-            p = torch.cat([s0] + diag, dim=-1).float().softmax(-1).to(q.dtype)
-            o = p[..., :T] @ step0["v"]
-            for i, vv in enumerate(diag_v):
-                o = o + p[..., T + i: T + i + 1] * vv
-            return o
+            return _ttt_attend(q, step0["k"], step0["v"], key_ok[:, None], diag_k, diag_v, scale)
 
         for j in range(1, steps):
             h, _, _ = self._layer(tokens[:, :, j - 1], h, chain_pos + j, attend)
