@@ -7,6 +7,7 @@ what is left is checked here:
   - the range of every numeric setting, the key named in the message;
   - paths that look local (./x, ~/x, /x, *.jsonl ...) must exist: a typo is a local error, never a Hub lookup;
   - data.chat_template must be an inline Jinja template or a file holding one;
+  - draft sizes the chosen draft.init would ignore (draft.num_layers=2 for an EAGLE-3 head) are refused;
   - settings that another setting makes useless (eval.draft_path with eval.drafter=ngram) give a warning.
 """
 from __future__ import annotations
@@ -259,6 +260,36 @@ def path_errors(cfg: DictConfig) -> list[str]:
     return errors
 
 
+SIZE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+
+
+def draft_shape_errors(cfg: DictConfig) -> list[str]:
+    """Draft sizes that the chosen draft.init would silently ignore: refused, naming the setting that does apply."""
+    present, init = _get(cfg, "draft.init")
+    if not present:
+        return []
+    errors = []
+    given = {k: _get(cfg, f"draft.{k}")[1] for k in SIZE_KEYS}
+    if init == "eagle3":
+        _, layers = _get(cfg, "draft.num_layers")
+        if layers != 1:
+            errors.append(f"draft.num_layers={layers}: an EAGLE-3 head has exactly one decoder layer (the layout vLLM "
+                          "and SGLang load); set draft.num_layers=1 (draft=eagle3 does), and give it capacity with "
+                          "draft.intermediate_size")
+        for k in ("hidden_size", "num_attention_heads", "num_key_value_heads"):
+            if given[k] is not None:
+                errors.append(f"draft.{k}={given[k]}: an EAGLE-3 head's width and heads are the target's (it reads "
+                              f"the target's embeddings and features); drop draft.{k}, and give the head capacity "
+                              "with draft.intermediate_size (its MLP width)")
+    elif init != "config":
+        for k, v in given.items():
+            if v is not None:
+                errors.append(f"draft.{k}={v} is not used with draft.init={init} (sizes apply to draft.init=config, "
+                              "and draft.intermediate_size also to draft.init=eagle3): drop it, or build a fresh "
+                              "draft with draft=small_lm / draft.init=config")
+    return errors
+
+
 def warnings(cfg: DictConfig) -> list[str]:
     out = []
     present, drafter = _get(cfg, "eval.drafter")
@@ -271,7 +302,8 @@ def warnings(cfg: DictConfig) -> list[str]:
 
 def validate_config(cfg: DictConfig, log: Optional[Callable[[str], None]] = print,
                     checks: Iterable[Callable[[DictConfig], list[str]]] = (required_errors, range_errors,
-                                                                           path_errors)) -> list[str]:
+                                                                           path_errors, draft_shape_errors)
+                    ) -> list[str]:
     """Raise ConfigError listing every problem at once; log and return the warnings. Cheap: no model, no data."""
     errors: list[str] = []
     for check in checks:

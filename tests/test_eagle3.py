@@ -90,6 +90,23 @@ def test_save_and_reload_gives_identical_logits(target, tmp_path):
     assert '"LlamaForCausalLMEagle3"' in cfg and '"draft_vocab_size": 50' in cfg
 
 
+def test_a_wider_mlp_is_built_saved_reloaded_and_exported(target, tmp_path):
+    """draft.intermediate_size (the head's one free size) reaches the layer, its config.json and a valid vLLM export."""
+    from specdistill.export import export_eagle3, validate_export
+
+    torch.manual_seed(0)
+    head = build_eagle3(target, torch.arange(40), None, intermediate_size=3 * 37)
+    assert head.midlayer.mlp.gate_proj.weight.shape == (111, 32) and head.midlayer.mlp.down_proj.weight.shape == (32, 111)
+    assert head.config.intermediate_size == 111 != target.config.intermediate_size
+    head.save_pretrained(tmp_path / "h")
+    again = Eagle3Head.from_pretrained(tmp_path / "h")
+    assert again.config.intermediate_size == 111
+    export_eagle3(tmp_path / "h", tmp_path / "v", "vllm")
+    assert validate_export(tmp_path / "v").config["intermediate_size"] == 111  # raises on any problem
+    with pytest.raises(ValueError, match="intermediate_size=0"):
+        build_eagle3(target, torch.arange(40), None, intermediate_size=0)
+
+
 def test_aux_ids_defaults_and_errors(target):
     assert default_aux_layer_ids(32) == [2, 16, 29]
     assert default_aux_layer_ids(4) == [1, 2, 3]

@@ -96,3 +96,25 @@ def test_ignored_draft_path_is_warned(tiny_target_dir, tiny_data_file, tmp_path,
     out = capsys.readouterr().out
     print(out)
     assert len(found) == 1 and "eval.draft_path" in out and "ignored with eval.drafter='ngram'" in out
+
+
+@pytest.mark.parametrize("recipe,override,says", [
+    ("eagle3", "draft.num_layers=2", "an EAGLE-3 head has exactly one decoder layer"),
+    ("eagle3", "draft.hidden_size=256", "drop draft.hidden_size"),
+    ("eagle3", "draft.num_key_value_heads=1", "drop draft.num_key_value_heads"),
+    ("kd", "draft=from_target draft.intermediate_size=64", "draft.intermediate_size=64 is not used with "
+                                                             "draft.init=from_target")])
+def test_a_draft_size_the_draft_kind_would_ignore_is_refused(recipe, override, says, tiny_target_dir,
+                                                             tiny_data_file, tmp_path, no_model_loads):
+    """Before: draft=eagle3 draft.num_layers=2 trained the usual one-layer head and said nothing."""
+    extra = override.split() + (["draft.num_layers=1"] if "num_layers" not in override and recipe == "eagle3" else [])
+    with pytest.raises(ConfigError) as e:
+        build(_cfg(tiny_target_dir, tiny_data_file, tmp_path, extra, recipe=recipe))
+    print(e.value)
+    assert says in str(e.value) and "nothing was loaded" in str(e.value)
+
+
+def test_the_sizes_each_draft_kind_uses_pass(tiny_target_dir, tiny_data_file, tmp_path):
+    for recipe, extra in [("eagle3", ["draft.intermediate_size=96"]), ("kd", ["draft=small_lm", "draft.num_layers=1"]),
+                          ("kd", ["draft=from_target", "draft.num_layers=1"])]:
+        assert validate_config(_cfg(tiny_target_dir, tiny_data_file, tmp_path, extra, recipe=recipe), log=None) == []

@@ -136,9 +136,15 @@ def build_eagle3_draft(draft_cfg, target, data):
         head = Eagle3Head.from_pretrained(draft_cfg.path)
         check_vocab_compatible(head.config.vocab_size, target.config.vocab_size, "warm-start only from a head "
                                "trained for this target", what=f"EAGLE-3 head at {draft_cfg.path}")
+        width = draft_cfg.intermediate_size
+        if width is not None and width != head.config.intermediate_size:
+            raise ValueError(f"draft.intermediate_size={width} but the head at {draft_cfg.path} has "
+                             f"{head.config.intermediate_size}: a warm start keeps the head's shape; drop "
+                             "draft.intermediate_size (or set it to the checkpoint's) or train a fresh head")
     else:
         vocab = frequent_token_vocab(data.train, target.config.vocab_size, draft_cfg.draft_vocab_size)
-        head = build_eagle3(target.model, vocab, target.aux_layer_ids, draft_cfg.output_from_target)
+        head = build_eagle3(target.model, vocab, target.aux_layer_ids, draft_cfg.output_from_target,
+                            draft_cfg.intermediate_size)
         if draft_cfg.moe.eagle3_mlp:  # MoE targets: the MLP starts as a merge of hot experts (specdistill/moe)
             init_eagle3_from_config(head, draft_cfg, target.model, data)
     target.set_aux_layer_ids(head.config.aux_layer_ids)

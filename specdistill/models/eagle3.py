@@ -424,10 +424,12 @@ def restrict_to_draft_vocab(p_logits: torch.Tensor, t2d: torch.Tensor) -> tuple[
 
 
 def build_eagle3(target_model, draft_vocab: torch.Tensor, aux_layer_ids: Optional[list[int]],
-                 output_from_target: bool = False) -> Eagle3Head:
+                 output_from_target: bool = False, intermediate_size: Optional[int] = None) -> Eagle3Head:
     """A fresh head for this target: embeddings copied (frozen), vocab mapping set, fc/midlayer random.
     output_from_target: the head's final norm and lm_head start as the target's (its lm_head rows of the draft
-    vocabulary), so the head's output space starts as the target's own readout (the logit lens) instead of random."""
+    vocabulary), so the head's output space starts as the target's own readout (the logit lens) instead of random.
+    intermediate_size: the head's MLP width (null: the target's); the one size a head can change, since its width is
+    the target's hidden size (it reads the target's embeddings) and serving engines load exactly one layer."""
     L = target_model.config.num_hidden_layers
     aux = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(L)
     bad = [k for k in aux if not 0 <= k < L]  # not L: vLLM's stream L is pre-final-norm, HF's hidden_states[L] is not
@@ -437,6 +439,10 @@ def build_eagle3(target_model, draft_vocab: torch.Tensor, aux_layer_ids: Optiona
     from specdistill.models.target import embedding_scale
 
     cfg = Eagle3Config.from_target(target_model.config, len(draft_vocab), aux, embedding_scale(target_model))
+    if intermediate_size is not None:
+        if intermediate_size < 1:
+            raise ValueError(f"draft.intermediate_size={intermediate_size}: the head's MLP width must be >= 1")
+        cfg.intermediate_size = int(intermediate_size)
     head = Eagle3Head(cfg)
     with torch.no_grad():
         head.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
