@@ -3,9 +3,12 @@
   python scripts/learning_curve.py --run outputs/eagle3_serve --num-prompts 20 --max-new-tokens 64 --gamma 4
   python scripts/learning_curve.py --run outputs/eagle3_serve --last --temperature 1 --out outputs/tau_t1   # final only
   python scripts/learning_curve.py --merge outputs/eagle3_serve/curve outputs/other/curve --out outputs/curves
+  python scripts/learning_curve.py --run outputs/eagle3_serve --steps 288,576 --out outputs/tau_288_576
+  python scripts/compare_evals.py outputs/tau_288_576@576 outputs/other/curve@588 --baseline outputs/other/curve@588
 
 Writes <run>/curve/curve.json, curve.md, curve.png (tau against training tokens and wall minutes); --merge draws
-several runs' curves on one plot.
+several runs' curves on one plot. Each point keeps per-prompt counts, so points of two curves on the same prompts
+compare paired (scripts/compare_evals.py CURVE_DIR@STEP).
 """
 import argparse
 import json
@@ -26,6 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: physical cores)")
     ap.add_argument("--label", default=None)
     ap.add_argument("--last", action="store_true", help="only the newest checkpoint (tau of the final draft)")
+    ap.add_argument("--steps", default=None, help="only these checkpoints, e.g. 576,792")
     ap.add_argument("--out", default=None, help="default: <run>/curve")
     ap.add_argument("--merge", nargs="+", default=None, help="curve dirs to draw together (with --out)")
     ap.add_argument("--heldout", action="store_true",
@@ -78,7 +82,8 @@ def main(argv=None) -> int:
     ps = load_prompts(a.prompts, tok, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
                       context=max_positions(model), max_prompt_tokens=1024)
     pts = learning_curve(run, model, tok, ps.ids, gamma=a.gamma, max_new_tokens=a.max_new_tokens,
-                         temperature=a.temperature, last_only=a.last)
+                         temperature=a.temperature, last_only=a.last, categories=ps.categories,
+                         steps=[int(x) for x in a.steps.split(",")] if a.steps else None)
     out = write_curve(pts, a.out or run / "curve", command, label=a.label or cfg.run_name,
                       extra={"prompts": a.prompts, "num_prompts": len(ps.ids), "gamma": a.gamma,
                              "max_new_tokens": a.max_new_tokens, "temperature": a.temperature,

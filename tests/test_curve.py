@@ -24,6 +24,31 @@ def test_curve_scores_every_checkpoint_with_real_decoding(tiny_target_dir, tiny_
     data = json.loads((d / "curve.json").read_text())
     assert data["command"] == "test command" and len(data["points"]) == 2
     assert (d / "curve.png").exists() and "| 4 |" in (d / "curve.md").read_text()
+    # per-prompt counts add up to the point's totals, so points pair up across curves
+    for p in pts:
+        assert [s["prompt"] for s in p.samples] == [0, 1]
+        assert sum(s["new_tokens"] for s in p.samples) == p.new_tokens
+        assert p.tau == sum(s["new_tokens"] for s in p.samples) / sum(s["target_forwards"] for s in p.samples)
+        for s in p.samples:
+            assert all(0 <= a <= r for a, r in zip(s["accepted_per_pos"], s["reached_per_pos"]))
+    import pytest
+
+    only = learning_curve(out, target, tok, prompts, gamma=3, max_new_tokens=6, progress=False, log=lambda *_: None,
+                          steps=[4], categories=["x", "y"])
+    assert [p.step for p in only] == [4] and only[0].samples == [{**s, "category": c} for s, c in
+                                                                zip(pts[1].samples, "xy")]
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint of step\(s\) \[3\]; it keeps \[2, 4\]"):
+        learning_curve(out, target, tok, prompts, gamma=3, max_new_tokens=6, progress=False, steps=[3])
+    # scripts/compare_evals.py reads a curve point as a run: CURVE_DIR@STEP, paired by prompt
+    from specdistill.cli.compare_evals import main as compare
+
+    write_curve(pts, tmp_path / "curve", "test command", label="tiny",
+                extra={"prompts": "p", "num_prompts": 2, "gamma": 3, "max_new_tokens": 6, "temperature": 0.0})
+    res = compare([f"{d}@2", f"{d}@4", f"{d}", "--out", str(tmp_path / "cmp")])["overall"]
+    assert res[f"{d}@4"]["tau"] == pts[1].tau and res[f"{d}@2"]["tau"] == pts[0].tau
+    assert res[f"{d}"]["tau"] == pts[1].tau  # no @STEP: the last point
+    with pytest.raises(ValueError, match=r"scored steps \[2, 4\], not 3"):
+        compare([f"{d}@2", f"{d}@3", "--out", str(tmp_path / "cmp")])
 
 
 def test_heldout_curve_reads_the_in_training_proxy(tmp_path):

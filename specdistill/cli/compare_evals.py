@@ -8,7 +8,8 @@ Each folder is a scripts/evaluate.py output (results.json + outputs.jsonl with p
 target_forwards, category and per-position counts), or one scoring inside a specdistill-bench output, written
 BENCH_DIR#VARIANT[@FRACTION]: the variant's scoring at that budget point (default its last) at --temperature, read
 from BENCH_DIR/results.json (the bench keeps every scoring's per-prompt counts there), so arms of different benchmark
-runs can be paired:
+runs can be paired; or one checkpoint of a scripts/learning_curve.py output, written CURVE_DIR[@STEP] (default its
+last point):
 
   python scripts/compare_evals.py outputs/bench_a#eagle3_regen@0.5 outputs/bench_b#draft_opd_eagle3_no_replay \
       --temperature 0 --out outputs/cmp
@@ -31,6 +32,8 @@ def load_run(folder, temperature: float = 0.0) -> RunCounts:
     runs comparable."""
     if "#" in str(folder):
         return load_bench_run(str(folder), temperature)
+    if (Path(str(folder).rpartition("@")[0] or folder) / "curve.json").exists():
+        return load_curve_run(str(folder))
     folder = Path(folder)
     res, outs = folder / "results.json", folder / "outputs.jsonl"
     for f in (res, outs):
@@ -43,6 +46,29 @@ def load_run(folder, temperature: float = 0.0) -> RunCounts:
     settings = {k: r.get(k, cfg.get(k)) for k in COMPARABLE}
     settings["num_prompts"] = len(rows)
     return RunCounts.from_samples(str(folder), settings, rows, draft=r.get("draft_path", cfg.get("draft_path")))
+
+
+def load_curve_run(spec: str) -> RunCounts:
+    """CURVE_DIR[@STEP]: one checkpoint's scoring in a scripts/learning_curve.py output (default: its last point)."""
+    folder, _, step = spec.rpartition("@") if "@" in spec else (spec, "", "")
+    data = json.loads((Path(folder) / "curve.json").read_text())
+    points = data.get("points") or []
+    if step:
+        if not step.isdigit():
+            raise ValueError(f"{spec!r}: the checkpoint step {step!r} is not a number (e.g. @576)")
+        points = [p for p in points if int(p["step"]) == int(step)]
+        if not points:
+            raise ValueError(f"{spec!r}: {folder}/curve.json scored steps {[p['step'] for p in data['points']]}, "
+                             f"not {step}")
+    if not points:
+        raise ValueError(f"{spec!r}: {folder}/curve.json has no scored checkpoint")
+    point = points[-1]
+    if not point.get("samples"):
+        raise ValueError(f"{spec!r}: its curve.json kept no per-prompt counts (written before they were kept): "
+                         "score it again with scripts/learning_curve.py")
+    settings = {k: data.get(k) for k in COMPARABLE}
+    settings["draft_policy"] = settings.get("draft_policy") or "greedy"  # the curve's drafts are greedy
+    return RunCounts.from_samples(spec, settings, point["samples"], draft=f"{data.get('label')} step {point['step']}")
 
 
 def load_bench_run(spec: str, temperature: float) -> RunCounts:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -24,6 +24,17 @@ class CurvePoint:
     accept_rate_per_pos: list[float]  # P(draft k accepted)
     prompts: int
     new_tokens: int
+    # per prompt, in prompt order: {prompt, new_tokens, target_forwards, reached_per_pos, accepted_per_pos} (the
+    # evaluator's sample fields), so two curves' points pair up in scripts/compare_evals.py (CURVE_DIR@STEP)
+    samples: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class TauResult:
+    tau: float  # emitted tokens / target forwards over all prompts
+    accept_rate_per_pos: list[float]  # (gamma,) P(draft k accepted)
+    new_tokens: int
+    samples: list[dict]  # per prompt (CurvePoint.samples)
 
 
 def checkpoint_wall_minutes(run_dir: Path, ckpt: Path, state: dict) -> float:
@@ -36,8 +47,8 @@ def checkpoint_wall_minutes(run_dir: Path, ckpt: Path, state: dict) -> float:
 
 
 def tau_of(target_model, draft, prompt_ids: list[list[int]], *, gamma: int, max_new_tokens: int, eos,
-           temperature: float = 0.0, seed: int = 0) -> tuple[float, list[float], int]:
-    """(tau, acceptance per position, new tokens) of `draft` on the prompts, one prompt at a time."""
+           temperature: float = 0.0, seed: int = 0) -> TauResult:
+    """tau, acceptance per position and per-prompt counts of `draft` on the prompts, one prompt at a time."""
     from specdistill.eval.evaluator import make_drafter
     from specdistill.config import EvalConfig
     from specdistill.decoding import speculative_generate
@@ -47,6 +58,7 @@ def tau_of(target_model, draft, prompt_ids: list[list[int]], *, gamma: int, max_
     tokens = forwards = 0
     proposed = torch.zeros(gamma)
     accepted = torch.zeros(gamma)
+    samples = []
     for i, p in enumerate(prompt_ids):
         ids = torch.tensor([p], device=device)
         gen = torch.Generator(device=device).manual_seed(seed + i) if temperature > 0 else None
@@ -55,14 +67,20 @@ def tau_of(target_model, draft, prompt_ids: list[list[int]], *, gamma: int, max_
                                  generator=gen)
         tokens += int(r.num_new_tokens.sum())
         forwards += int(r.target_forwards.sum())
-        proposed += r.position_proposed[:gamma].cpu().float()
-        accepted += r.position_accepted[:gamma].cpu().float()
-    return tokens / max(forwards, 1), (accepted / proposed.clamp(min=1)).tolist(), tokens
+        reached, hit = r.position_proposed[:gamma].cpu().float(), r.position_accepted[:gamma].cpu().float()
+        proposed += reached
+        accepted += hit
+        samples.append({"prompt": i, "new_tokens": int(r.num_new_tokens.sum()),
+                        "target_forwards": int(r.target_forwards.sum()),
+                        "reached_per_pos": [int(x) for x in reached], "accepted_per_pos": [int(x) for x in hit]})
+    return TauResult(tokens / max(forwards, 1), (accepted / proposed.clamp(min=1)).tolist(), tokens, samples)
 
 
 def learning_curve(run_dir, target_model, tokenizer, prompt_ids: list[list[int]], *, gamma: int = 4,
                    max_new_tokens: int = 64, temperature: float = 0.0, log: Callable[[str], None] = print,
-                   progress: bool = True, last_only: bool = False) -> list[CurvePoint]:
+                   progress: bool = True, last_only: bool = False, steps: Optional[list[int]] = None,
+                   categories: Optional[list[Optional[str]]] = None) -> list[CurvePoint]:
+    """steps: score only the checkpoints of these steps (each must exist); categories (per prompt) go into samples."""
     from tqdm.auto import tqdm
 
     from specdistill.tokens import eos_ids
@@ -75,16 +93,25 @@ def learning_curve(run_dir, target_model, tokenizer, prompt_ids: list[list[int]]
         raise FileNotFoundError(f"{run_dir} has no complete checkpoint (checkpoints/step-N/): train first, or keep more "
                                 "with trainer.keep_checkpoints")
     ckpts = ckpts[-1:] if last_only else ckpts
+    if steps:
+        have = {int(c.name.split("-")[-1]): c for c in ckpts}
+        absent = sorted(set(steps) - set(have))
+        if absent:
+            raise FileNotFoundError(f"{run_dir} has no checkpoint of step(s) {absent}; it keeps {sorted(have)} "
+                                    "(trainer.keep_checkpoints keeps more)")
+        ckpts = [have[s] for s in sorted(set(steps))]
     eos = eos_ids(tokenizer, target_model, False)
     points = []
     for ck in tqdm(ckpts, desc="learning curve", unit="ckpt", disable=not progress):
         state = json.loads((ck / "trainer_state.json").read_text())
         draft = load_trained_draft(str(ck / "draft")).eval().requires_grad_(False)
-        tau, rates, n = tau_of(target_model, draft, prompt_ids, gamma=gamma, max_new_tokens=max_new_tokens, eos=eos,
-                               temperature=temperature)
+        res = tau_of(target_model, draft, prompt_ids, gamma=gamma, max_new_tokens=max_new_tokens, eos=eos,
+                     temperature=temperature)
         pt = CurvePoint(int(state["step"]), int(state.get("tokens_seen", 0)),
-                        round(checkpoint_wall_minutes(run_dir, ck, state), 2), tau, rates, len(prompt_ids), n)
-        log(f"[curve] step {pt.step}: tau {tau:.3f}, a_k {[round(a, 3) for a in rates]}")
+                        round(checkpoint_wall_minutes(run_dir, ck, state), 2), res.tau, res.accept_rate_per_pos,
+                        len(prompt_ids), res.new_tokens,
+                        [{**x, "category": categories[x["prompt"]]} if categories else x for x in res.samples])
+        log(f"[curve] step {pt.step}: tau {res.tau:.3f}, a_k {[round(a, 3) for a in res.accept_rate_per_pos]}")
         points.append(pt)
     return points
 
