@@ -68,7 +68,8 @@ def load_curve_run(spec: str) -> RunCounts:
                          "score it again with scripts/learning_curve.py")
     settings = {k: data.get(k) for k in COMPARABLE}
     settings["draft_policy"] = settings.get("draft_policy") or "greedy"  # the curve's drafts are greedy
-    return RunCounts.from_samples(spec, settings, point["samples"], draft=f"{data.get('label')} step {point['step']}")
+    return RunCounts.from_samples(str(Path(spec)), settings, point["samples"],
+                                  draft=f"{data.get('label')} step {point['step']}")
 
 
 def load_bench_run(spec: str, temperature: float) -> RunCounts:
