@@ -142,7 +142,7 @@ def plot_curves(curves: dict[str, list[CurvePoint]], path) -> None:
     for name, pts in curves.items():
         if len(pts) < 2:
             continue  # a single point is not a curve
-        axes[0].plot([p.tokens_seen for p in pts], [p.tau for p in pts], "o-", label=f"{name} (n={pts[0].prompts})")
+        axes[0].plot([p.tokens_seen for p in pts], [p.tau for p in pts], "o-", label=name + (f" (n={pts[0].prompts})" if pts[0].prompts else ""))
         axes[1].plot([p.wall_minutes for p in pts], [p.tau for p in pts], "o-", label=name)
     for ax, xl in zip(axes, ("training loss tokens", "training wall minutes")):
         ax.set_xlabel(xl)
