@@ -261,6 +261,9 @@ def path_errors(cfg: DictConfig) -> list[str]:
 
 
 SIZE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+# draft.init -> (the sizes it honours, the layer count it must have or None); every other init honours none. Kept as
+# data here (validation loads nothing): the EAGLE-3 head (models/eagle3.py) takes only its MLP width, and one layer.
+DRAFT_SIZES = {"config": (SIZE_KEYS, None), "eagle3": (("intermediate_size",), 1)}
 
 
 def draft_shape_errors(cfg: DictConfig) -> list[str]:
@@ -268,25 +271,19 @@ def draft_shape_errors(cfg: DictConfig) -> list[str]:
     present, init = _get(cfg, "draft.init")
     if not present:
         return []
+    used, layers_needed = DRAFT_SIZES.get(init, ((), None))
     errors = []
-    given = {k: _get(cfg, f"draft.{k}")[1] for k in SIZE_KEYS}
-    if init == "eagle3":
-        _, layers = _get(cfg, "draft.num_layers")
-        if layers != 1:
-            errors.append(f"draft.num_layers={layers}: an EAGLE-3 head has exactly one decoder layer (the layout vLLM "
-                          "and SGLang load); set draft.num_layers=1 (draft=eagle3 does), and give it capacity with "
-                          "draft.intermediate_size")
-        for k in ("hidden_size", "num_attention_heads", "num_key_value_heads"):
-            if given[k] is not None:
-                errors.append(f"draft.{k}={given[k]}: an EAGLE-3 head's width and heads are the target's (it reads "
-                              f"the target's embeddings and features); drop draft.{k}, and give the head capacity "
-                              "with draft.intermediate_size (its MLP width)")
-    elif init != "config":
-        for k, v in given.items():
-            if v is not None:
-                errors.append(f"draft.{k}={v} is not used with draft.init={init} (sizes apply to draft.init=config, "
-                              "and draft.intermediate_size also to draft.init=eagle3): drop it, or build a fresh "
-                              "draft with draft=small_lm / draft.init=config")
+    _, layers = _get(cfg, "draft.num_layers")
+    if layers_needed is not None and layers != layers_needed:
+        errors.append(f"draft.num_layers={layers}: a draft.init={init} draft has exactly {layers_needed} decoder "
+                      "layer (the EAGLE-3 layout vLLM and SGLang load); set draft.num_layers=1 (draft=eagle3 does), and "
+                      "give it capacity with draft.intermediate_size")
+    for k in SIZE_KEYS:
+        v = _get(cfg, f"draft.{k}")[1]
+        if v is not None and k not in used:
+            fix = ("give the head capacity with draft.intermediate_size (its MLP width); its width and heads are the "
+                   "target's" if used else "sizes apply to draft.init=config (draft=small_lm)")
+            errors.append(f"draft.{k}={v} is not used with draft.init={init}: drop draft.{k} ({fix})")
     return errors
 
 

@@ -99,8 +99,8 @@ def test_ignored_draft_path_is_warned(tiny_target_dir, tiny_data_file, tmp_path,
 
 
 @pytest.mark.parametrize("recipe,override,says", [
-    ("eagle3", "draft.num_layers=2", "an EAGLE-3 head has exactly one decoder layer"),
-    ("eagle3", "draft.hidden_size=256", "drop draft.hidden_size"),
+    ("eagle3", "draft.num_layers=2", "draft.init=eagle3 draft has exactly 1 decoder layer"),
+    ("eagle3", "draft.hidden_size=256", "drop draft.hidden_size (give the head capacity with draft.intermediate_size"),
     ("eagle3", "draft.num_key_value_heads=1", "drop draft.num_key_value_heads"),
     ("kd", "draft=from_target draft.intermediate_size=64", "draft.intermediate_size=64 is not used with "
                                                              "draft.init=from_target")])

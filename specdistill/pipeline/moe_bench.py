@@ -48,8 +48,9 @@ def arms(eagle3_experts: int = 1, random_seed: int = 0) -> dict[str, Arm]:
         Arm("random", "moe_kd", lm + ("draft.moe.selection=random", f"draft.moe.selection_seed={random_seed}"), "hot",
             f"random experts (seed {random_seed})"),
         Arm("cold", "moe_kd", lm + ("draft.moe.selection=cold",), "hot", "cold (least used) experts"),
-        Arm("eagle3", "eagle3", ("draft.moe.eagle3_mlp=false",), "eagle3", "EAGLE-3 head, plain"),
-        Arm("eagle3_hot", "eagle3", ("draft.moe.eagle3_mlp=true", "draft.moe.selection=hot",
+        # draft.num_layers=1: SMALL's two layers are the LM drafts'; a head has one (refused otherwise)
+        Arm("eagle3", "eagle3", ("draft.num_layers=1", "draft.moe.eagle3_mlp=false"), "eagle3", "EAGLE-3 head, plain"),
+        Arm("eagle3_hot", "eagle3", ("draft.num_layers=1", "draft.moe.eagle3_mlp=true", "draft.moe.selection=hot",
                                      f"draft.moe.num_experts={eagle3_experts}", "draft.moe.coverage=null"),
             "eagle3", f"EAGLE-3 head, MLP from {eagle3_experts} hot expert(s)"),
     )}
