@@ -32,7 +32,7 @@ def load_run(folder, temperature: float = 0.0) -> RunCounts:
     runs comparable."""
     if "#" in str(folder):
         return load_bench_run(str(folder), temperature)
-    if (Path(str(folder).rpartition("@")[0] or folder) / "curve.json").exists():
+    if (Path(curve_spec(str(folder))[0]) / "curve.json").exists():
         return load_curve_run(str(folder))
     folder = Path(folder)
     res, outs = folder / "results.json", folder / "outputs.jsonl"
@@ -48,9 +48,15 @@ def load_run(folder, temperature: float = 0.0) -> RunCounts:
     return RunCounts.from_samples(str(folder), settings, rows, draft=r.get("draft_path", cfg.get("draft_path")))
 
 
+def curve_spec(spec: str) -> tuple[str, str]:
+    """CURVE_DIR[@STEP] -> (CURVE_DIR, STEP or "")."""
+    folder, _, step = spec.rpartition("@") if "@" in spec else (spec, "", "")
+    return folder, step
+
+
 def load_curve_run(spec: str) -> RunCounts:
     """CURVE_DIR[@STEP]: one checkpoint's scoring in a scripts/learning_curve.py output (default: its last point)."""
-    folder, _, step = spec.rpartition("@") if "@" in spec else (spec, "", "")
+    folder, step = curve_spec(spec)
     data = json.loads((Path(folder) / "curve.json").read_text())
     points = data.get("points") or []
     if step:

@@ -55,7 +55,6 @@ def tau_of(target_model, draft, prompt_ids: list[list[int]], *, gamma: int, max_
 
     drafter, _ = make_drafter(draft, target_model, EvalConfig(gamma=gamma))
     device = next(target_model.parameters()).device
-    tokens = forwards = 0
     proposed = torch.zeros(gamma)
     accepted = torch.zeros(gamma)
     samples = []
@@ -65,14 +64,14 @@ def tau_of(target_model, draft, prompt_ids: list[list[int]], *, gamma: int, max_
         r = speculative_generate(target_model, drafter, ids, torch.ones_like(ids), gamma=gamma,
                                  max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos,
                                  generator=gen)
-        tokens += int(r.num_new_tokens.sum())
-        forwards += int(r.target_forwards.sum())
         reached, hit = r.position_proposed[:gamma].cpu().float(), r.position_accepted[:gamma].cpu().float()
         proposed += reached
         accepted += hit
         samples.append({"prompt": i, "new_tokens": int(r.num_new_tokens.sum()),
                         "target_forwards": int(r.target_forwards.sum()),
                         "reached_per_pos": [int(x) for x in reached], "accepted_per_pos": [int(x) for x in hit]})
+    tokens = sum(x["new_tokens"] for x in samples)
+    forwards = sum(x["target_forwards"] for x in samples)
     return TauResult(tokens / max(forwards, 1), (accepted / proposed.clamp(min=1)).tolist(), tokens, samples)
 
 
@@ -142,7 +141,8 @@ def plot_curves(curves: dict[str, list[CurvePoint]], path) -> None:
     for name, pts in curves.items():
         if len(pts) < 2:
             continue  # a single point is not a curve
-        axes[0].plot([p.tokens_seen for p in pts], [p.tau for p in pts], "o-", label=name + (f" (n={pts[0].prompts})" if pts[0].prompts else ""))
+        n = f" (n={pts[0].prompts})" if pts[0].prompts else ""  # held-out proxy curves decode no prompts
+        axes[0].plot([p.tokens_seen for p in pts], [p.tau for p in pts], "o-", label=name + n)
         axes[1].plot([p.wall_minutes for p in pts], [p.tau for p in pts], "o-", label=name)
     for ax, xl in zip(axes, ("training loss tokens", "training wall minutes")):
         ax.set_xlabel(xl)
