@@ -115,3 +115,42 @@ def test_the_serving_recipe_runs_end_to_end_on_a_tiny_target(tiny_target_dir, ti
     stamps = {p.name: p.stat().st_mtime_ns for p in stores[0].glob("part-*")}
     run(compose("eagle3_serve", over[:-8] + ["trainer.max_steps=1", f"trainer.output_dir={tmp_path / 'again'}"]))
     assert {p.name: p.stat().st_mtime_ns for p in stores[0].glob("part-*")} == stamps  # reused, not decoded again
+
+
+def test_other_aux_layers_recapture_the_same_answers_by_prefill(tiny, tiny_data_file, tmp_path, monkeypatch):
+    """target.aux_layer_ids changed: the answers another store holds are reused, their features recomputed by one
+    prefill (nothing decoded), equal to decoding afresh with those layers; parts the donor lacks are decoded."""
+    import specdistill.decoding as decoding
+
+    model, tok = tiny
+    cfg = _cfg(tiny_data_file, tmp_path)
+    donor, old = _store(tiny, cfg)
+    other = [0, 2, 3]
+
+    def no_decoding(*a, **k):
+        raise AssertionError("decoded although the answers exist")
+
+    with monkeypatch.context() as m:
+        m.setattr(decoding, "target_generate", no_decoding)
+        root, parts = regenerate_store(cfg, model, tok, "tiny", other, log=lambda *_: None, progress=False)
+    assert root != donor
+    new = RegeneratedStore(root, parts)
+    # what decoding with the new layers writes, in a store of its own
+    fresh_cfg = _cfg(tiny_data_file, tmp_path / "fresh")
+    froot, fparts = regenerate_store(fresh_cfg, model, tok, "tiny", other, log=lambda *_: None, progress=False)
+    fresh = RegeneratedStore(froot, fparts)
+    assert len(new) == len(old) == len(fresh) == 12
+    for i in range(12):
+        a, b = new[i], fresh[i]
+        assert a["input_ids"] == old[i]["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
+        torch.testing.assert_close(a["aux_hidden"].float(), b["aux_hidden"].float(), atol=0.05, rtol=0.02)
+        torch.testing.assert_close(a["final_hidden"].float(), b["final_hidden"].float(), atol=0.05, rtol=0.02)
+    # the aux features are those of the new layers (the embeddings, hidden_states[0]), not the donor's
+    ids = torch.tensor([new[3]["input_ids"]])
+    with torch.no_grad():
+        emb = model(input_ids=ids, output_hidden_states=True).hidden_states[0][0]
+    torch.testing.assert_close(new[3]["aux_hidden"][:-1, :emb.shape[1]].float(), emb[:-1], atol=0.05, rtol=0.02)
+    # more prompts than the donor holds: its parts are recaptured, the rest decoded
+    bigger_root, bigger_parts = regenerate_store(_cfg(tiny_data_file, tmp_path, max_prompts=20), model, tok, "tiny",
+                                                 other, log=lambda *_: None, progress=False)
+    assert bigger_root == root and len(RegeneratedStore(bigger_root, bigger_parts)) == 20

@@ -9,7 +9,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -52,9 +52,55 @@ def load_prompt_rows(cfg: RegenerateConfig, tokenizer, count: int) -> tuple[list
     return ids, skipped
 
 
+def answers_donor(cfg: RegenerateConfig, target_path: str, layers: list[int], tokenizer) -> Optional[Path]:
+    """A store holding the very answers this run would decode, with other layers' features, or None.
+
+    Which layers are captured does not change what the target emits, so a store whose folder name is store_key of
+    these settings with its own layers has the same ids part by part (decoding is keyed by part index and seed); of
+    several, the one with the most parts."""
+    best, best_parts = None, 0
+    for s in sorted(Path(cfg.store_dir).expanduser().glob("*/settings.json")):
+        other = json.loads(s.read_text()).get("layers")
+        if not other or list(other) == list(layers) or s.parent.name != store_key(cfg, target_path, other, tokenizer):
+            continue
+        n = len(list(s.parent.glob("part-*.safetensors")))
+        if n > best_parts:
+            best, best_parts = s.parent, n
+    return best
+
+
+@torch.no_grad()
+def recapture_part(target_model, src: Path, layers: list[int], aux_width: int, pad: int) -> list[dict]:
+    """The rows of part `src` with the features of `layers`, from one prefill of its stored ids (no decoding).
+
+    Rows are right-padded (positions 0..T-1, as when decoding); the last token of a row gets zeros, as a decoded row
+    does (it was never fed). Only the last position's logits are computed (logits_to_keep=1): the features are
+    hidden states, and full logits of a batch would cost B x T x V floats."""
+    from safetensors.torch import load_file
+
+    t = load_file(str(src))
+    lengths, plens = t["lengths"].tolist(), t["prompt_lengths"].tolist()
+    rows = list(torch.split(t["ids"], lengths))
+    device = next(target_model.parameters()).device
+    input_ids, mask = pad_rows(rows, pad, side="right", device=device)
+    out = target_model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True, use_cache=False,
+                       logits_to_keep=1)
+    hidden = torch.cat([out.hidden_states[k] for k in layers], dim=-1).float().cpu()  # (B, T, A+H)
+    result = []
+    for b, (ids, p) in enumerate(zip(rows, plens)):
+        feats = hidden[b, :len(ids)].clone()  # (T, A+H)
+        feats[-1] = 0
+        result.append({"ids": ids, "aux": feats[:, :aux_width], "final": feats[:, aux_width:], "prompt_length": p})
+    return result
+
+
 def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path: str, aux_layer_ids: list[int],
                      log: Callable[[str], None] = print, progress: bool = True) -> tuple[Path, int]:
-    """Make, finish or reuse the parts this run needs; returns (store folder, parts to read)."""
+    """Make, finish or reuse the parts this run needs; returns (store folder, parts to read).
+
+    A part that a store of the same answers with other layers already has (another target.aux_layer_ids) is
+    recaptured by one prefill of its ids (recapture_part) instead of decoded again: a forward over known tokens
+    costs a fraction of generating them one by one."""
     from tqdm.auto import tqdm
 
     from specdistill.decoding import target_generate
@@ -83,6 +129,25 @@ def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path
     device = next(target_model.parameters()).device
     pad = pad_id(tokenizer)
     A = len(aux_layer_ids) * target_model.config.hidden_size
+    donor = answers_donor(cfg, target_path, layers, tokenizer)
+    from_donor = [i for i in missing if donor is not None and part_path(donor, i).exists()]
+    if from_donor:
+        log(f"[regenerate] {len(from_donor)} of the {len(missing)} missing parts have their answers in {donor} "
+            f"(layers {json.loads((donor / 'settings.json').read_text())['layers']}): recapturing their features by "
+            "one prefill each, no decoding")
+        t0, tokens = time.perf_counter(), 0
+        bar = tqdm(total=len(from_donor), desc="recapture", unit="batch", disable=not progress, dynamic_ncols=True)
+        for i in from_donor:
+            rows = recapture_part(target_model, part_path(donor, i), layers, A, pad)
+            _write_part(part_path(root, i), rows)
+            tokens += sum(len(r["ids"]) for r in rows)
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+        bar.close()
+        log(f"[regenerate] recaptured {len(from_donor)} parts: {tokens} tokens in {time.perf_counter() - t0:.0f} s")
+        missing = [i for i in missing if i not in set(from_donor)]
+        if not missing:
+            return root, want
     t0, new_tokens = time.perf_counter(), 0
     bar = tqdm(total=len(missing), desc="regenerate", unit="batch", disable=not progress, dynamic_ncols=True)
     for i in missing:
