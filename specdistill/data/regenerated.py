@@ -15,7 +15,8 @@ how many prompts are answered):
                           temp name and renamed, so a part is whole or absent
 A part's content depends only on the settings and its index, so a run asking for more prompts reuses every part an
 earlier run wrote and decodes only the rest; an interrupted run resumes at the first missing part; a changed setting
-hashes to another folder.
+hashes to another folder. Other captured layers (target.aux_layer_ids) are another folder too, but of the same answers:
+pipeline/regenerate.py fills it by one prefill of the stored ids per part instead of decoding again.
 """
 from __future__ import annotations
 
