@@ -127,6 +127,9 @@ class TrainerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    # The cosine's length in optimizer steps; null = the run's own length (trainer.epochs x steps per epoch, capped by
+    # max_steps), so the last step trains at lr * min_lr_ratio. Set it only to decay over a longer or shorter horizon.
+    schedule_steps: Optional[int] = None
     max_steps: int = 100  # optimizer steps; epochs = null means "until max_steps"
     epochs: Optional[int] = None
     micro_batch_size: int = 4
@@ -216,7 +219,7 @@ class WarmupConfig:
     (recipe eagle3_serve's objective on its regenerated data) before the on-policy phase, in one run and one output
     directory. One AdamW for the whole run (moments carry over); the LR schedule restarts at the hand-over: each phase
     warms up linearly over its warmup_steps to its lr and decays by cosine to lr * trainer.min_lr_ratio over its
-    horizon (warmup.schedule_steps or its length; then trainer.max_steps). trainer.max_steps / trainer.epochs are the
+    horizon (warmup.schedule_steps or its length; then trainer.schedule_steps or its length). trainer.max_steps / trainer.epochs are the
     length of the phase after the warm-up (`objective`)."""
     mode: str = "never"  # never | auto (run it unless draft.path holds a trained draft) | always
     objective: Any = None  # the warm-up's objective, as `objective` (e.g. {name: eagle3, steps: 4, decay: 0.8})

@@ -7,9 +7,10 @@ trainer.epochs long); a `warmup:` block (config.WarmupConfig; recipe=draft_opd) 
 The optimizer and schedule story, in one place:
   - ONE AdamW over the draft's parameters for the whole run: its moments carry across the hand-over.
   - The learning rate RESTARTS at every phase: phase k warms up linearly from 0 over its warmup_steps to its own lr,
-    then decays by cosine to lr * trainer.min_lr_ratio at its horizon (the main phase's horizon is trainer.max_steps,
-    as it was before phases existed, even when trainer.epochs ends the phase sooner; the warm-up's is
-    warmup.schedule_steps, or its own length).
+    then decays by cosine to lr * trainer.min_lr_ratio at its horizon: trainer.schedule_steps (the warm-up's:
+    warmup.schedule_steps), or else the phase's own length, so its last step trains at the floor. (Until Session 8
+    the main phase's horizon was trainer.max_steps even when trainer.epochs ended it sooner: recipe=eagle3_serve,
+    with max_steps 100000, trained at a constant lr and never annealed.)
   - Phase k reads its own micro-batch stream from its first step: StepBatches(seed = trainer.seed + k), phase step
     s = global step - phase.start reads micro_batches(s). With the step it is a pure function, so a resume at any
     global step (inside a phase or on the boundary) reads what an uninterrupted run reads.
@@ -193,7 +194,7 @@ def plan_phases(cfg: DictConfig, objective, warmup_objective, train_set, pad_id:
     batches = StepBatches(train_set, t.micro_batch_size, t.grad_accum, pad_id, t.seed + len(phases), rank, world)
     steps = t.max_steps if t.epochs is None else min(t.max_steps, t.epochs * batches.steps_per_epoch)
     phases.append(Phase("main", objective, batches, start, steps, lr=t.lr, warmup_steps=t.warmup_steps,
-                        horizon=max(t.max_steps, 1), min_lr_ratio=t.min_lr_ratio, epoch_offset=offset))
+                        horizon=max(t.schedule_steps or steps, 1), min_lr_ratio=t.min_lr_ratio, epoch_offset=offset))
     return PhasePlan(phases, base_lr=t.lr)
 
 

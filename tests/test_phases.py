@@ -2,6 +2,7 @@
 phase. Resume is exact inside either phase and across the hand-over; the LR restarts per phase; metrics record the
 phase; draft.path skips the warm-up; bad phase settings fail before anything is loaded."""
 import json
+import math
 
 import pytest
 import torch
@@ -246,3 +247,26 @@ def test_one_command_reuses_the_serving_recipes_store_and_ends_served(tiny_targe
         assert json.loads((out / "export" / fmt / "config.json").read_text())["architectures"] == [
             "LlamaForCausalLMEagle3"]
     assert [p.name for p in list_checkpoints(out)] == ["step-0000002", "step-0000004"]  # the hand-over, the end
+
+
+@pytest.mark.parametrize("schedule_steps", [None, 60])
+def test_an_epoch_bounded_run_anneals_over_its_own_length(schedule_steps):
+    """trainer.epochs ends the run long before trainer.max_steps (recipe=eagle3_serve: 100000): the cosine spans the
+    run, so its last step trains near lr * min_lr_ratio (it used to span max_steps: a constant lr, never annealed);
+    trainer.schedule_steps sets another horizon."""
+    from omegaconf import OmegaConf
+
+    from specdistill.phases import plan_phases
+
+    cfg = OmegaConf.create({"trainer": {"lr": 1e-3, "warmup_steps": 2, "min_lr_ratio": 0.1, "max_steps": 100000,
+                                        "epochs": 3, "micro_batch_size": 4, "grad_accum": 1, "seed": 0,
+                                        "schedule_steps": schedule_steps}})
+    plan = plan_phases(cfg, _Named("eagle3"), None, [{"input_ids": [1], "loss_mask": [0]}] * 40, 0)
+    (main,) = plan.phases
+    assert main.steps == 30 and main.horizon == (schedule_steps or 30)
+    lrs = [main.lr_at(s) for s in range(main.steps)]
+    assert lrs[2] == pytest.approx(1e-3) and all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
+    if schedule_steps is None:
+        assert lrs[-1] == pytest.approx(1e-4, rel=0.05)  # step 29 of a 30-step horizon: just above the floor
+    else:
+        assert lrs[-1] == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 27 / 58))))

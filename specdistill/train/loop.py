@@ -397,6 +397,9 @@ def _phase_bar(c: Components, phase: Phase, step: int, many: bool):
                   f"{phase.start}-{phase.end - 1} ({phase.steps} steps, {b.steps_per_epoch} per epoch of "
                   f"{b.micro_batch_size} x {b.grad_accum}), lr {phase.lr:g} (its own warm-up over {phase.warmup_steps} "
                   "steps, then cosine)")
+    acc.print(f"[train] lr {phase.lr:g}: linear warm-up over {phase.warmup_steps} steps, cosine to "
+              f"{phase.lr * phase.min_lr_ratio:g} at phase step {phase.horizon} (of {phase.steps}; "
+              "trainer.schedule_steps sets it)")
     return tqdm(total=phase.steps, initial=phase.local(step), desc=name, disable=not acc.is_local_main_process,
                 dynamic_ncols=True)
 
