@@ -219,8 +219,8 @@ class WarmupConfig:
     (recipe eagle3_serve's objective on its regenerated data) before the on-policy phase, in one run and one output
     directory. One AdamW for the whole run (moments carry over); the LR schedule restarts at the hand-over: each phase
     warms up linearly over its warmup_steps to its lr and decays by cosine to lr * trainer.min_lr_ratio over its
-    horizon (warmup.schedule_steps or its length; then trainer.schedule_steps or its length). trainer.max_steps / trainer.epochs are the
-    length of the phase after the warm-up (`objective`)."""
+    horizon (warmup.schedule_steps or its length; then trainer.schedule_steps or its length). trainer.max_steps /
+    trainer.epochs are the length of the phase after the warm-up (`objective`)."""
     mode: str = "never"  # never | auto (run it unless draft.path holds a trained draft) | always
     objective: Any = None  # the warm-up's objective, as `objective` (e.g. {name: eagle3, steps: 4, decay: 0.8})
     steps: Optional[int] = None  # its length: optimizer steps, or ...

@@ -145,7 +145,8 @@ def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
         bar.close()
         log(f"[regenerate] recaptured {len(from_donor)} parts: {tokens} tokens in {time.perf_counter() - t0:.0f} s")
-        missing = [i for i in missing if i not in set(from_donor)]
+        done = set(from_donor)
+        missing = [i for i in missing if i not in done]
         if not missing:
             return root, want
     t0, new_tokens = time.perf_counter(), 0

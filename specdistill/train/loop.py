@@ -399,7 +399,7 @@ def _phase_bar(c: Components, phase: Phase, step: int, many: bool):
                   "steps, then cosine)")
     acc.print(f"[train] lr {phase.lr:g}: linear warm-up over {phase.warmup_steps} steps, cosine to "
               f"{phase.lr * phase.min_lr_ratio:g} at phase step {phase.horizon} (of {phase.steps}; "
-              "trainer.schedule_steps sets it)")
+              "trainer.schedule_steps / warmup.schedule_steps set it)")
     return tqdm(total=phase.steps, initial=phase.local(step), desc=name, disable=not acc.is_local_main_process,
                 dynamic_ncols=True)
 
