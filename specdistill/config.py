@@ -1,6 +1,6 @@
 """Schema dataclasses for every Hydra group, and their registration with Hydra's ConfigStore.
 
-Each YAML under specdistill/conf/<group>/ mirrors one dataclass here; Hydra validates keys and types when it
+Each YAML under conf/<group>/ mirrors one dataclass here; Hydra validates keys and types when it
 composes, so a mistyped key fails before any model is loaded. Objectives keep their own knobs in their own dataclass
 (specdistill/objectives/<name>.py); `objective` is validated against it by `objectives.validate_objective`.
 """
@@ -12,10 +12,18 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, OmegaConf
 
-# The Hydra groups and the recipes ship inside the package (package data), so a non-editable install finds them.
 PACKAGE_DIR = Path(__file__).resolve().parent
-CONF_DIR = PACKAGE_DIR / "conf"
-RECIPES_DIR = PACKAGE_DIR / "recipes"
+
+
+def config_folder(name: str) -> Path:
+    """The top-level conf/ or recipes/ folder: inside the package in an installed wheel, beside it in a checkout."""
+    # pyproject.toml's force-include copies conf/ and recipes/ into specdistill/ when the wheel is built.
+    shipped = PACKAGE_DIR / name
+    return shipped if shipped.is_dir() else PACKAGE_DIR.parent / name
+
+
+CONF_DIR = config_folder("conf")
+RECIPES_DIR = config_folder("recipes")
 
 
 @dataclass
@@ -246,7 +254,7 @@ class Config:
 
 
 def register_configs() -> None:
-    """Register the schema and every specdistill/recipes/*.yaml (as group `recipe`, package _global_) with Hydra."""
+    """Register the schema and every recipes/*.yaml (as group `recipe`, package _global_) with Hydra."""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()

@@ -1,4 +1,4 @@
-"""A non-editable `pip install .` into a fresh venv runs a recipe outside the checkout (configs: package data)."""
+"""A non-editable `pip install .` into a fresh venv runs a recipe outside the checkout (conf/, recipes/ in the wheel)."""
 import json
 import os
 import shutil
@@ -33,7 +33,8 @@ def test_pip_install_into_a_fresh_venv_runs_the_kd_recipe(tiny_target_dir, tiny_
     # The sources are copied first: pip builds in the source tree (build/, *.egg-info); the checkout stays untouched.
     src = tmp_path / "src"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    shutil.copytree(REPO / "specdistill", src / "specdistill", ignore=ignore)
+    for d in ("specdistill", "conf", "recipes"):
+        shutil.copytree(REPO / d, src / d, ignore=ignore)
     for f in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / f, src / f)
     # A fresh venv without pip; its dependencies come from this interpreter's site-packages through a .pth of plain

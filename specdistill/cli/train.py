@@ -1,8 +1,8 @@
 """`specdistill-train recipe=<name> [overrides]`: compose the config (Hydra), build, fit (thin; the work is pipeline.run).
 
 Under accelerate: `accelerate launch train.py recipe=kd` (the repo's shim) or
-`accelerate launch -m specdistill.cli.train recipe=kd`. Configs come from the package (specdistill/conf/,
-specdistill/recipes/), wherever it is installed.
+`accelerate launch -m specdistill.cli.train recipe=kd`. Configs come from conf/ and recipes/:
+the checkout's top level, or inside the installed package (specdistill.config.config_folder).
 """
 import hydra
 from omegaconf import DictConfig

@@ -1,7 +1,7 @@
 """The accelerator for every launch mode (single process, DDP, DeepSpeed ZeRO-2/3; FSDP through accelerate on GPU),
 with the checks that catch the silent failure of multi-process launches: ranks that each train alone.
 
-Launch configs live in specdistill/conf/accelerate/ (README "Scale-out"). On a machine without CUDA the process group
+Launch configs live in conf/accelerate/ (README "Scale-out"). On a machine without CUDA the process group
 uses gloo (DeepSpeed would otherwise ask for oneCCL); `accelerate launch --cpu --num_processes 2` runs ONE process and
 some other combinations start processes that never form a group, so `check_world` compares accelerate's view with
 WORLD_SIZE.
@@ -126,7 +126,7 @@ class CpuFsdp2Accelerator(Accelerator):
     ranks, reduce-scatter averaging like DDP). Everything else is accelerate's MULTI_CPU. Checkpoints: state/ holds the
     sharded model and optimizer through torch.distributed.checkpoint (resumable on the same world size) plus
     accelerate's scheduler and RNG files; get_state_dict gathers the full state dict on rank 0 for the HF draft/.
-    Selected by ACCELERATE_USE_FSDP=true (what `accelerate launch --config_file specdistill/conf/accelerate/fsdp.yaml`
+    Selected by ACCELERATE_USE_FSDP=true (what `accelerate launch --config_file conf/accelerate/fsdp.yaml`
     sets, or by hand under torchrun) on a machine without CUDA."""
 
     def prepare(self, *objects):

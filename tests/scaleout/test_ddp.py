@@ -15,7 +15,7 @@ def test_ddp_two_processes_equal_one_process_with_the_same_global_batch(tiny_tar
     out = tmp_path / "ddp2"
     over = tiny_overrides(tiny_target_dir, tiny_data_file, out, tmp_path / "cache") + STEPS
     # The launch that really distributes on CPU (shared/notes/cpu-stack.md): --multi_gpu with ACCELERATE_USE_CPU.
-    proc = run_cmd([str(BIN / "accelerate"), "launch", "--config_file", "specdistill/conf/accelerate/ddp.yaml",
+    proc = run_cmd([str(BIN / "accelerate"), "launch", "--config_file", "conf/accelerate/ddp.yaml",
                     "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                     "train.py", "recipe=kd", *over], env=subprocess_env(ACCELERATE_USE_CPU="1"))
     log = proc.stdout + proc.stderr
@@ -34,7 +34,7 @@ def test_draft_opd_under_ddp_rolls_out_per_rank_and_keeps_replicas_identical(tin
     out = tmp_path / "opd2"
     over = tiny_overrides(tiny_target_dir, tiny_data_file, out, tmp_path / "cache") + ONPOLICY_ALONE + [
         "trainer.max_steps=2", "trainer.save_every=2", "objective.max_new_tokens=6", "objective.gamma=3"]
-    proc = run_cmd([str(BIN / "accelerate"), "launch", "--config_file", "specdistill/conf/accelerate/ddp.yaml",
+    proc = run_cmd([str(BIN / "accelerate"), "launch", "--config_file", "conf/accelerate/ddp.yaml",
                     "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                     "train.py", "recipe=draft_opd", *over], env=subprocess_env(ACCELERATE_USE_CPU="1"))
     log = proc.stdout + proc.stderr

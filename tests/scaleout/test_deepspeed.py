@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2 through accelerate launch and specdistill/conf/accelerate/deepspeed_zero2.yaml, 2 processes over
+"""DeepSpeed ZeRO-2 through accelerate launch and conf/accelerate/deepspeed_zero2.yaml, 2 processes over
 gloo: a real DeepSpeed engine (optimizer state and gradients partitioned), equal to one process with the same global
 batch."""
 import json
@@ -23,7 +23,7 @@ def test_deepspeed_zero2_two_processes_equal_one_process(tiny_target_dir, tiny_d
     out = tmp_path / "zero2"
     over = tiny_overrides(tiny_target_dir, tiny_data_file, out, tmp_path / "cache") + STEPS
     proc = run_cmd([str(BIN / "accelerate"), "launch", "--config_file",
-                    "specdistill/conf/accelerate/deepspeed_zero2.yaml", "--num_processes", "2", "train.py", "recipe=kd",
+                    "conf/accelerate/deepspeed_zero2.yaml", "--num_processes", "2", "train.py", "recipe=kd",
                     *over], env=subprocess_env(), timeout=400)
     log = proc.stdout + proc.stderr
     assert "[train] 2 process(es), DistributedType.DEEPSPEED" in log

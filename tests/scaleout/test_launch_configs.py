@@ -1,4 +1,4 @@
-"""specdistill/conf/accelerate/: every launcher file parses with accelerate's config loader and is as named."""
+"""conf/accelerate/: every launcher file parses with accelerate's config loader and is as named."""
 import json
 from pathlib import Path
 
@@ -7,7 +7,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 
 from tests.scaleout.conftest import REPO
 
-CONF = REPO / "specdistill" / "conf" / "accelerate"
+CONF = REPO / "conf" / "accelerate"
 EXPECTED = {"single_gpu": ("NO", 1), "ddp": ("MULTI_GPU", None), "fsdp": ("FSDP", None),
             "deepspeed_zero2": ("DEEPSPEED", None), "deepspeed_zero3_offload": ("DEEPSPEED", None),
             "multi_node": ("MULTI_GPU", None)}
@@ -43,4 +43,4 @@ def test_readme_scale_out_commands_use_existing_files():
     section = text[text.index("## Scale-out"):]
     section = section[: section.index("\n## ", 5)] if "\n## " in section[5:] else section
     for name in EXPECTED:
-        assert f"specdistill/conf/accelerate/{name}.yaml" in section, name
+        assert f"conf/accelerate/{name}.yaml" in section, name
