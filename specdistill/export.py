@@ -1,6 +1,6 @@
 """Export a trained EAGLE-3 head for serving engines, validating every tensor before anything is written.
 
-Three formats (shared/notes/field-facts.md):
+Three formats (names and conventions as vLLM, SGLang and speculators load them):
   vllm         the "midlayer" format: a flat Llama config.json with architectures ["LlamaForCausalLMEagle3"] +
                model.safetensors named as in specdistill/models/eagle3.py.
   sglang       the same files, with the aux layer ids written in SGLang's convention (each id minus one, see below)

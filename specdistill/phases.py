@@ -8,9 +8,8 @@ The optimizer and schedule story, in one place:
   - ONE AdamW over the draft's parameters for the whole run: its moments carry across the hand-over.
   - The learning rate RESTARTS at every phase: phase k warms up linearly from 0 over its warmup_steps to its own lr,
     then decays by cosine to lr * trainer.min_lr_ratio at its horizon: trainer.schedule_steps (the warm-up's:
-    warmup.schedule_steps), or else the phase's own length, so its last step trains at the floor. (Earlier
-    versions: the main phase's horizon was trainer.max_steps even when trainer.epochs ended it sooner, so
-    recipe=eagle3_serve, with max_steps 100000, trained at a constant lr and never annealed.)
+    warmup.schedule_steps), or else the phase's own length, so its last step trains at the floor, also when
+    trainer.epochs ends a run long before trainer.max_steps (recipe=eagle3_serve: max_steps 100000, a few epochs).
   - Phase k reads its own micro-batch stream from its first step: StepBatches(seed = trainer.seed + k), phase step
     s = global step - phase.start reads micro_batches(s). With the step it is a pure function, so a resume at any
     global step (inside a phase or on the boundary) reads what an uninterrupted run reads.
@@ -116,7 +115,7 @@ class PhasePlan:
                 for p in self.phases]
 
     # The phases' objectives' states, saved per rank with a checkpoint (train/checkpoint.py). One phase: that
-    # objective's own state_dict, as before phases existed; several: keyed by phase name.
+    # objective's own state_dict, unkeyed; several: keyed by phase name.
     def state_dict(self) -> dict:
         if len(self.phases) == 1:
             return self.phases[0].objective.state_dict()

@@ -69,7 +69,7 @@ VARIANTS = {
 INIT_RECIPES = {"init": "kd", "init_eagle3": "eagle3"}  # whose draft group builds each untrained baseline
 OFF_POLICY_VARIANTS = ("kd", "eagle3", "eagle3_regen")  # the variants trained on the data alone (no rollouts)
 DEFAULT = ["init", "kd", "eagle3", "draft_opd", "draft_opd_no_replay", "draft_opd_no_weighting", "draft_opd_no_assist"]
-# The issue's benchmark: every arm continues the same EAGLE-3 head (--override draft.path=<head>).
+# The head benchmark: every arm continues the same EAGLE-3 head (--override draft.path=<head>).
 # No assist=false arm for a head: it cannot decode without the target's features (DraftOPDObjective.check_draft_kind).
 HEAD_ARMS = ["eagle3_regen", "draft_opd_eagle3", "draft_opd_eagle3_no_replay", "draft_opd_eagle3_no_weighting"]
 BUDGETS = ("steps", "target_tokens", "wall_time")
@@ -460,7 +460,7 @@ def write_outputs(args, results: dict, budget: dict, knobs: dict) -> dict[str, P
                 taus = [f"{p['eval'][f'T={T:g}']['mean_accept_len']:.3f}" for T in temps]
                 lines.append(f"| {name} | {p['fraction']:g} | {p['steps']} | {p['target_forward_tokens']} | "
                              f"{p['train_seconds']:.1f} | " + " | ".join(taus) + " |")
-    for cmp in comparisons:  # the issue's goal: tau >= 1.15 x the best off-policy arm's, paired interval above 1
+    for cmp in comparisons:  # each on-policy arm's tau against the best off-policy arm's, with its paired interval
         lines += [""] + compare_markdown(cmp, f"## At {cmp['fraction']:g} of the budget, T={cmp['temperature']:g}: "
                                               f"against the best off-policy arm ({cmp['baseline']})")
     (out / "results.md").write_text("\n".join(lines) + "\n")

@@ -1,4 +1,4 @@
-"""Cost per trained position of a Draft-OPD step against the off-policy objective's step (issue 13's goal: <= 2x).
+"""Cost per trained position of a Draft-OPD step against the off-policy objective's step (budget: <= 2x).
 
   python scripts/opd_cost.py --steps 5 draft.path=<a trained EAGLE-3 head> [shared Hydra overrides]
       [--onpolicy objective.max_new_tokens=128 ...] [--offpolicy objective.steps=7 ...]
@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-GOAL = 2.0  # issue 13: a Draft-OPD step should cost at most 2x the off-policy step per trained position
+GOAL = 2.0  # a Draft-OPD step should cost at most 2x the off-policy step per trained position
 
 
 @dataclass

@@ -3,7 +3,7 @@
 EAGLE-3, SpecForge and speculators train heads on regenerated answers: a draft predicts the target's own text far
 better than human or GPT-4 text. Here the regeneration also writes the EAGLE-3 training features (aux hidden states
 and the final normed hidden state), captured from the very forwards that decode the answer
-(spec.generate.target_generate(capture_layers=...)), so the target runs once per training token instead of once to
+(decoding.target_generate(capture_layers=...)), so the target runs once per training token instead of once to
 generate and once more per epoch. Rows are stored as generated token ids (no decode / re-tokenize round trip), so
 ids and features are aligned by construction.
 

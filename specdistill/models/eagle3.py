@@ -1,6 +1,6 @@
 """EAGLE-3 draft head (Li et al. 2025, arXiv 2503.01840) in exactly the serving engines' "midlayer" layout.
 
-Parameter names are the checkpoint names vLLM and SGLang load (shared/notes/field-facts.md):
+Parameter names are the checkpoint names vLLM and SGLang load:
   fc [H, 3*Ht] | midlayer.{input_layernorm, hidden_norm, post_attention_layernorm} [H]
   midlayer.self_attn.{q,k,v}_proj [*, 2H], o_proj [H, nh*hd] | midlayer.mlp.{gate,up,down}_proj | norm [H]
   lm_head [Vd, H] | d2t int64 [Vd] (target_id = draft_id + d2t[draft_id]) | t2d bool [V] | embed_tokens [V, H] (frozen)

@@ -1,4 +1,4 @@
-"""The expert-selection comparison on an MoE target (issue 14): hot / dense(hot) / random / cold drafts at equal
+"""The expert-selection comparison on an MoE target: hot / dense(hot) / random / cold drafts at equal
 parameters and equal budget, plus an EAGLE-3 head whose MLP starts from hot experts against a plain head.
 
 This module knows nothing of how drafts are built or trained: every arm is a set of Hydra overrides composed on one

@@ -327,7 +327,7 @@ def accumulate(c: Components, micro: list[dict], sums: dict, objective=None) -> 
     and ranks. DDP averages gradients over ranks (hence the factor world below), on the last micro-batch's backward.
     - Objectives on the data's own loss tokens know each micro-batch's count before prepare
       (objective.num_tokens_before_prepare): n_global is all-reduced first and every backward is scaled by
-      world / n_global, as before.
+      world / n_global.
     - On-policy objectives know a count only after prepare (num_tokens_before_prepare is None). Each micro-batch is
       backpropagated with the provisional scale world / n_est, n_est = (first micro-batch's global count) x (number of
       micro-batches), one scalar all-reduce after the first prepare (a step-wide constant, the same on every rank, that
@@ -336,7 +336,7 @@ def accumulate(c: Components, micro: list[dict], sums: dict, objective=None) -> 
       are linear in the loss, that equals backpropagating with world / n_global: exact, up to rounding. It needs the
       gradients in hand after backward: one process, DDP or FSDP (linear on shards alike). DeepSpeed steps its
       optimizer inside the last backward, so there (ZeRO-1/2; Draft-OPD refuses sharded drafts) every micro-batch is
-      prepared first and held until its backward, as before: exact, but all of a step's rollouts are alive at once.
+      prepared first and held until its backward: exact, but all of a step's rollouts are alive at once.
     """
     acc, draft, world = c.accelerator, c.models.draft, c.accelerator.num_processes
     objective = objective if objective is not None else c.objective  # the step's phase's objective

@@ -1,7 +1,7 @@
 """Never overwrite results with less: a run that has nothing left to do leaves every result file as it is.
 
-Re-running a finished run with trainer.resume=auto used to rewrite summary.json with nulls (held-out results, the
-final checkpoint) and restart metrics; `finished_run` recognises that case before anything is written.
+Re-running a finished run with trainer.resume=auto would otherwise rewrite summary.json with nulls (held-out
+results, the final checkpoint) and restart metrics; `finished_run` recognises that case before anything is written.
 """
 from __future__ import annotations
 

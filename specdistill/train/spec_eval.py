@@ -1,4 +1,4 @@
-"""Real speculative evaluation inside training: the loop calls spec_eval_hook at each epoch end (issue 3, item 6).
+"""Real speculative evaluation inside training: the loop calls spec_eval_hook at each epoch end.
 
 Same code as scripts/evaluate.py (specdistill.eval.evaluator over specdistill.decoding), on a small prompt set
 (eval.prompts, eval.num_prompts, eval.max_new_tokens), without the batch sweep or the HF comparison. Rank 0 runs it;
