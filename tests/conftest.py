@@ -102,7 +102,7 @@ def tiny_overrides(target_dir, data_file, out_dir, cache_dir) -> list[str]:
             f"data.regenerate.store_dir={Path(cache_dir) / 'regenerated'}"]
 
 
-# recipe=draft_opd's on-policy phase alone, as the recipe was before its warm-up: no warm-up, the data file instead of
+# recipe=draft_opd's on-policy phase alone: no warm-up, the data file instead of
 # the regenerated store, a standalone LM draft (a later draft=... override still wins), no EAGLE-3 export
 ONPOLICY_ALONE = ["warmup.mode=never", "data.regenerate.enabled=false", "draft=from_target",
                   "trainer.export_formats=[]"]

@@ -119,7 +119,8 @@ def test_loader_is_a_function_of_the_step_and_shards_disjointly():
 
 
 def test_one_malformed_line_is_one_skipped_row_named_by_its_line(tok, tmp_path):
-    """Issue 16: one bad JSON line among 20 good rows used to refuse the whole file (DatasetGenerationError)."""
+    """One bad JSON line among 20 good rows skips that row, not the whole file (datasets would raise
+    DatasetGenerationError)."""
     lines = [json.dumps(r) for r in conversations(20)]
     lines.insert(6, '{"conversations": [{"from": "human", "value": "hi"')  # line 7: cut off mid-object
     p = tmp_path / "one_bad.jsonl"

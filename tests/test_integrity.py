@@ -1,4 +1,4 @@
-"""Issue 16: checkpoints record sizes + checksums; resume verifies the newest, moves a corrupt one aside and falls back;
+"""Checkpoints record sizes + checksums; resume verifies the newest, moves a corrupt one aside and falls back;
 evaluate / export refuse a corrupt draft by name; a finished run re-run leaves every result file byte-identical;
 exports and checkpoints follow the umask."""
 import json
@@ -169,7 +169,7 @@ def test_exports_and_checkpoints_follow_the_umask(finished, tmp_path):
 
 def test_rerunning_a_finished_run_leaves_every_file_byte_identical(finished, tiny_target_dir, tiny_data_file,
                                                                    tmp_path, capsys):
-    """Issue 16: re-running a finished run with trainer.resume=auto overwrote summary.json with nulls."""
+    """Re-running a finished run with trainer.resume=auto must not overwrite summary.json with nulls."""
     from specdistill.pipeline.run import run as train_run
 
     run = _copy_run(finished, tmp_path)

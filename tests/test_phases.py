@@ -252,7 +252,7 @@ def test_one_command_reuses_the_serving_recipes_store_and_ends_served(tiny_targe
 @pytest.mark.parametrize("schedule_steps", [None, 60])
 def test_an_epoch_bounded_run_anneals_over_its_own_length(schedule_steps):
     """trainer.epochs ends the run long before trainer.max_steps (recipe=eagle3_serve: 100000): the cosine spans the
-    run, so its last step trains near lr * min_lr_ratio (it used to span max_steps: a constant lr, never annealed);
+    run, so its last step trains near lr * min_lr_ratio (a horizon of max_steps would leave the lr nearly constant);
     trainer.schedule_steps sets another horizon."""
     from omegaconf import OmegaConf
 

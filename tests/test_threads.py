@@ -1,4 +1,4 @@
-"""Issue 16: torch threads are set deliberately (physical cores / local processes), overridable, printed, and a busy
+"""Torch threads are set deliberately (physical cores / local processes), overridable, printed, and a busy
 machine is named."""
 import os
 

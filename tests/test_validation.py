@@ -1,4 +1,4 @@
-"""Issue 16: every bad input fails early, by name, before any model loads (specdistill/validation.py)."""
+"""Every bad input fails early, by name, before any model loads (specdistill/validation.py)."""
 import time
 
 import pytest

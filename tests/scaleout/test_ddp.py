@@ -14,7 +14,7 @@ def test_ddp_two_processes_equal_one_process_with_the_same_global_batch(tiny_tar
                                                                         one_process_reference):
     out = tmp_path / "ddp2"
     over = tiny_overrides(tiny_target_dir, tiny_data_file, out, tmp_path / "cache") + STEPS
-    # The launch that really distributes on CPU (shared/notes/cpu-stack.md): --multi_gpu with ACCELERATE_USE_CPU.
+    # The launch that really distributes on CPU: --multi_gpu (the config file) with ACCELERATE_USE_CPU.
     proc = run_cmd([str(BIN / "accelerate"), "launch", "--config_file", "conf/accelerate/ddp.yaml",
                     "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                     "train.py", "recipe=kd", *over], env=subprocess_env(ACCELERATE_USE_CPU="1"))
