@@ -148,6 +148,15 @@ def chain_counts(match: torch.Tensor, valid: torch.Tensor, gamma: int) -> torch.
         shifted = torch.zeros_like(good)
         shifted[:, : T - k] = good[:, k:]  # position t+k agrees
         ok = ok & shifted
+def decoding_precision(target_model: torch.nn.Module):
+    """The context a draft decodes in beside `target_model` (evaluation, rollouts): autocast to the target's dtype
+    when that is bf16 / fp16, so the draft's matmuls run at the target's precision and speed while a training draft
+    keeps its fp32 weights; nothing for an fp32 target. Verification stays fp32 whatever this is (decoding/ casts the
+    probabilities it compares)."""
+    p = next(target_model.parameters())
+    return torch.autocast(p.device.type, dtype=p.dtype, enabled=p.dtype in (torch.bfloat16, torch.float16))
+
+
         reached.append(ok.sum())
     return torch.stack(reached)
 

@@ -27,8 +27,8 @@ from specdistill.decoding import Drafter, Eagle3Drafter, probs_from_logits
 from specdistill.decoding.kv import logits_dim
 from specdistill.drafts.base import DraftAdapter
 from specdistill.export import FORMATS, export_eagle3
-from specdistill.models.eagle3 import (Eagle3Head, build_eagle3, default_aux_layer_ids, frequent_token_vocab,
-                                       restrict_to_draft_vocab)
+from specdistill.models.eagle3 import (ChainQuery, Eagle3Head, build_eagle3, default_aux_layer_ids,
+                                       frequent_token_vocab, restrict_to_draft_vocab)
 from specdistill.moe.draft import init_eagle3_from_config
 from specdistill.tensors import pad_rows, shift_left, unwrap
 from specdistill.tokens import check_vocab_compatible
@@ -154,7 +154,8 @@ def build_eagle3_draft(draft_cfg, target, data):
 def eagle3_logits_at(head, rows: list[torch.Tensor], aux: torch.Tensor, row: torch.Tensor, context_len: torch.Tensor,
                      index: torch.Tensor, pad_id: int, shares: Optional[list[int]] = None) -> torch.Tensor:
     """(P, Vd) the head's draft-vocabulary logits at each drafted position, WITH grad: drafted position p is step
-    index[p] of the TTT unroll at slot context_len - index - 2 of its row (module docstring).
+    index[p] of the TTT unroll at slot context_len - index - 2 of its row (module docstring). head: the Eagle3Head,
+    bare or inside a DDP / DeepSpeed wrapper (called through its forward).
 
     Sparse (Eagle3Head.unroll_chains): step 0 runs over every slot of the rows that carry a context (its keys are
     what the drafting steps attend to); the later steps only along chains, one per (row, drafting slot) read.
@@ -200,7 +201,9 @@ def eagle3_logits_at(head, rows: list[torch.Tensor], aux: torch.Tensor, row: tor
             where[c] = (bi, ci)
     hidden = torch.stack(head.unroll_chains(feats, ids, mask, chain_slot, chain_tok, steps))  # (steps, Rb, C, H)
     at = torch.tensor([where[chain_of[k]] for k in key], dtype=torch.long, device=device)  # (P, 2)
-    return head.readout(hidden[index, at[:, 0], at[:, 1]])                     # (P, Vd)
+    read = torch.cat([index[:, None].to(device), at], dim=1)                  # (P, 3): step, base row, column
+    # through the (possibly DDP / DeepSpeed-wrapped) module's forward, so its gradients are synced across ranks
+    return head(feats, ids, mask, chains=ChainQuery(chain_slot, chain_tok, read))  # (P, Vd)
 
 
 def eagle3_alpha(p_logits: torch.Tensor, q_logits: torch.Tensor, t2d: torch.Tensor, temperature: float,

@@ -223,17 +223,51 @@ class Eagle3StepOutput:
     values: torch.Tensor
 
 
+@dataclass
+class ChainQuery:
+    """A sparse TTT unroll read out at chosen states: what `Eagle3Head.forward(..., chains=...)` computes
+    (unroll_chains, then the readout), so a DDP / DeepSpeed wrapper's forward carries it and syncs its gradients."""
+    slot: torch.Tensor    # (B, C) long: the slot chain c of row b unrolls at
+    tokens: torch.Tensor  # (B, C, steps - 1) long: the token chain c reads at step j >= 1 is tokens[b, c, j - 1]
+    read: torch.Tensor    # (P, 3) long: (step, row, chain) of each state read out
+
+    @property
+    def steps(self) -> int:
+        return self.tokens.shape[-1] + 1
+
+
 def _ttt_attend(q, k0, v0, allow, diag_k, diag_v, scale: float) -> torch.Tensor:
     """Training-time-test attention: queries q (B, nh, n, hd) over the step-0 keys/values k0, v0 (B, nh, T, hd) where
-    `allow` (broadcast to (B, nh, n, T)) permits, plus one diagonal per later step (diag_k / diag_v: j x (B, nh, n, hd),
-    each query's own slot at steps 1..j). One softmax over both. -> (B, nh, n, hd)."""
-    T = k0.shape[2]
-    s0 = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~allow, torch.finfo(q.dtype).min)  # (B, nh, n, T)
-    diag = [(q * kk).sum(-1, keepdim=True) * scale for kk in diag_k]                     # j x (B, nh, n, 1)
-    p = torch.cat([s0] + diag, dim=-1).float().softmax(-1).to(q.dtype)
-    out = p[..., :T] @ v0
+    `allow` (bool, broadcast to (B, 1, n, T)) permits, plus one diagonal per later step (diag_k / diag_v: j x
+    (B, nh, n, hd), each query's own slot at steps 1..j). One softmax over both. -> (B, nh, n, hd), in v0's dtype.
+
+    One fused scaled_dot_product_attention call, so no (n, T) score tensor is kept for backward. The j diagonals enter
+    as j extra key columns whose scores the queries carry, in m >= j extra coordinates (a multiple of 8, the fused
+    kernels' alignment):
+        q' = [q | d_1 .. d_j | 0]   d_i = q . k_i, per query (the diagonal's raw score)
+        k' = [k0 | 0] on the T step-0 keys, [0 | e_i] on column i (e_i: one-hot)      v' = the same with v0
+    so q'.k' is q.k0 on the step-0 keys and d_i on column i, and the output's extra coordinate i is the diagonal's
+    softmax weight p_i: out = out'[:hd] + sum_i p_i v_i. A query that `allow` bars from every step-0 key (a row of
+    padding only) attends as a fill of the dtype's minimum makes it: to its diagonals only, or, without any,
+    uniformly to every step-0 key."""
+    dtype = v0.dtype  # under autocast q, k (RoPE in fp32) and v (a linear's output) can differ: one dtype for all
+    q, k0 = q.to(dtype), k0.to(dtype)
+    j = len(diag_k)
+    if j == 0:
+        barred = ~allow.any(-1, keepdim=True)  # (B|1, 1, n, 1): a zero query over every key is uniform
+        return F.scaled_dot_product_attention(q.masked_fill(barred, 0), k0, v0, attn_mask=allow | barred, scale=scale)
+    B, nh, n, hd = q.shape
+    T, m = k0.shape[2], -(-j // 8) * 8
+    d = torch.cat([(q * kk.to(dtype)).sum(-1, keepdim=True) for kk in diag_k], dim=-1)  # (B, nh, n, j) raw scores
+    q_ext = torch.cat([q, d, q.new_zeros(B, nh, n, m - j)], dim=-1)                   # (B, nh, n, hd + m)
+    onehot = F.pad(torch.eye(j, m, dtype=dtype, device=q.device), (hd, 0)).expand(B, nh, j, hd + m)
+    k_ext = torch.cat([F.pad(k0, (0, m)), onehot], dim=2)                              # (B, nh, T + j, hd + m)
+    v_ext = torch.cat([F.pad(v0, (0, m)), onehot], dim=2)
+    mask = torch.cat([allow.expand(B, 1, n, T), allow.new_ones(B, 1, n, j)], dim=-1)   # (B, 1, n, T + j)
+    o = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, attn_mask=mask, scale=scale)  # (B, nh, n, hd + m)
+    out = o[..., :hd]
     for i, vv in enumerate(diag_v):
-        out = out + p[..., T + i: T + i + 1] * vv
+        out = out + o[..., hd + i: hd + i + 1] * vv.to(dtype)
     return out
 
 
@@ -247,11 +281,26 @@ class Eagle3Head(nn.Module):
         self.midlayer = Eagle3Layer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
-        # Not a buffer: .to(bf16) would round the frequencies; kept fp32 and rebuilt from the config on load.
-        self.rope_inv_freq, self.rope_attention_factor = rope_inv_freq(c)
+        # A buffer, so it moves with the module (no copy per step); not saved (rebuilt from the config); kept fp32
+        # whatever the module's dtype (_apply), since bf16 frequencies would rotate far positions wrongly.
+        inv_freq, self.rope_attention_factor = rope_inv_freq(c)
+        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool) if c.draft_vocab_size == c.vocab_size
                              else torch.zeros(c.vocab_size, dtype=torch.bool))
+
+    def _apply(self, fn, recurse=True):
+        """Module.to / .bfloat16 / .cuda: every tensor follows, except that the RoPE frequencies stay fp32 (exact, rebuilt
+        from the config when a dtype change touched them)."""
+        super()._apply(fn, recurse)
+        if self.rope_inv_freq.dtype != torch.float32:
+            self.rope_inv_freq = rope_inv_freq(self.config)[0].to(self.rope_inv_freq.device)
+        return self
+
+    def features(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """(B, T, 3Ht) target features -> (B, T, H) fused, cast to the head's dtype first (an fp32 target's features
+        feed a bf16 head under DeepSpeed, where no autocast casts them)."""
+        return self.fc(aux_hidden.to(self.fc.weight.dtype))
 
     # ------------------------------------------------------------------ vocab
     def set_vocab(self, draft_to_target: torch.Tensor) -> None:
@@ -290,22 +339,30 @@ class Eagle3Head(nn.Module):
         return self.lm_head(self.norm(h))
 
     def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                steps: int = 1, readout_at: Optional[list[torch.Tensor]] = None) -> list[torch.Tensor]:
+                steps: int = 1, readout_at: Optional[list[torch.Tensor]] = None,
+                chains: Optional[ChainQuery] = None):
         """TTT unroll. aux_hidden (B, T, 3Ht), input_ids/attention_mask (B, T), right-padded.
         Returns per-step logits [(B, T, Vd)] * steps; step j at slot t reads token t+1+j and predicts token t+2+j.
         readout_at: per step a (B, T) bool mask of the slots that are scored; then step j returns only their logits
-        (N_j, Vd). The lm_head is about half of a step's FLOPs and prompt slots score nothing. (Inside forward, so
-        DDP / FSDP wrappers see every parameter used.)
+        (N_j, Vd). The lm_head is about half of a step's FLOPs and prompt slots score nothing.
+        chains: the sparse unroll instead (unroll_chains over chains.steps steps), returning the (P, Vd) logits of
+        the states chains.read names. Every training computation runs inside forward, so DDP / FSDP / DeepSpeed
+        wrappers see every parameter used and sync its gradients.
 
         Attention at step j: slot t sees step-0 keys at slots <= t plus the keys of steps 1..j at slot t only
         (one diagonal per step), which is what the head sees at inference after drafting j tokens past t.
         """
+        if chains is not None:
+            hidden = torch.stack(self.unroll_chains(aux_hidden, input_ids, attention_mask, chains.slot, chains.tokens,
+                                                    chains.steps))               # (steps, B, C, H)
+            r = chains.read
+            return self.readout(hidden[r[:, 0], r[:, 1], r[:, 2]])              # (P, Vd)
         B, T = input_ids.shape
         scale = 1.0 / math.sqrt(self.config.head_dim)
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, T)
         valid = attention_mask.bool()
         causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None, None] & valid[:, None, None, :]
-        g = self.fc(aux_hidden)  # (B, T, H)
+        g = self.features(aux_hidden)  # (B, T, H)
         keys, values, logits = [], [], []
 
         def attend(q, k, v):  # q (B, nh, T, hd): step-0 block (causal) + one diagonal per earlier step
@@ -342,7 +399,7 @@ class Eagle3Head(nn.Module):
             step0["k"], step0["v"] = k, v
             return _ttt_attend(q, k, v, causal, [], [], scale)
 
-        g1, _, _ = self._layer(torch.roll(input_ids, -1, dims=1), self.fc(aux_hidden), position_ids, attend0)
+        g1, _, _ = self._layer(torch.roll(input_ids, -1, dims=1), self.features(aux_hidden), position_ids, attend0)
         H = g1.shape[-1]
         h = g1.gather(1, slot[..., None].expand(*slot.shape, H))               # (B, C, H)
         out = [h]

@@ -49,6 +49,7 @@ import torch
 from specdistill.data.prompts import load_prompts
 from specdistill.drafts import draft_adapter
 from specdistill.losses import DIVERGENCES, divergence
+from specdistill.drafts.base import decoding_precision
 from specdistill.objectives.eagle3 import Eagle3Objective
 from specdistill.objectives.base import Models, Objective, StepOutput, keep_positions, masked_logits
 from specdistill.onpolicy.replay import ReplayBuffer, ReplayItem, pack_prefixes
@@ -246,6 +247,8 @@ class DraftOPDObjective(Objective):
         P, device = len(fresh), fresh.row.device
 
         # 1-2. Per-position loss (with grad) and, detached, alpha at the rollout temperature (reach weights) and
+        # Every rank reports the same metric keys whatever its data (an empty replay sample, a batch without loss
+        # tokens): the loop reduces the metrics as one stacked tensor across ranks.
         #      at the loss temperature (replay priorities; soft at any decoding temperature).
         loss, alpha_roll, priority = self._score(fresh, replay, models)                        # (P + Q,) each
         with torch.no_grad():
@@ -270,12 +273,14 @@ class DraftOPDObjective(Objective):
         metrics = dict(prep.metrics)
         losses, weights = [loss], [weight]
         # 3. Off-policy mix: the same divergence on the data batch's own loss tokens (a second draft forward).
-        if self.kd_weight > 0 and bool(batch["loss_mask"].any()):
-            kd, kd_w = OFF_POLICY[draft_adapter(models.draft).data_objective].loss(self, batch, models)  # (N,) each
-            losses.append(kd)
-            weights.append(kd_w.detach())
-            metrics["kd_loss_sum"] = kd.detach().sum()
-            metrics["kd_loss_count"] = torch.tensor(float(kd.numel()), device=device)
+        if self.kd_weight > 0:
+            metrics["kd_loss_sum"] = metrics["kd_loss_count"] = torch.zeros((), device=device)
+            if bool(batch["loss_mask"].any()):
+                kd, kd_w = OFF_POLICY[draft_adapter(models.draft).data_objective].loss(self, batch, models)  # (N,) each
+                losses.append(kd)
+                weights.append(kd_w.detach())
+                metrics["kd_loss_sum"] = kd.detach().sum()
+                metrics["kd_loss_count"] = torch.tensor(float(kd.numel()), device=device)
 
         with torch.no_grad():
             f = lambda x: torch.as_tensor(float(x), device=device)  # noqa: E731
@@ -287,8 +292,7 @@ class DraftOPDObjective(Objective):
                 metrics[f"frac_{name}_sum"], metrics[f"frac_{name}_count"] = (fresh.category == c).sum().float(), f(P)
             if self.replay:
                 metrics["replay_used_sum"], metrics["replay_used_count"] = f(len(replay)), f(1)
-                if replay:
-                    metrics["replay_loss_sum"], metrics["replay_loss_count"] = loss[P:].detach().sum(), f(len(replay))
+                metrics["replay_loss_sum"], metrics["replay_loss_count"] = loss[P:].detach().sum(), f(len(replay))
         return StepOutput(torch.cat(losses), torch.cat(weights), metrics)
 
     def end_step(self) -> dict:
@@ -407,11 +411,12 @@ class DraftOPDObjective(Objective):
         was_training = draft.training
         draft.eval()
         try:
-            return collect_rollout(target, draft, ids, mask, gamma=self.gamma, max_new_tokens=self.max_new_tokens,
-                                   temperature=self.temperature, draft_policy=self.draft_policy,
-                                   assist=self.assist, eos_token_id=eos,
-                                   generator=generator, pad_id=pad, top_k=self.target_top_k,
-                                   branches=self.off_trajectory == "branch")
+            with decoding_precision(target):  # the draft at the target's precision; verification in fp32
+                return collect_rollout(target, draft, ids, mask, gamma=self.gamma, max_new_tokens=self.max_new_tokens,
+                                       temperature=self.temperature, draft_policy=self.draft_policy,
+                                       assist=self.assist, eos_token_id=eos,
+                                       generator=generator, pad_id=pad, top_k=self.target_top_k,
+                                       branches=self.off_trajectory == "branch")
         finally:
             draft.train(was_training)
 
