@@ -9,6 +9,7 @@ Rows whose `active` flag is False have stopped: they keep nothing and their prop
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +45,11 @@ class Drafter(ABC):
     needs_hidden_states: bool = False  # EAGLE-style heads: the loop passes the target's hidden states to start/commit
 
     @abstractmethod
-    def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_hidden=None) -> None:
-        """Left-padded prompt (B, T). target_hidden: the target's per-layer hidden states for input_ids[:, :-1]."""
+    def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_hidden=None,
+              new_kv: Callable[[torch.nn.Module], BatchKV] = BatchKV) -> None:
+        """Left-padded prompt (B, T). target_hidden: the target's per-layer hidden states for input_ids[:, :-1].
+        new_kv(model) -> BatchKV: the KV caches of this call (kv.CacheMode.factory: static and compiled, or growing),
+        for drafters that run a causal LM on BatchKV; others ignore it."""
 
     @abstractmethod
     def propose(self, k: int, sampler: Sampler) -> Proposal:
@@ -75,7 +79,7 @@ class LMDrafter(Drafter):
         self.vocab_size = logits_dim(model)
         self.confidence = check_confidence(confidence)
 
-    def start(self, input_ids, attention_mask, target_hidden=None) -> None:
+    def start(self, input_ids, attention_mask, target_hidden=None, new_kv=BatchKV) -> None:
         limit = max_positions(self.model)
         longest = int(attention_mask.sum(1).max())
         if limit is not None and longest > limit:
@@ -83,15 +87,16 @@ class LMDrafter(Drafter):
                              "shorten the prompt or use a draft with a longer context")
         device = device_of(self.model)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        self.kv = BatchKV(self.model)
+        self.kv = new_kv(self.model)
         self.kv.prefill(input_ids[:, :-1], attention_mask[:, :-1])
         self.pending = input_ids[:, -1:]                                     # (B, P) right-padded, P in {1, 2}
         self.pending_valid = torch.ones_like(self.pending, dtype=torch.bool)  # (B, P)
 
     @torch.no_grad()
     def propose(self, k: int, sampler: Sampler) -> Proposal:
-        B = self.pending.shape[0]
+        B, P = self.pending.shape
         rows = torch.arange(B, device=self.pending.device)
+        self.kv.reserve(P + max(k - 1, 0))  # the round's steps: pending, then every draft but the last
         logits = self.kv.step(self.pending, self.pending_valid).logits       # (B, P, V)
         logits = logits[rows, self.pending_valid.sum(1) - 1]                 # (B, V) at each row's last real slot
         tokens, probs = [], []
@@ -144,7 +149,7 @@ class NGramDrafter(Drafter):
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def start(self, input_ids, attention_mask, target_hidden=None) -> None:
+    def start(self, input_ids, attention_mask, target_hidden=None, new_kv=BatchKV) -> None:
         self.context = TokenBuffer.from_prompt(input_ids, attention_mask)
 
     @torch.no_grad()

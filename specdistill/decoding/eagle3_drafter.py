@@ -22,6 +22,7 @@ import torch
 from specdistill.models.eagle3 import Eagle3Head
 
 from .drafters import Drafter, Proposal, check_confidence, unsure
+from .kv import BatchKV
 from .sampling import Sampler
 
 
@@ -64,7 +65,8 @@ class Eagle3Drafter(Drafter):
 
     # ------------------------------------------------------------------------------------------- protocol
     @torch.no_grad()
-    def start(self, input_ids, attention_mask, target_hidden=None) -> None:
+    def start(self, input_ids, attention_mask, target_hidden=None, new_kv=BatchKV) -> None:
+        """new_kv is not used: the head keeps its own one-layer cache (a growing one)."""
         head = self.head
         device, dtype = head.fc.weight.device, head.fc.weight.dtype
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device).bool()

@@ -6,6 +6,8 @@ Both models' states hold every token but the last ("pending") one, so the prefil
 generated token comes out of a round: target forwards = rounds, and mean_accept_len = tokens / rounds.
 Batch > 1: one shared cache per model with per-row masks and positions (see kv.py); rows accept different counts,
 and a row that hit EOS or max_new_tokens stops counting (its later compute is wasted, never emitted).
+cache=CacheMode(static=True) preallocates both models' caches to the call's longest possible length (compile=True also
+compiles their decode forwards): the same tokens as the growing caches, at fixed shapes.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from specdistill.tokens import check_vocab_compatible, pad_id
 
 from .drafters import Drafter
-from .kv import BatchKV, TokenBuffer, device_of, logits_dim, max_positions
+from .kv import CacheMode, TokenBuffer, device_of, logits_dim, max_positions
 from .sampling import DEFAULT_DRAFT_POLICY, Sampler
 from .verify import verify_greedy, verify_sampling
 
@@ -176,6 +178,12 @@ def _check_inputs(model, input_ids, attention_mask, max_new_tokens, device):
     return input_ids, attention_mask
 
 
+def _cache_length(input_ids: torch.Tensor, max_new_tokens: int, max_gamma: int) -> int:
+    """Columns a static cache needs for one call: the left-padded prompt but its pending token, plus what a row keeps
+    before its last round (< max_new_tokens), plus one round's max_gamma + 1 fed tokens; holes beyond that compact."""
+    return input_ids.shape[1] - 1 + max_new_tokens + max_gamma + 1
+
+
 def _eos(eos_token_id, device) -> torch.Tensor | None:
     if eos_token_id is None:
         return None
@@ -264,6 +272,7 @@ def speculative_generate(
     record: bool = False,
     draft_policy: str = DEFAULT_DRAFT_POLICY,
     capture_layers: list[int] | None = None,
+    cache: CacheMode = CacheMode(),
 ) -> Rollout:
     """Generate from target_model with drafts from `drafter`; lossless: greedy output equals target-only greedy,
     sampled output is distributed as the target's (same temperature / top_p processing for both models).
@@ -271,7 +280,8 @@ def speculative_generate(
     draft_policy (sampling.DRAFT_POLICIES, temperature > 0 only): "greedy" drafts q's argmax and verifies it as a
     one-hot proposal (the serving engines' way), "sample" draws drafts from q and verifies with q.
     capture_layers: HF hidden_states ids whose features of every kept token come back in Rollout.hidden (on-policy
-    training of EAGLE-3 heads reads them instead of running the target again)."""
+    training of EAGLE-3 heads reads them instead of running the target again).
+    cache: growing (default) or static KV caches, compiled or not (kv.CacheMode), for the target and LM drafts."""
     policy = FixedGamma(gamma) if isinstance(gamma, int) else gamma
     sampler = Sampler(temperature, top_p, generator)
     draft_sampler = sampler.for_drafts(draft_policy)
@@ -291,9 +301,10 @@ def speculative_generate(
 
     # 1. Prefill both models with the prompt but its last token, which becomes the first pending token.
     t0 = _clock(device)
-    target = BatchKV(target_model)
+    new_kv = cache.factory(_cache_length(input_ids, max_new_tokens, policy.max_gamma))
+    target = new_kv(target_model)
     prefill = target.prefill(input_ids[:, :-1], attention_mask[:, :-1], **hidden)
-    drafter.start(input_ids, attention_mask, target_hidden=getattr(prefill, "hidden_states", None))
+    drafter.start(input_ids, attention_mask, target_hidden=getattr(prefill, "hidden_states", None), new_kv=new_kv)
     kept = _KeptFeatures(capture_layers, prefill, B, input_ids.shape[1], max_new_tokens, device) if capture_layers else None
     pending = input_ids[:, -1]                                              # (B,)
     active = torch.ones(B, dtype=torch.bool, device=device)
@@ -372,8 +383,10 @@ def target_generate(
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,
     capture_layers: list[int] | None = None,
+    cache: CacheMode = CacheMode(),
 ) -> Rollout:
     """Target-only decoding on the same cache machinery: the denominator of every speedup. One forward per token.
+    cache: growing (default) or static KV cache, compiled or not (kv.CacheMode).
 
     capture_layers: HF hidden_states ids (0 = embeddings, L = after the final norm) to return in Rollout.hidden, for
     regeneration that writes EAGLE-3 training features as it decodes (data/regenerated.py): the decode computes them
@@ -396,7 +409,7 @@ def target_generate(
             captured.append(_layers(o, capture_layers))                    # (B, C, D)
 
     t0 = _clock(device)
-    target = BatchKV(target_model)
+    target = cache.factory(_cache_length(input_ids, max_new_tokens, 0))(target_model)
     keep(target.prefill(input_ids[:, :-1], attention_mask[:, :-1], **hidden))
     pending = input_ids[:, -1]                                              # (B,)
     active = torch.ones(B, dtype=torch.bool, device=device)

@@ -20,12 +20,17 @@ so compaction also bounds the cache to about the window; in hybrid models (Gemma
 such columns from their front (their masks start at that column), the full layers keep them. Other layer types
 (linear attention, chunked, KV sharing) are refused by name. The columns live in transformers' DynamicLayers, or
 StaticLayers (max_length=...); both roll back through their own crop().
+
+CacheMode says which of the two a decoding call uses, and whether its decode forwards run through torch.compile
+(CUDA graphs on CUDA): a static cache keeps every tensor the forward touches at a fixed shape and address.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicCache, StaticLayer,
@@ -98,6 +103,40 @@ def attention_windows(model: torch.nn.Module) -> dict[str, int | None]:
     return windows
 
 
+@dataclass(frozen=True)
+class CacheMode:
+    """How one decoding call holds its KV caches (the target's and an LM draft's).
+
+    static: StaticLayers preallocated to the call's longest possible length (prompt + max_new_tokens + one round),
+    keys and values written in place at fixed addresses. compile: the decode forwards (not the prefill) run through
+    torch.compile, with CUDA graphs on CUDA ("reduce-overhead"); it implies static. Both give the eager path's tokens:
+    the extra columns of a static cache are masked."""
+
+    static: bool = False
+    compile: bool = False
+
+    @property
+    def is_static(self) -> bool:
+        return self.static or self.compile
+
+    def factory(self, max_length: int) -> Callable[[torch.nn.Module], "BatchKV"]:
+        """model -> a BatchKV of this mode for a call whose rows hold at most max_length columns."""
+        if not self.is_static:
+            return BatchKV
+        return functools.partial(BatchKV, max_length=max_length, compile=self.compile)
+
+
+def compiled_forward(model: torch.nn.Module) -> Callable:
+    """model's forward through torch.compile, made once per model (transformers keeps it on the model): static shapes,
+    CUDA graphs on CUDA. Its first calls at each new input shape compile (seconds to a minute)."""
+    mode = "reduce-overhead" if device_of(model).type == "cuda" else "default"
+    if hasattr(model, "get_compiled_call"):
+        from transformers import CompileConfig
+
+        return model.get_compiled_call(CompileConfig(mode=mode, dynamic=False))
+    return torch.compile(model, mode=mode, dynamic=False)
+
+
 def window_by_position(positions: torch.Tensor, window: int) -> Callable:
     """Mask function (transformers' masking_utils protocol, indices are cache columns): key kv is inside query q's
     window when its position is > q's position - window. positions (B, S) covers every column, the tail included."""
@@ -114,15 +153,19 @@ class BatchKV:
     max_length None: transformers DynamicLayers that grow by concatenation. An int: StaticLayers preallocated to
     max_length columns (fixed addresses, as torch.compile and CUDA graphs want); rollback then moves their write
     position, and a step that would overflow compacts first, or raises if the rows' real tokens do not fit.
+    compile (static caches only): step() runs the model through compiled_forward(); prefill() stays eager.
     """
 
-    def __init__(self, model: torch.nn.Module, max_length: int | None = None):
+    def __init__(self, model: torch.nn.Module, max_length: int | None = None, compile: bool = False):
         self.model = model
         self.windows = attention_windows(model)
         self.config = model.config.get_text_config(decoder=True)
         if max_length is not None and max_length < 1:
             raise ValueError(f"BatchKV max_length must be >= 1 (or None for a growing cache), got {max_length}")
+        if compile and max_length is None:
+            raise ValueError("BatchKV(compile=True) needs a static cache: pass max_length (CacheMode.factory does)")
         self.max_length = max_length
+        self._forward = compiled_forward(model) if compile else model
         self.sliding = any(w is not None for w in self.windows.values())
         # Where every layer slides, a column behind every row's window is dead: masking it lets compact() drop it.
         self.dead_behind = max(self.windows.values()) if all(w is not None for w in self.windows.values()) else None
@@ -159,13 +202,14 @@ class BatchKV:
         self.committed = 0
         if input_ids.shape[1] == 0:
             return None
-        out = self.step(input_ids, attention_mask.bool(), **self._keep_last_logits, **kwargs)
+        out = self.step(input_ids, attention_mask.bool(), eager=True, **self._keep_last_logits, **kwargs)
         self.commit_all()  # left padding stays as masked columns
         return out
 
     @torch.no_grad()
-    def step(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None, **kwargs):
-        """Append (B, C) tokens; valid (B, C) bool marks the real ones (others are masked padding slots)."""
+    def step(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None, *, eager: bool = False, **kwargs):
+        """Append (B, C) tokens; valid (B, C) bool marks the real ones (others are masked padding slots).
+        eager: run the model uncompiled even when the cache compiles (the prefill: a new shape per prompt batch)."""
         device = device_of(self.model)
         input_ids = input_ids.to(device)
         valid = torch.ones_like(input_ids, dtype=torch.bool) if valid is None else valid.to(device)
@@ -176,9 +220,27 @@ class BatchKV:
         positions = positions.clamp(0, None if self.max_positions is None else self.max_positions - 1)
         self.mask = torch.cat([self.mask, valid.long()], dim=1)            # (B, S + C)
         self.positions = torch.cat([self.positions, positions], dim=1)     # (B, S + C)
-        out = self.model(input_ids=input_ids, attention_mask=self._attention_mask(input_ids.shape[1]),
-                         position_ids=positions, use_cache=True, **{self._cache_kwarg: self.cache}, **kwargs)
+        inputs = dict(input_ids=input_ids, attention_mask=self._attention_mask(input_ids.shape[1]),
+                      position_ids=positions, use_cache=True, **{self._cache_kwarg: self.cache}, **kwargs)
+        out = self.model(**inputs) if eager or self._forward is self.model else self._compiled_call(inputs)
         self.length = self.length + valid.sum(1)
+        return out
+
+    def reserve(self, columns: int) -> None:
+        """Static caches: make room for `columns` more before the next commit. A drafter that feeds several steps
+        per round calls it first, since only a committed cache can compact. A growing cache always has room."""
+        if self.max_length is not None:
+            self._make_room(columns)
+
+    def _compiled_call(self, inputs: dict):
+        """The compiled forward, with outputs the caller owns: CUDA graphs overwrite their output buffers at the next
+        replay, so logits and hidden states are copied out (a round keeps them past the next forward)."""
+        if inputs["input_ids"].device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        out = self._forward(**inputs)
+        out.logits = out.logits.clone()
+        if getattr(out, "hidden_states", None) is not None:
+            out.hidden_states = tuple(h.clone() for h in out.hidden_states)
         return out
 
     def _make_room(self, C: int) -> None:
@@ -202,7 +264,10 @@ class BatchKV:
         but called directly: create_causal_mask vmaps any extra mask function, ~10x slower on CPU, while ours is
         index-based and takes the interface's broadcasting path."""
         if not self.sliding:
-            return self.mask                                                # (B, S + C)
+            if self.max_length is None:
+                return self.mask                                            # (B, S + C)
+            # static: one width for every step (the layers return all max_length columns; compiled graphs keep it)
+            return torch.nn.functional.pad(self.mask, (0, self.max_length - self.mask.shape[1]))  # (B, max_length)
         (B, S), device = self.mask.shape, self.mask.device
         build = ALL_MASK_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         kv_length = S if self.max_length is None else self.max_length      # static layers return every column
