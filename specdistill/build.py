@@ -105,11 +105,17 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
     draft_cfg = OmegaConf.to_object(cfg.draft) if isinstance(cfg.draft, DictConfig) else cfg.draft
     kind = kind_for_init(draft_cfg.init)
     objective.check_draft_kind(kind)  # e.g. draft-only rollouts of a draft that cannot decode alone: before loading
+    from specdistill.models.target import load_target_config
+
+    target_config = load_target_config(cfg.target.path)  # config.json only: the draft's settings against it
+    kind.check_config(draft_cfg, target_config)
     with accelerator.main_process_first():  # rank 0 converts/caches the embedded target and the data first
         target = build_target(cfg)
         tokenizer = build_tokenizer(cfg)
         if regen:  # the target answers real prompts; its features are kept from the same forwards
             target.to(accelerator.device)
+            if kind.target_layers(draft_cfg, target.config):  # the layers a kind reads, captured while it decodes
+                target.set_aux_layer_ids(kind.target_layers(draft_cfg, target.config))
             kind.prepare_target(target)
             data = make_data(cfg, target, tokenizer, log=log)
         else:

@@ -57,6 +57,21 @@ class MoEDraftConfig:
 
 
 @dataclass
+class DFlashDraftConfig:
+    """draft.init=dflash (specdistill/drafts/dflash/): a block drafter over the target's hidden states. Checked by name
+    before anything loads (the layer ids and the mask token against the target's config)."""
+    block_size: int = 8  # B: one forward proposes B - 1 tokens (>= 2); vLLM serves num_speculative_tokens = B - 1
+    target_layer_ids: Optional[list[int]] = None  # target decoder layers read (0-based); null = spread evenly
+    mask_token_id: Optional[int] = None  # fills block positions 1 .. B-1; null = the target's last vocabulary id
+    sliding_window: Optional[int] = None  # a block sees the last W context positions; null = all of them
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ValueError(f"draft.dflash.block_size={self.block_size}: a block is [anchor, MASK x (B-1)], so it "
+                             "must be >= 2 (typical: 4, 8 or 16)")
+
+
+@dataclass
 class DraftConfig:
     # How the standalone draft is made:
     #   from_target: the target's embeddings, first `num_layers` decoder layers, final norm and head
@@ -77,6 +92,7 @@ class DraftConfig:
     # instead of random
     output_from_target: bool = False
     moe: MoEDraftConfig = field(default_factory=MoEDraftConfig)
+    dflash: DFlashDraftConfig = field(default_factory=DFlashDraftConfig)  # draft.init=dflash only
 
 
 @dataclass

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 from specdistill.drafts.base import DraftAdapter
+from specdistill.drafts.dflash import DFlashDraftKind
 from specdistill.drafts.eagle3 import Eagle3Draft
 from specdistill.drafts.lm import LMDraft
 from specdistill.tensors import unwrap
 
-KINDS: tuple[type[DraftAdapter], ...] = (Eagle3Draft, LMDraft)  # first match wins: LMDraft takes any causal LM
+KINDS: tuple[type[DraftAdapter], ...] = (Eagle3Draft, DFlashDraftKind, LMDraft)  # first match wins: LMDraft takes any causal LM
 
 
 def draft_adapter(model: torch.nn.Module) -> DraftAdapter:
@@ -42,5 +43,5 @@ def load_trained_draft(path) -> torch.nn.Module:
     return saved_kind(path).load(path)
 
 
-__all__ = ["KINDS", "DraftAdapter", "Eagle3Draft", "LMDraft", "draft_adapter", "kind_for_init", "load_trained_draft",
+__all__ = ["KINDS", "DFlashDraftKind", "DraftAdapter", "Eagle3Draft", "LMDraft", "draft_adapter", "kind_for_init", "load_trained_draft",
            "reads_draft_path", "saved_kind"]

@@ -70,6 +70,17 @@ class DraftAdapter:
         raise NotImplementedError
 
     @classmethod
+    def check_config(cls, draft_cfg, target_config) -> None:
+        """Before any weights load: raise, naming the draft.* key, when the `draft` config (config.DraftConfig) cannot
+        work with this target (its HF config). Default: nothing to check."""
+
+    @classmethod
+    def target_layers(cls, draft_cfg, target_config) -> Optional[list[int]]:
+        """The target's hidden_states ids this kind reads, as the `draft` config sets them (regeneration captures
+        them); None: the kind sets the target up itself (prepare_target)."""
+        return None
+
+    @classmethod
     def prepare_target(cls, target) -> None:
         """Set up the target (models.target.Target) before it decodes for data regeneration (default: nothing)."""
 

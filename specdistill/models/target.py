@@ -57,6 +57,13 @@ def load_causal_lm(path: str, dtype: str = "float32"):
         ) from None
 
 
+def load_target_config(path: str):
+    """The target's HF config alone (config.json, no weights), for checks before anything loads."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(locate_model(path))
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 

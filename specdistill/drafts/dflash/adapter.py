@@ -1,0 +1,221 @@
+"""Draft adapter for DFlash block drafters (model.py): drafting through DFlashDrafter, and, for Draft-OPD, the
+with-grad loss forward as one block per (row, round).
+
+A drafted position p of a rollout is block position index[p] + 1 of the round whose anchor (pending token) sits at
+a = context_len[p] - index[p] - 1: its logits depend on the row's target features before a and on the token at a
+only, never on the drafts before it. So a branch row (a rejected draft in place, DraftedPositions) gives the same
+logits as its trajectory at the same anchor, and every (trajectory, anchor) runs one block, whatever row asked.
+The target features of the rows are those the rollout's verify forwards computed anyway
+(decoding.speculative_generate(capture_layers=...)): no second target pass. q is over the target's full vocabulary.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from specdistill.decoding import Drafter
+from specdistill.decoding.kv import logits_dim
+from specdistill.drafts.base import DraftAdapter, min_sum
+from specdistill.tensors import unwrap
+from specdistill.tokens import check_vocab_compatible
+
+from .drafter import DFlashDrafter
+from .model import ARCHITECTURE, DFlashDraft, build_dflash, check_settings
+
+
+class DFlashDraftKind(DraftAdapter):
+    """A DFlashDraft on the target's multi-layer hidden states: q over the target's vocabulary."""
+
+    kind = "dflash"
+    inits = ("dflash",)
+    serving_formats = ("vllm",)
+    needs_row_features = True
+    decodes_alone = False       # every block reads the target's hidden states
+    path_inits = ("dflash",)    # draft.path: a warm start
+    data_objective = "dflash"   # its data loss is the block loss (objectives/dflash.py)
+    card_title = "A DFlash block drafter"
+    card_library = "specdistill"
+    card_tags = ("dflash",)
+
+    @classmethod
+    def matches(cls, model: torch.nn.Module) -> bool:
+        return isinstance(model, DFlashDraft)
+
+    @classmethod
+    def check_config(cls, draft_cfg, target_config) -> None:
+        """Before any weights load: the block size, the target layer ids and the mask token against the target's
+        config (its layer count and vocabulary)."""
+        d = draft_cfg.dflash
+        check_settings(d.block_size, d.target_layer_ids, d.mask_token_id, target_config.num_hidden_layers,
+                       target_config.vocab_size, d.sliding_window)
+
+    @classmethod
+    def build(cls, draft_cfg, target, data) -> torch.nn.Module:
+        d = draft_cfg.dflash
+        if draft_cfg.path:
+            model = DFlashDraft.from_pretrained(draft_cfg.path)
+            check_vocab_compatible(model.config.vocab_size, logits_dim(target.model), "warm-start only from a DFlash "
+                                   "draft trained for this target", what=f"DFlash draft at {draft_cfg.path}")
+            if model.config.block_size != d.block_size:
+                raise ValueError(f"draft.dflash.block_size={d.block_size} but the draft at {draft_cfg.path} was "
+                                 f"trained with {model.config.block_size}: a warm start keeps its block size; set "
+                                 f"draft.dflash.block_size={model.config.block_size}")
+        else:
+            model = build_dflash(target.model, draft_cfg.num_layers, d.block_size, d.target_layer_ids, d.mask_token_id,
+                                 draft_cfg.intermediate_size, d.sliding_window)
+        target.set_aux_layer_ids(model.config.aux_layer_ids)
+        return model.train()
+
+    @classmethod
+    def saved_in(cls, path) -> bool:
+        cfg_file = Path(path) / "config.json"
+        return cfg_file.exists() and ARCHITECTURE in json.loads(cfg_file.read_text()).get("architectures", [])
+
+    @classmethod
+    def load(cls, path) -> torch.nn.Module:
+        return DFlashDraft.from_pretrained(path)
+
+    @classmethod
+    def warm_start_overrides(cls, path) -> list[str]:
+        block = json.loads((Path(path) / "config.json").read_text())["block_size"]
+        return ["draft=dflash", f"draft.path={path}", f"draft.dflash.block_size={block}"]
+
+    @classmethod
+    def target_layers(cls, draft_cfg, target_config) -> Optional[list[int]]:
+        """hidden_states ids l + 1 of the draft's target layers (draft.dflash.target_layer_ids or the defaults)."""
+        from .model import default_target_layer_ids
+
+        ids = draft_cfg.dflash.target_layer_ids
+        if ids is None:
+            ids = default_target_layer_ids(target_config.num_hidden_layers, draft_cfg.num_layers)
+        return [l + 1 for l in ids]
+
+    # ------------------------------------------------------------------------------------------- decoding
+    def drafter(self, confidence: float = 0.0) -> Drafter:
+        return DFlashDrafter(self.module, confidence=confidence)
+
+    def check_target(self, target_model, why: str) -> None:
+        check_vocab_compatible(self.module.config.vocab_size, logits_dim(target_model), why, what="DFlash draft")
+
+    def max_positions(self) -> Optional[int]:
+        return self.module.config.max_position_embeddings
+
+    def row_feature_layers(self) -> Optional[list[int]]:
+        return list(self.module.config.aux_layer_ids)
+
+    # ------------------------------------------------------------------------------------------- training
+    def logits_at(self, rows, row, context_len, index, features, pad_id: int, shares=None) -> torch.Tensor:
+        return dflash_logits_at(self.model, rows, features, row, context_len, index, shares)
+
+    def alpha(self, p_logits, q_logits, temperature: float, q_temperature=None) -> torch.Tensor:
+        return min_sum(p_logits, q_logits, temperature, q_temperature)
+
+    def chain_counts(self, target_out, batch: dict, gamma: int) -> torch.Tensor:
+        return dflash_chain_counts(self.model, target_out, batch, gamma)
+
+    # ------------------------------------------------------------------------------------------- export
+    @classmethod
+    def export(cls, draft_dir, out_dir, fmt: str, target_path: Optional[str], **kwargs):
+        from .export import export_dflash
+
+        return export_dflash(draft_dir, out_dir, fmt=fmt, target_path=target_path, **kwargs)
+
+    @classmethod
+    def card_section(cls, repo_id: str, target: str, exports: list[str], gamma: int) -> str:
+        v = "serving/vllm" if "vllm" in exports else "<export with scripts/export.py --format vllm>"
+        return f"""This is a DFlash block drafter: one forward proposes a block of `block_size - 1` tokens from the
+target's hidden states. The repository root holds specdistill's own format (with frozen copies of the target's
+embedding and LM head); vLLM reads the export in `{v}`, which shares the target's. Serve it with
+`num_speculative_tokens` = block_size - 1 (its config.json's `block_size`):
+
+```bash
+huggingface-cli download {repo_id} --local-dir draft
+vllm serve {target} --speculative-config '{{"method": "dflash", "model": "draft/{v}", "num_speculative_tokens": <block_size - 1>}}'
+```
+"""
+
+
+def dflash_logits_at(model, rows: list[torch.Tensor], features: torch.Tensor, row: torch.Tensor,
+                     context_len: torch.Tensor, index: torch.Tensor,
+                     shares: Optional[list[int]] = None) -> torch.Tensor:
+    """(P, V) the draft's logits at each drafted position, WITH grad: block position index[p] + 1 of the block
+    anchored at context_len - index - 1 of its row (module docstring). One block per (base row, anchor), where the
+    base row is shares[row] (a branch row's trajectory, whose tokens agree up to the anchor: checked)."""
+    device = features.device
+    inner = unwrap(model)
+    anchor = context_len - index - 1                                           # (P,)
+    base = row if shares is None else torch.as_tensor(shares, dtype=torch.long, device=row.device)[row]
+    block_of: dict[tuple[int, int], int] = {}
+    per_base: dict[int, list[int]] = {}
+    for r, b, a in zip(row.tolist(), base.tolist(), anchor.tolist()):
+        if r != b and not torch.equal(rows[r][: a + 1], rows[b][: a + 1]):
+            raise ValueError(f"dflash_logits_at: shares[{r}] = {b}, but the rows' tokens differ before {a + 1}")
+        if (b, a) not in block_of:
+            per_base.setdefault(b, []).append(a)
+            block_of[(b, a)] = len(block_of)
+    bases = sorted(per_base)
+    n = max(len(v) for v in per_base.values())
+    L = max(max(per_base[b]) for b in bases)                                   # context slots any block reads
+    anchors = torch.zeros(len(bases), n, dtype=torch.long, device=device)
+    anchor_pos = torch.zeros_like(anchors)
+    where: dict[int, tuple[int, int]] = {}
+    for i, b in enumerate(bases):
+        for j, a in enumerate(per_base[b]):
+            anchors[i, j], anchor_pos[i, j] = rows[b][a], a
+            where[block_of[(b, a)]] = (i, j)
+    base_idx = torch.tensor(bases, dtype=torch.long, device=device)
+    feats = features[base_idx, :L]                                             # (Rb, L, D)
+    if feats.shape[1] < L:
+        feats = torch.cat([feats, feats.new_zeros(len(bases), L - feats.shape[1], feats.shape[2])], dim=1)
+    lengths = torch.tensor([len(rows[b]) for b in bases], device=device)
+    valid = torch.arange(L, device=device)[None] < lengths[:, None]           # (Rb, L)
+    hidden = model(feats, valid, anchors, anchor_pos)                          # (Rb, n, B, H)
+    at = torch.tensor([where[block_of[(b, a)]] for b, a in zip(base.tolist(), anchor.tolist())],
+                      dtype=torch.long, device=device)                         # (P, 2)
+    return inner.logits(hidden[at[:, 0], at[:, 1], index + 1])                 # (P, V)
+
+
+def chain_anchors(loss_mask: torch.Tensor, per_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Evenly spaced anchors for teacher-forced evaluation: positions a >= 1 with loss_mask[a] (block position 1 is a
+    loss token), at most per_row per row. loss_mask (B, T) bool -> anchors (B, n) long, valid (B, n) bool."""
+    B, T = loss_mask.shape
+    ok = loss_mask.clone()
+    ok[:, 0] = False
+    counts = ok.sum(1)                                                         # (B,)
+    n = max(1, min(per_row, int(counts.max())))
+    pick = (torch.arange(n, device=loss_mask.device)[None] * counts[:, None]) // n  # (B, n) ranks chosen
+    anchors = torch.zeros(B, n, dtype=torch.long, device=loss_mask.device)
+    for b in range(B):
+        cand = ok[b].nonzero().squeeze(-1)
+        if len(cand):
+            anchors[b] = cand[pick[b].clamp(max=len(cand) - 1)]
+    valid = torch.arange(n, device=loss_mask.device)[None] < counts[:, None]
+    return anchors, valid
+
+
+@torch.no_grad()
+def dflash_chain_counts(model, target_out, batch: dict, gamma: int, per_row: int = 16) -> torch.Tensor:
+    """(gamma+1,) teacher-forced chain counts (eval/simulated.py) over up to per_row evenly spaced anchors per row: a
+    chain from anchor a reaches k if block positions 1..k all propose the target's argmax for tokens a+1 .. a+k (loss
+    positions all). Draft positions beyond B-1 are never reached."""
+    inner = unwrap(model)
+    lm = batch["loss_mask"].bool()                                             # (B, T)
+    ids = batch["input_ids"]
+    anchors, valid = chain_anchors(lm, per_row)                                # (B, n)
+    hidden = model(target_out.aux_hidden, batch["attention_mask"].bool(), ids.gather(1, anchors), anchors)
+    K = min(gamma, inner.block_size - 1)
+    draft_argmax = inner.logits(hidden[:, :, 1: 1 + K]).argmax(-1)             # (B, n, K)
+    T = ids.shape[1]
+    at = (anchors[..., None] + torch.arange(K, device=ids.device)).clamp(max=T - 1)  # (B, n, K) target positions
+    target_argmax = target_out.logits.argmax(-1)                               # (B, T)
+    hit = (draft_argmax == target_argmax.gather(1, at.flatten(1)).view_as(at)) & lm.gather(1, at.flatten(1)).view_as(at)
+    hit &= (anchors[..., None] + torch.arange(K, device=ids.device)) < T
+    ok = valid.clone()
+    reached = [ok.sum()]
+    for k in range(gamma):
+        ok = ok & hit[..., k] if k < K else torch.zeros_like(ok)
+        reached.append(ok.sum())
+    return torch.stack(reached)
