@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, OmegaConf
 
+from specdistill.constraints import bounded, one_of
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
@@ -42,12 +44,14 @@ class MoEDraftConfig:
     draft.init=eagle3 with eagle3_mlp=true. Hot experts come from a routing profile (scripts/profile_moe.py)."""
     kind: str = "moe"  # moe: hot experts behind a sliced router | dense: one MLP merged from the hot experts
     layers: Optional[list[int]] = None  # target layers the draft copies, in order; null = the first draft.num_layers
-    coverage: Optional[float] = 0.9  # keep the most used experts until their routing-weight share >= coverage
-    num_experts: Optional[int] = None  # or keep a fixed count per layer (set coverage=null)
-    top_k: Optional[int] = None  # kind=moe: experts per token in the draft; null = min(target top-k, kept)
+    # keep the most used experts until their routing-weight share >= coverage
+    coverage: Optional[float] = bounded(0.9, "(0, 1]")
+    num_experts: Optional[int] = bounded(None, ">= 1")  # or keep a fixed count per layer (set coverage=null)
+    # kind=moe: experts per token in the draft; null = min(target top-k, kept)
+    top_k: Optional[int] = bounded(None, ">= 1")
     merge: str = "concat"  # dense / eagle3: concat (neurons stacked, mass-weighted output mean) | average (weights)
     profile: Optional[str] = None  # a profile.json from scripts/profile_moe.py; null = profile the training data
-    profile_batches: int = 8  # on-the-fly profiling: batches of 4 training rows
+    profile_batches: int = bounded(8, ">= 1")  # on-the-fly profiling: batches of 4 training rows
     token_selection: str = "loss_mask"  # tokens profiled: loss_mask (trained positions) | all (non-padding)
     eagle3_mlp: bool = False  # init=eagle3: the head's MLP merged from the hot experts of eagle3_layers
     eagle3_layers: Optional[list[int]] = None  # null = the target's last MoE layer
@@ -80,14 +84,16 @@ class DraftConfig:
     #   eagle3:      an EAGLE-3 head (specdistill/models/eagle3.py) over target.aux_layer_ids; `path` warm-starts it
     #   moe_experts: an MoE target's layers keeping their hot experts, or a dense merge of them (`moe` below)
     init: str = "from_target"
-    num_layers: int = 2
+    num_layers: int = bounded(2, ">= 1")
     path: Optional[str] = None
-    hidden_size: Optional[int] = None  # init=config only; null keeps the target's value
-    intermediate_size: Optional[int] = None
-    num_attention_heads: Optional[int] = None
-    num_key_value_heads: Optional[int] = None
+    hidden_size: Optional[int] = bounded(None, ">= 1")  # init=config only; null keeps the target's value
+    intermediate_size: Optional[int] = bounded(None, ">= 1")
+    num_attention_heads: Optional[int] = bounded(None, ">= 1")
+    num_key_value_heads: Optional[int] = bounded(None, ">= 1")
     dtype: str = "float32"  # trained weights are kept in fp32; bf16 autocast comes from trainer.mixed_precision
-    draft_vocab_size: int = 32000  # eagle3: the Vd most frequent target tokens under the training loss mask
+    # eagle3: the Vd most frequent target tokens under the training loss mask, at most the target's vocabulary (a
+    # larger value is refused); null = the whole vocabulary
+    draft_vocab_size: Optional[int] = bounded(32000, ">= 1")
     # eagle3: the head's final norm and lm_head start as the target's (its readout rows of the draft vocabulary)
     # instead of random
     output_from_target: bool = False
@@ -100,19 +106,15 @@ class RegenerateConfig:
     """data.regenerate (specdistill/pipeline/regenerate.py): build the training set by letting the target answer real prompts (greedy by default)."""
     enabled: bool = False
     prompts: str = "embedded:sharegpt"  # first user turns of: embedded:sharegpt | a .json/.jsonl/.parquet file | hub id
-    max_prompts: int = 800  # prompts answered (from the start of the source; the evaluator's ShareGPT set is its end)
-    max_prompt_tokens: int = 256  # longer prompts are skipped (counted)
-    max_new_tokens: int = 192
-    temperature: float = 0.0  # 0 = greedy: what the target emits at T=0
-    batch_size: int = 16
+    # prompts answered (from the start of the source; the evaluator's ShareGPT set is its end)
+    max_prompts: int = bounded(800, ">= 1")
+    max_prompt_tokens: int = bounded(256, ">= 1")  # longer prompts are skipped (counted)
+    max_new_tokens: int = bounded(192, ">= 1")
+    temperature: float = bounded(0.0, ">= 0")  # 0 = greedy: what the target emits at T=0
+    # prompts decoded together (a store part); null = follows the device: 16 on CPU, on CUDA as many as its memory holds
+    batch_size: Optional[int] = bounded(None, ">= 1")
     seed: int = 0
     store_dir: str = "~/.cache/specdistill/regenerated"
-
-    def __post_init__(self):
-        if self.max_prompts < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
-            raise ValueError("data.regenerate: max_prompts, max_new_tokens and batch_size must be >= 1")
-        if self.temperature < 0:
-            raise ValueError("data.regenerate.temperature must be >= 0 (0 = greedy)")
 
 
 @dataclass
@@ -122,15 +124,15 @@ class DataConfig:
     path: str = MISSING
     format: str = "auto"  # auto | sharegpt | messages | prompt
     split: str = "train"
-    max_rows: Optional[int] = 4000  # rows read from the source before filtering (null = all)
-    max_length: int = 512
+    max_rows: Optional[int] = bounded(4000, ">= 1")  # rows read from the source before filtering (null = all)
+    max_length: int = bounded(512, ">= 2")
     packing: bool = False
-    heldout_size: int = 64  # conversations held out for evaluation
+    heldout_size: int = bounded(64, ">= 0")  # conversations held out for evaluation
     seed: int = 0
     # A source where more than this fraction of rows is malformed is refused (they are always counted and reported).
-    max_malformed_fraction: float = 0.5
+    max_malformed_fraction: float = bounded(0.5, "[0, 1]")
     cache_dir: str = "~/.cache/specdistill/data"
-    num_proc: int = 1
+    num_proc: int = bounded(1, ">= 1")
     # Offline target features (scripts/dump_features.py writes them here; training reads them instead of running the
     # target on the training batches). null = online: the target runs in the training process.
     offline_dir: Optional[str] = None
@@ -146,23 +148,23 @@ class DataConfig:
 class TrainerConfig:
     output_dir: str = "outputs/${run_name}"
     seed: int = 0
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    lr: float = bounded(3e-4, "> 0")
+    weight_decay: float = bounded(0.0, ">= 0")
+    betas: list[float] = bounded(range="[0, 1)", default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = bounded(10, ">= 0")
+    min_lr_ratio: float = bounded(0.1, "[0, 1]")  # cosine decays to lr * min_lr_ratio
     # The cosine's length in optimizer steps; null = the run's own length (trainer.epochs x steps per epoch, capped by
     # max_steps), so the last step trains at lr * min_lr_ratio. Set it only to decay over a longer or shorter horizon.
-    schedule_steps: Optional[int] = None
-    max_steps: int = 100  # optimizer steps; epochs = null means "until max_steps"
-    epochs: Optional[int] = None
-    micro_batch_size: int = 4
-    grad_accum: int = 2
-    max_grad_norm: float = 1.0
+    schedule_steps: Optional[int] = bounded(None, ">= 1")
+    max_steps: int = bounded(100, ">= 1")  # optimizer steps; epochs = null means "until max_steps"
+    epochs: Optional[int] = bounded(None, ">= 1")
+    micro_batch_size: int = bounded(4, ">= 1")
+    grad_accum: int = bounded(2, ">= 1")
+    max_grad_norm: float = bounded(1.0, ">= 0")
     mixed_precision: str = "auto"  # auto (bf16 on GPU, none on CPU) | no | bf16 | fp16
-    log_every: int = 5
-    save_every: int = 50  # optimizer steps; a checkpoint is always written at the end
-    keep_checkpoints: int = 2
+    log_every: int = bounded(5, ">= 1")
+    save_every: int = bounded(50, ">= 1")  # optimizer steps; a checkpoint is always written at the end
+    keep_checkpoints: int = bounded(2, ">= 0")
     resume: Optional[str] = None  # null | auto | PATH to a checkpoint folder
     # A resume whose config changes model shapes or data order (train/checkpoint.py: EXACTNESS_KEYS) is refused;
     # true: warn and continue (the result then differs from an uninterrupted run).
@@ -170,54 +172,70 @@ class TrainerConfig:
     wandb: bool = False
     wandb_project: str = "specdistill"
     wandb_mode: str = "offline"  # offline | online | disabled
-    eval_every: int = 50  # simulated-acceptance eval on held-out data every N steps (0 = only at the end)
+    # simulated-acceptance eval on held-out data every N steps (0 = only at the end)
+    eval_every: int = bounded(50, ">= 0")
     # Log FLOPs per loss token (counted on the first step), achieved GFLOPS and their fraction of a measured matmul
     # peak (train/roofline_fraction); costs a ~0.3 s microbenchmark at start.
     measure_roofline: bool = True
-    threads: Optional[int] = None  # torch CPU threads per process (null = physical cores / local processes)
+    # torch CPU threads per process (null = physical cores / local processes)
+    threads: Optional[int] = bounded(None, ">= 1")
     # EAGLE-3 heads: serving exports written from the final checkpoint into <output_dir>/export/<format>
     # (vllm | sglang | speculators; validated by specdistill.export). [] = none.
     export_formats: list[str] = field(default_factory=list)
     # A wall-clock budget: stop (with a resumable checkpoint) once the run's training wall time, carried across resumes
     # as the logs' wall_s, reaches this many minutes (null = no limit; max_steps still applies). specdistill-bench's
     # equal-wall-time budget.
-    max_minutes: Optional[float] = None
+    max_minutes: Optional[float] = bounded(None, "> 0")
+    # optimizer steps whose micro-batches a background thread loads and collates ahead of the step (pinned memory on
+    # CUDA); 0 = each step loads its own
+    prefetch_steps: int = bounded(2, ">= 0")
+    # How long a collective waits for the slowest process before the run fails: at least the longest stretch one
+    # process works while the others wait (its share of the regeneration, the final evaluation, a checkpoint).
+    process_group_timeout_s: float = bounded(7200.0, "> 0")
+
+
+DRAFTERS = ("draft", "ngram", "target")  # eval.drafter
 
 
 @dataclass
 class EvalConfig:
     # Simulated acceptance during training (teacher-forced agreement runs; the real evaluator is specdistill.eval).
-    gamma: int = 4  # draft length (dynamic_gamma: its start value)
-    max_batches: int = 8
+    gamma: int = bounded(4, ">= 1")  # draft length (dynamic_gamma: its start value)
+    max_batches: int = bounded(8, ">= 1")
     # Real speculative evaluation: scripts/evaluate.py, and after each epoch in training (spec_eval).
     # prompts: embedded:mt_bench | embedded:sharegpt (held-out tail) | heldout (training only) | a file | a hub dataset
     prompts: str = "embedded:mt_bench"
     prompts_split: str = "train"  # split of a hub dataset
-    num_prompts: Optional[int] = 8  # null = the whole set
-    max_prompt_tokens: Optional[int] = 1024  # longer prompts are skipped and counted (null: keep all)
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
+    num_prompts: Optional[int] = bounded(8, ">= 1")  # null = the whole set
+    max_prompt_tokens: Optional[int] = bounded(1024, ">= 1")  # longer prompts are skipped and counted (null: keep all)
+    max_new_tokens: int = bounded(64, ">= 1")
+    temperature: float = bounded(0.0, ">= 0")
+    top_p: float = bounded(1.0, "(0, 1]")
     draft_policy: str = "greedy"  # temperature > 0: greedy (argmax drafts, one-hot verification: vLLM / SGLang) | sample
     ignore_eos: bool = False  # generate exactly max_new_tokens per prompt (fixed-length benchmarking)
     seed: int = 0  # sampling at temperature > 0
-    drafter: str = "draft"  # draft | ngram | target (the target as its own draft: an upper bound)
+    drafter: str = one_of("draft", DRAFTERS)  # draft | ngram | target (the target as its own draft: an upper bound)
     draft_path: Optional[str] = None  # a trained draft folder (.../checkpoints/step-N/draft); null: build the draft group
-    ngram_max: int = 3  # n-gram prompt lookup: longest and shortest n-gram matched
-    ngram_min: int = 1
+    ngram_max: int = bounded(3, ">= 1")  # n-gram prompt lookup: longest and shortest n-gram matched
+    ngram_min: int = bounded(1, ">= 1")
     dynamic_gamma: bool = False
-    max_gamma: int = 8  # dynamic_gamma: gamma moves within [1, max_gamma]
-    draft_confidence: float = 0.0  # dynamic draft length (LM and EAGLE-3 drafts): stop a round's drafting once the draft's probability is below it (HF: 0.4)
-    batch_size: int = 1
-    batch_sizes: list[int] = field(default_factory=lambda: [1])  # the batch-size sweep of scripts/evaluate.py
-    sweep_prompts: int = 16  # prompts per sweep point (the first ones of the set)
-    warmup_prompts: int = 1  # run once before timing, not counted
+    max_gamma: int = bounded(8, ">= 1")  # dynamic_gamma: gamma moves within [1, max_gamma]
+    # dynamic draft length (LM and EAGLE-3 drafts): stop a round's drafting once the draft's probability is below
+    # it (HF: 0.4)
+    draft_confidence: float = bounded(0.0, "[0, 1]")
+    batch_size: int = bounded(1, ">= 1")
+    # the batch-size sweep of scripts/evaluate.py
+    batch_sizes: list[int] = bounded(range=">= 1", default_factory=lambda: [1])
+    sweep_prompts: int = bounded(16, ">= 1")  # prompts per sweep point (the first ones of the set)
+    warmup_prompts: int = bounded(1, ">= 0")  # run once before timing, not counted
     measure_cost: bool = True  # time one draft token vs one target forward (c of the predicted speedup)
-    position_bucket: int = 16  # acceptance against output position, in buckets of this many tokens
+    position_bucket: int = bounded(16, ">= 1")  # acceptance against output position, in buckets of this many tokens
     compare_hf: bool = False  # side by side with HF transformers' assisted generation at batch 1 (temperature 0)
     device: str = "auto"  # scripts/evaluate.py: auto (cuda if available) | cpu | cuda | cuda:N
-    threads: Optional[int] = None  # scripts/evaluate.py: torch CPU threads (null = physical cores / local processes)
+    # scripts/evaluate.py: torch CPU threads (null = physical cores / local processes)
+    threads: Optional[int] = bounded(None, ">= 1")
     output_dir: str = "outputs/eval_${eval.drafter}"  # scripts/evaluate.py writes results.json, results.md, plots here
+    overwrite: bool = False  # scripts/evaluate.py: replace the results already in output_dir (else refused)
     spec_eval: bool = True  # run the real speculative evaluation during training ...
     spec_eval_at: str = "every_epoch"  # ... at every epoch end | "end": once, after the last step (a full benchmark)
 
@@ -233,8 +251,8 @@ class HubConfig:
     endpoint: Optional[str] = None  # null = HF_ENDPOINT or the public hub
     every_epoch: bool = True  # false: only the final push
     serving_formats: list[str] = field(default_factory=lambda: ["vllm", "sglang"])  # EAGLE-3 exports under serving/
-    max_retries: int = 4  # a failed push is retried this many times ...
-    backoff_s: float = 5.0  # ... waiting backoff_s * 2^k before retry k+1
+    max_retries: int = bounded(4, ">= 0")  # a failed push is retried this many times ...
+    backoff_s: float = bounded(5.0, ">= 0")  # ... waiting backoff_s * 2^k before retry k+1
 
 
 @dataclass
@@ -247,13 +265,13 @@ class WarmupConfig:
     trainer.epochs are the length of the phase after the warm-up (`objective`)."""
     mode: str = "never"  # never | auto (run it unless draft.path holds a trained draft) | always
     objective: Any = None  # the warm-up's objective, as `objective` (e.g. {name: eagle3, steps: 4, decay: 0.8})
-    steps: Optional[int] = None  # its length: optimizer steps, or ...
-    epochs: Optional[int] = None  # ... epochs over the training data (exactly one of the two)
-    lr: Optional[float] = None  # null = trainer.lr
-    warmup_steps: Optional[int] = None  # its LR warm-up; null = trainer.warmup_steps
-    schedule_steps: Optional[int] = None  # its cosine decay length; null = its own length
-    micro_batch_size: Optional[int] = None  # null = trainer.micro_batch_size
-    grad_accum: Optional[int] = None  # null = trainer.grad_accum
+    steps: Optional[int] = bounded(None, ">= 1")  # its length: optimizer steps, or ...
+    epochs: Optional[int] = bounded(None, ">= 1")  # ... epochs over the training data (exactly one of the two)
+    lr: Optional[float] = bounded(None, "> 0")  # null = trainer.lr
+    warmup_steps: Optional[int] = bounded(None, ">= 0")  # its LR warm-up; null = trainer.warmup_steps
+    schedule_steps: Optional[int] = bounded(None, ">= 1")  # its cosine decay length; null = its own length
+    micro_batch_size: Optional[int] = bounded(None, ">= 1")  # null = trainer.micro_batch_size
+    grad_accum: Optional[int] = bounded(None, ">= 1")  # null = trainer.grad_accum
 
 
 @dataclass

@@ -4,7 +4,9 @@ Knows nothing about models or tensors: it reads the composed config only. Hydra 
 wrong types (and, since `recipe` is not optional in conf/config.yaml, an unknown recipe, listing the known ones);
 what is left is checked here:
   - required values (`???` in a group YAML: data=jsonl needs data.path, target=local needs target.path);
-  - the range of every numeric setting, the key named in the message;
+  - the range or choices of every constrained setting, read from the schema's fields (specdistill/constraints.py),
+    the key named in the message;
+  - a run_name that would put trainer.output_dir outside its parent folder is refused;
   - paths that look local (./x, ~/x, /x, *.jsonl ...) must exist: a typo is a local error, never a Hub lookup;
   - data.chat_template must be an inline Jinja template or a file holding one;
   - draft sizes the chosen draft.init would ignore (draft.num_layers=2 for an EAGLE-3 head) are refused;
@@ -12,118 +14,19 @@ what is left is checked here:
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from specdistill.assets import is_embedded
+from specdistill.constraints import rules
 
 
 class ConfigError(ValueError):
     """A config a run must not start with; the message names every bad key and how to fix it."""
 
-
-@dataclass(frozen=True)
-class Range:
-    lo: Optional[float] = None  # None: unbounded
-    hi: Optional[float] = None
-    lo_open: bool = False  # True: lo itself is not allowed (lr > 0)
-    hi_open: bool = False
-    nullable: bool = False  # null is a legal value (it means "all" / "default")
-
-    def check(self, v) -> Optional[str]:
-        if v is None:
-            return None if self.nullable else "must be set (got null)"
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            return f"must be a number (got {v!r})"
-        if isinstance(v, float) and math.isnan(v):
-            return "must be a number (got nan)"
-        if ((self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo)))
-                or (self.hi is not None and (v > self.hi or (self.hi_open and v == self.hi)))):
-            return self.describe()
-        return None
-
-    def describe(self) -> str:
-        parts = []
-        if self.lo is not None:
-            parts.append(f"{'>' if self.lo_open else '>='} {self.lo:g}")
-        if self.hi is not None:
-            parts.append(f"{'<' if self.hi_open else '<='} {self.hi:g}")
-        return "must be " + " and ".join(parts) + (" (or null)" if self.nullable else "")
-
-
-POSITIVE = Range(1)  # an integer count of at least one
-NON_NEGATIVE = Range(0)
-FRACTION = Range(0, 1)
-
-# Every numeric setting of the schema (specdistill/config.py). A list value is checked element by element.
-RANGES: dict[str, Range] = {
-    "draft.num_layers": POSITIVE,
-    "draft.draft_vocab_size": POSITIVE,
-    "draft.hidden_size": Range(1, nullable=True),
-    "draft.intermediate_size": Range(1, nullable=True),
-    "draft.num_attention_heads": Range(1, nullable=True),
-    "draft.num_key_value_heads": Range(1, nullable=True),
-    "draft.moe.coverage": Range(0, 1, lo_open=True, nullable=True),
-    "draft.moe.num_experts": Range(1, nullable=True),
-    "draft.moe.top_k": Range(1, nullable=True),
-    "draft.moe.profile_batches": POSITIVE,
-    "data.max_rows": Range(1, nullable=True),
-    "data.max_length": Range(2),
-    "data.heldout_size": NON_NEGATIVE,
-    "data.max_malformed_fraction": FRACTION,
-    "data.num_proc": POSITIVE,
-    "data.regenerate.max_prompts": POSITIVE,
-    "data.regenerate.max_prompt_tokens": POSITIVE,
-    "data.regenerate.max_new_tokens": POSITIVE,
-    "data.regenerate.temperature": NON_NEGATIVE,
-    "data.regenerate.batch_size": POSITIVE,
-    "trainer.lr": Range(0, lo_open=True),
-    "trainer.weight_decay": NON_NEGATIVE,
-    "trainer.betas": Range(0, 1, hi_open=True),
-    "trainer.warmup_steps": NON_NEGATIVE,
-    "trainer.min_lr_ratio": FRACTION,
-    "trainer.max_steps": POSITIVE,
-    "trainer.epochs": Range(1, nullable=True),
-    "trainer.micro_batch_size": POSITIVE,
-    "trainer.grad_accum": POSITIVE,
-    "trainer.max_grad_norm": NON_NEGATIVE,  # 0 = no clipping
-    "trainer.log_every": POSITIVE,
-    "trainer.save_every": POSITIVE,
-    "trainer.keep_checkpoints": NON_NEGATIVE,  # 0 = keep all
-    "trainer.eval_every": NON_NEGATIVE,  # 0 = only at the end
-    "trainer.threads": Range(1, nullable=True),
-    "trainer.max_minutes": Range(0, lo_open=True, nullable=True),
-    "eval.gamma": NON_NEGATIVE,
-    "eval.max_batches": POSITIVE,
-    "eval.num_prompts": Range(1, nullable=True),
-    "eval.max_prompt_tokens": Range(1, nullable=True),
-    "eval.max_new_tokens": POSITIVE,
-    "eval.temperature": NON_NEGATIVE,
-    "eval.top_p": Range(0, 1, lo_open=True),
-    "eval.ngram_max": POSITIVE,
-    "eval.ngram_min": POSITIVE,
-    "eval.max_gamma": POSITIVE,
-    "eval.draft_confidence": FRACTION,
-    "eval.batch_size": POSITIVE,
-    "eval.batch_sizes": POSITIVE,
-    "eval.sweep_prompts": POSITIVE,
-    "eval.warmup_prompts": NON_NEGATIVE,
-    "eval.position_bucket": POSITIVE,
-    "eval.threads": Range(1, nullable=True),
-    "warmup.steps": Range(1, nullable=True),
-    "warmup.epochs": Range(1, nullable=True),
-    "warmup.lr": Range(0, lo_open=True, nullable=True),
-    "warmup.warmup_steps": Range(0, nullable=True),
-    "warmup.schedule_steps": Range(1, nullable=True),
-    "warmup.micro_batch_size": Range(1, nullable=True),
-    "warmup.grad_accum": Range(1, nullable=True),
-    "hub.max_retries": NON_NEGATIVE,
-    "hub.backoff_s": NON_NEGATIVE,
-}
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".safetensors", ".gguf", ".yaml")
 
@@ -207,28 +110,16 @@ def required_errors(cfg: DictConfig) -> list[str]:
     return [f"{k} is required and not set: {REQUIRED_HINTS.get(k, f'pass {k}=<value>')}" for k in missing_keys(cfg)]
 
 
-def _schema_default(key: str):
+def range_errors(cfg: DictConfig) -> list[str]:
+    """Every value outside the range or choices its schema field declares (specdistill/config.py), and the
+    n-gram bounds out of order."""
     from specdistill.config import Config
 
-    try:
-        return OmegaConf.select(OmegaConf.structured(Config), key, throw_on_missing=False)
-    except Exception:  # noqa: BLE001 - a hint only
-        return None
-
-
-def range_errors(cfg: DictConfig, ranges: dict[str, Range] = RANGES) -> list[str]:
     errors = []
-    for key, rng in ranges.items():
+    for key, rule in rules(Config).items():
         present, v = _get(cfg, key)
-        if not present:
-            continue
-        for i, item in enumerate(v if isinstance(v, list) else [v]):
-            why = rng.check(item)
-            if why:
-                default = _schema_default(key)
-                hint = f" (the default is {key}={OmegaConf.to_container(default) if isinstance(default, ListConfig) else default})" \
-                    if default is not None else ""
-                errors.append(f"{key}{f'[{i}]' if isinstance(v, list) else ''}={item!r} {why}{hint}")
+        if present:
+            errors.extend(rule.errors(key, v))
     present_min, nmin = _get(cfg, "eval.ngram_min")
     present_max, nmax = _get(cfg, "eval.ngram_max")
     if present_min and present_max and isinstance(nmin, int) and isinstance(nmax, int) and nmin > nmax:
@@ -264,6 +155,7 @@ SIZE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key
 # draft.init -> (the sizes it honours, the layer count it must have or None); every other init honours none. Kept as
 # data here (validation loads nothing): the EAGLE-3 head (models/eagle3.py) takes only its MLP width, and one layer.
 DRAFT_SIZES = {"config": (SIZE_KEYS, None), "eagle3": (("intermediate_size",), 1)}
+DRAFT_SIZES["dflash"] = (("intermediate_size",), None)  # DFlash: any layer count, the target's width
 
 
 def draft_shape_errors(cfg: DictConfig) -> list[str]:
@@ -287,6 +179,23 @@ def draft_shape_errors(cfg: DictConfig) -> list[str]:
     return errors
 
 
+def run_name_errors(cfg: DictConfig) -> list[str]:
+    """A run_name that trainer.output_dir interpolates must keep the run inside the output folder's parent
+    (`outputs/${run_name}`): `..` parts or an absolute path would write elsewhere or nest a path under it."""
+    present, name = _get(cfg, "run_name")
+    trainer = cfg.get("trainer")
+    raw = OmegaConf.to_container(trainer, resolve=False).get("output_dir") if isinstance(trainer, DictConfig) else None
+    if not present or not isinstance(raw, str) or "${run_name}" not in raw:
+        return []
+    name = str(name)
+    parent = raw.split("${run_name}")[0] or "."
+    parts = Path(os.path.normpath(name)).parts if name else ()
+    if parts and not os.path.isabs(name) and parts[0] not in (".", ".."):
+        return []
+    return [f"run_name={name!r} must name a folder inside {parent!r} (trainer.output_dir={raw}): use a plain name "
+            "such as run_name=my_run, or set trainer.output_dir=<folder> to write somewhere else"]
+
+
 def warnings(cfg: DictConfig) -> list[str]:
     out = []
     present, drafter = _get(cfg, "eval.drafter")
@@ -299,7 +208,8 @@ def warnings(cfg: DictConfig) -> list[str]:
 
 def validate_config(cfg: DictConfig, log: Optional[Callable[[str], None]] = print,
                     checks: Iterable[Callable[[DictConfig], list[str]]] = (required_errors, range_errors,
-                                                                           path_errors, draft_shape_errors)
+                                                                           run_name_errors, path_errors,
+                                                                           draft_shape_errors)
                     ) -> list[str]:
     """Raise ConfigError listing every problem at once; log and return the warnings. Cheap: no model, no data."""
     errors: list[str] = []

@@ -99,7 +99,8 @@ def tiny_overrides(target_dir, data_file, out_dir, cache_dir) -> list[str]:
             "trainer.warmup_steps=1", "eval.max_batches=2", "eval.num_prompts=2", "eval.max_new_tokens=8",
             "eval.spec_eval=false", f"data.regenerate.prompts={data_file}", "data.regenerate.max_prompts=24",
             "data.regenerate.max_new_tokens=12", "data.regenerate.batch_size=8",
-            f"data.regenerate.store_dir={Path(cache_dir) / 'regenerated'}"]
+            f"data.regenerate.store_dir={Path(cache_dir) / 'regenerated'}",
+            "draft.draft_vocab_size=null"]  # the tiny vocabulary is smaller than the recipes' draft vocabularies
 
 
 # recipe=draft_opd's on-policy phase alone: no warm-up, the data file instead of

@@ -142,7 +142,11 @@ def build_eagle3_draft(draft_cfg, target, data):
                              f"{head.config.intermediate_size}: a warm start keeps the head's shape; drop "
                              "draft.intermediate_size (or set it to the checkpoint's) or train a fresh head")
     else:
-        vocab = frequent_token_vocab(data.train, target.config.vocab_size, draft_cfg.draft_vocab_size)
+        V, Vd = target.config.vocab_size, draft_cfg.draft_vocab_size
+        if Vd is not None and Vd > V:
+            raise ValueError(f"draft.draft_vocab_size={Vd} is larger than the target's vocabulary ({V} tokens): set "
+                             f"draft.draft_vocab_size to at most {V}, or null for the whole vocabulary")
+        vocab = frequent_token_vocab(data.train, V, V if Vd is None else Vd)
         head = build_eagle3(target.model, vocab, target.aux_layer_ids, draft_cfg.output_from_target,
                             draft_cfg.intermediate_size)
         if draft_cfg.moe.eagle3_mlp:  # MoE targets: the MLP starts as a merge of hot experts (specdistill/moe)

@@ -32,7 +32,8 @@ from typing import Callable, Iterator, Optional, Union
 
 import torch
 
-from specdistill.config import EvalConfig
+from specdistill.config import DRAFTERS, EvalConfig
+from specdistill.constraints import check_fields
 from specdistill.decoding import (Drafter, DynamicGamma, FixedGamma, LMDrafter, NGramDrafter, Sampler,
                                   check_draft_policy, speculative_generate, target_generate)
 from specdistill.decoding.kv import device_of, max_positions
@@ -45,7 +46,6 @@ from specdistill.eval.results import CostRatio, EvalResult, SweepPoint  # noqa: 
 from specdistill.eval.timing import Run, Runner, Throughput, measure_cost, run_pass, timed  # noqa: F401
 from specdistill.tokens import eos_ids, pad_id as pad_id_of
 
-DRAFTERS = ("draft", "ngram", "target")
 _weighted_percentiles = weighted_percentiles  # the name earlier callers import
 
 
@@ -66,18 +66,9 @@ def make_drafter(spec: Union[str, Drafter, torch.nn.Module], target_model, cfg: 
 
 
 def check_eval_config(cfg: EvalConfig) -> None:
-    if cfg.drafter not in DRAFTERS:
-        raise ValueError(f"eval.drafter={cfg.drafter!r}: choose one of {DRAFTERS}")
-    if cfg.gamma < (1 if cfg.dynamic_gamma else 0):
-        raise ValueError(f"eval.gamma={cfg.gamma} must be >= 1 (>= 0 with a fixed gamma)")
+    check_fields(cfg, "eval")  # every range and choice its fields declare (specdistill/config.py)
     if cfg.dynamic_gamma and cfg.max_gamma < cfg.gamma:
         raise ValueError(f"eval.max_gamma={cfg.max_gamma} must be >= eval.gamma={cfg.gamma} with dynamic_gamma")
-    if cfg.batch_size < 1 or any(b < 1 for b in cfg.batch_sizes):
-        raise ValueError(f"batch sizes must be >= 1: eval.batch_size={cfg.batch_size}, batch_sizes={cfg.batch_sizes}")
-    if cfg.max_new_tokens < 1:
-        raise ValueError(f"eval.max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
-    if cfg.position_bucket < 1:
-        raise ValueError(f"eval.position_bucket must be >= 1, got {cfg.position_bucket}")
     check_draft_policy(cfg.draft_policy, "eval.draft_policy")
     if cfg.compare_hf and cfg.temperature != 0:
         raise ValueError("eval.compare_hf compares outputs token for token: it needs eval.temperature=0")

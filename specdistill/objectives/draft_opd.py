@@ -46,10 +46,11 @@ from typing import Callable, Optional
 
 import torch
 
+from specdistill.constraints import bounded, check_fields, one_of
 from specdistill.data.prompts import load_prompts
 from specdistill.drafts import draft_adapter
-from specdistill.losses import DIVERGENCES, divergence
 from specdistill.drafts.base import decoding_precision
+from specdistill.losses import DIVERGENCES, divergence
 from specdistill.objectives.eagle3 import Eagle3Objective
 from specdistill.objectives.base import Models, Objective, StepOutput, keep_positions, masked_logits
 from specdistill.onpolicy.replay import ReplayBuffer, ReplayItem, pack_prefixes
@@ -149,68 +150,46 @@ class _Prepared:
 class DraftOPDObjective(Objective):
     name: str = "draft_opd"
     # rollouts (specdistill/onpolicy/rollout.py)
-    gamma: int = 4                      # drafts per round
-    max_new_tokens: int = 64            # rollout length per prompt
-    temperature: float = 1.0            # rollout sampling temperature of draft and target (0 = greedy verification)
+    gamma: int = bounded(4, ">= 1")  # drafts per round
+    max_new_tokens: int = bounded(64, ">= 2")  # rollout length per prompt (at least one drafted round)
+    # rollout sampling temperature of draft and target (0 = greedy verification)
+    temperature: float = bounded(1.0, ">= 0")
     draft_policy: str = "greedy"        # T > 0: greedy = argmax drafts verified one-hot (the engines') | sample (d ~ q)
     assist: bool = True                 # false: the draft decodes alone, the target scores afterwards (ablation)
-    rollout_every: int = 1              # a rollout serves this many calls (micro-batches) before it is refreshed
-    max_prompt_tokens: Optional[int] = 512  # longer prompts keep their last tokens
+    # a rollout serves this many calls (micro-batches) before it is refreshed
+    rollout_every: int = bounded(1, ">= 1")
+    max_prompt_tokens: Optional[int] = bounded(512, ">= 1")  # longer prompts keep their last tokens
     # null: each data row's own prompt (up to its first assistant turn; a row without one is all prompt). Else a
     # prompt-only source, as eval.prompts: a .json/.jsonl/.parquet file or hub dataset of prompt / messages /
     # conversations / turns rows, embedded:sharegpt, ...; read once (prompts over max_prompt_tokens skipped), cycled
     # in order, one prompt per batch row. The data batches then only pace the loop (and feed kd_weight).
     prompts: Optional[str] = None
-    off_trajectory: str = "branch"      # branch: train positions after a rejection on their own context | drop
-    target_top_k: int = 0               # keep the target's top-k logits per position (0 = the full distribution)
+    # branch: train positions after a rejection on their own context | drop
+    off_trajectory: str = one_of("branch", OFF_TRAJECTORY)
+    # keep the target's top-k logits per position (0 = the full distribution)
+    target_top_k: int = bounded(0, ">= 0")
     # loss
     divergence: str = "fkl"             # fkl | rkl | jsd | tvd | acceptance, or a mix 'rkl:1.0,tvd:0.5'
-    beta: float = 0.5                   # jsd only
-    loss_temperature: float = 1.0       # temperature of both distributions inside the divergence (and of priorities)
-    weighting: str = "reach"            # reach (prod_{j<i} alpha_j) | decay | none
-    decay: float = 0.9                  # weighting=decay: k-th position after the first rejection weighs decay^k
+    beta: float = bounded(0.5, "[0, 1]")  # jsd only
+    # temperature of both distributions inside the divergence (and of priorities)
+    loss_temperature: float = bounded(1.0, "> 0")
+    weighting: str = one_of("reach", WEIGHTINGS)  # reach (prod_{j<i} alpha_j) | decay | none
+    # weighting=decay: k-th position after the first rejection weighs decay^k
+    decay: float = bounded(0.9, "(0, 1]")
     # replay (specdistill/onpolicy/replay.py)
     replay: bool = True
-    replay_ratio: float = 0.25          # replayed positions per call = replay_ratio x fresh positions
-    replay_capacity: int = 2048         # positions kept
-    replay_max_age: Optional[int] = 50  # rollout refreshes an item may age before it is dropped (null = no limit)
-    replay_weight: float = 0.25         # loss weight of a replayed position (1.0 measured worse: README)
-    # off-policy mix
-    kd_weight: float = 0.0              # + kd_weight x divergence on the data batch's loss tokens (heads: eagle3's loss)
+    replay_ratio: float = bounded(0.25, "[0, 1]")  # replayed positions per call = replay_ratio x fresh positions
+    replay_capacity: int = bounded(2048, ">= 1")  # positions kept
+    # rollout refreshes an item may age before it is dropped (null = no limit)
+    replay_max_age: Optional[int] = bounded(50, ">= 0")
+    replay_weight: float = bounded(0.25, ">= 0")  # loss weight of a replayed position (1.0 measured worse: README)
+    # off-policy mix: + kd_weight x divergence on the data batch's loss tokens (heads: eagle3's loss)
+    kd_weight: float = bounded(0.0, ">= 0")
     seed: int = 0                       # rollout sampling
 
     def __post_init__(self):
-        if self.gamma < 1:
-            raise ValueError(f"objective.gamma must be >= 1, got {self.gamma}")
-        if self.max_new_tokens < 2:
-            raise ValueError(f"objective.max_new_tokens must be >= 2 (one drafted round), got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"objective.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        check_fields(self, "objective")  # the ranges and choices on the fields above
         check_draft_policy(self.draft_policy, "objective.draft_policy")
-        if self.loss_temperature <= 0:
-            raise ValueError(f"objective.loss_temperature must be > 0, got {self.loss_temperature}")
-        if self.rollout_every < 1:
-            raise ValueError(f"objective.rollout_every must be >= 1, got {self.rollout_every}")
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ValueError(f"objective.max_prompt_tokens must be >= 1 or null, got {self.max_prompt_tokens}")
-        if self.off_trajectory not in OFF_TRAJECTORY:
-            raise ValueError(f"objective.off_trajectory={self.off_trajectory!r}: choose one of {OFF_TRAJECTORY}")
-        if self.target_top_k < 0:
-            raise ValueError(f"objective.target_top_k must be >= 0 (0 = full), got {self.target_top_k}")
-        if self.weighting not in WEIGHTINGS:
-            raise ValueError(f"objective.weighting={self.weighting!r}: choose one of {WEIGHTINGS}")
-        if not 0 < self.decay <= 1:
-            raise ValueError(f"objective.decay must be in (0, 1], got {self.decay}")
-        if not 0 <= self.replay_ratio <= 1:
-            raise ValueError(f"objective.replay_ratio must be in [0, 1], got {self.replay_ratio}")
-        if self.replay_capacity < 1:
-            raise ValueError(f"objective.replay_capacity must be >= 1, got {self.replay_capacity}")
-        if self.replay_max_age is not None and self.replay_max_age < 0:
-            raise ValueError(f"objective.replay_max_age must be >= 0 or null, got {self.replay_max_age}")
-        if self.replay_weight < 0 or self.kd_weight < 0:
-            raise ValueError("objective.replay_weight and objective.kd_weight must be >= 0")
-        if not 0 <= self.beta <= 1:
-            raise ValueError(f"objective.beta must be in [0, 1], got {self.beta}")
         self.mix = parse_divergence(self.divergence)
 
     @property
@@ -247,8 +226,6 @@ class DraftOPDObjective(Objective):
         P, device = len(fresh), fresh.row.device
 
         # 1-2. Per-position loss (with grad) and, detached, alpha at the rollout temperature (reach weights) and
-        # Every rank reports the same metric keys whatever its data (an empty replay sample, a batch without loss
-        # tokens): the loop reduces the metrics as one stacked tensor across ranks.
         #      at the loss temperature (replay priorities; soft at any decoding temperature).
         loss, alpha_roll, priority = self._score(fresh, replay, models)                        # (P + Q,) each
         with torch.no_grad():
@@ -270,6 +247,8 @@ class DraftOPDObjective(Objective):
                                   priorities=priority[:P][missed].cpu(), **features)
             self.state.pending.append(update)
 
+        # Every rank reports the same metric keys whatever its data (an empty replay sample, a batch without loss
+        # tokens): the loop reduces the metrics as one stacked tensor across ranks.
         metrics = dict(prep.metrics)
         losses, weights = [loss], [weight]
         # 3. Off-policy mix: the same divergence on the data batch's own loss tokens (a second draft forward).

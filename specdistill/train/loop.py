@@ -16,7 +16,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -25,7 +25,9 @@ from tqdm.auto import tqdm
 from specdistill.build import Components
 from specdistill.phases import Phase, check_resume_phases
 from specdistill.data.chat import collate
+from specdistill.data.loader import Prefetcher
 from specdistill.eval.simulated import simulated_acceptance
+from specdistill.train.accelerate_compat import set_gradient_sync
 from specdistill.train.checkpoint import check_resume_config, list_checkpoints, load_checkpoint, save_checkpoint
 from specdistill.train.integrity import select_resume
 from specdistill.train.results import finished_run, nothing_to_do_message
@@ -121,6 +123,49 @@ def evaluate_heldout(c: Components) -> dict:
     return out
 
 
+@dataclass
+class Window:
+    """The log window: since when, and how many loss tokens and steps, tokens/s and s/step are measured over."""
+    t0: float = field(default_factory=time.perf_counter)
+    tokens: int = 0
+    steps: int = 0
+    data_wait_s: float = 0.0  # of it, seconds the loop waited for its batches
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+@dataclass
+class RunState:
+    """What fit carries from one step to the next; a checkpoint's trainer_state.json is written from it."""
+    result: FitResult
+    config_yaml: str                  # the run's resolved config (written beside every checkpoint)
+    metrics_file: Path
+    step: int = 0                     # optimizer steps taken (global, across phases)
+    tokens_seen: int = 0              # loss tokens over all ranks
+    last_saved: int = -1              # the step of the newest checkpoint (-1: none yet)
+    wall_before: float = 0.0          # training wall seconds of the runs this one resumes
+    t_start: float = field(default_factory=time.perf_counter)
+    sums: dict = field(default_factory=dict)  # metric sums of the log window, reduced over ranks when logged
+    window: Window = field(default_factory=Window)
+    latest: dict = field(default_factory=dict)  # the latest logged metrics (saved with a checkpoint)
+    phase: Optional[Phase] = None     # the phase of the current step
+    bar: Any = None                   # its progress bar
+    peak_gflops: Optional[float] = None  # the matmul peak (trainer.measure_roofline), over all ranks
+    roofline: Optional[Roofline] = None  # counted on a phase's first step
+
+    def wall_s(self) -> float:
+        """Training wall seconds, carried across resumes (the learning curves' x axis)."""
+        return self.wall_before + time.perf_counter() - self.t_start
+
+
+@dataclass
+class StepTaken:
+    """What the log needs of the optimizer step just taken."""
+    lr: float                          # the learning rate it used
+    grad_norm: Optional[torch.Tensor]  # before clipping; None without clipping
+
+
 def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], dict], ...] = (),
         checkpoint_hooks: tuple[Callable[[Components, Saved], None], ...] = ()) -> FitResult:
     """Train until trainer.max_steps (or trainer.epochs), or until SIGTERM / SIGINT (then a resumable checkpoint is
@@ -128,24 +173,46 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
     (the speculative evaluator plugs in there). `checkpoint_hooks(c, saved)` run on every rank once the checkpoint of
     an epoch end or of the end of training is complete (the hub push plugs in there); with such hooks a checkpoint is
     written at every epoch end."""
-    cfg, acc, t = c.cfg, c.accelerator, c.cfg.trainer
-    draft, plan, opt, sched = c.models.draft, c.phases, c.optimizer, c.scheduler
-    out_dir = c.output_dir
-    max_steps = plan.total_steps  # every phase's steps (phases.py: the objective, data and LR of each step)
-    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    config_yaml = OmegaConf.to_yaml(c.cfg, resolve=True)
+    resume_from = _resume_point(c, config_yaml)
+    done = finished_run(resume_from, c.phases.total_steps, c.output_dir)
+    if done is not None:  # a finished run: every result file stays as it is
+        c.accelerator.print(nothing_to_do_message(done, c.output_dir, c.phases.total_steps))
+        return done
+    _open_run(c, config_yaml)
+    s = _start_state(c, resume_from, config_yaml)
+    c.models.draft.train()
+    with StopSignal() as stop, _prefetcher(c, s.step) as batches:
+        while s.step < c.phases.total_steps:
+            _enter_phase(c, s)
+            if _stopped(c, s, stop):
+                break
+            taken = _train_step(c, s, batches)
+            _after_step(c, s, taken, batches, epoch_end_hooks, checkpoint_hooks)
+    if s.bar is not None:
+        s.bar.close()
+    return _finish(c, s)
+
+
+def _resume_point(c: Components, config_yaml: str) -> Optional[Path]:
+    """The verified checkpoint to resume from (None: a fresh run); a resume that would not be exact, or a fresh run
+    into a folder holding checkpoints, is refused before anything else happens."""
+    acc, t, out_dir = c.accelerator, c.cfg.trainer, c.output_dir
     resume_from = select_resume(t.resume, out_dir, acc, log=acc.print)  # verified; corrupt ones moved aside
     if resume_from is None and list_checkpoints(out_dir):
         raise FileExistsError(f"{out_dir} already holds checkpoints of an earlier run ({list_checkpoints(out_dir)[-1].name})"
                               ": continue it with trainer.resume=auto, or start fresh in another trainer.output_dir "
                               "(nothing is overwritten)")
-    if resume_from is not None:  # a resume that would not be exact is refused before anything else happens
+    if resume_from is not None:
         check_resume_config(resume_from, config_yaml, t.resume_allow_drift, log=acc.print)
-        check_resume_phases(json.loads((resume_from / "trainer_state.json").read_text()).get("phases"), plan,
+        check_resume_phases(json.loads((resume_from / "trainer_state.json").read_text()).get("phases"), c.phases,
                             t.resume_allow_drift, log=acc.print)
-    done = finished_run(resume_from, max_steps, out_dir)
-    if done is not None:  # a finished run: every result file stays as it is
-        acc.print(nothing_to_do_message(done, out_dir, max_steps))
-        return done
+    return resume_from
+
+
+def _open_run(c: Components, config_yaml: str) -> None:
+    """The output folder with the run's config and data report, and the trackers."""
+    acc, cfg, t, out_dir = c.accelerator, c.cfg, c.cfg.trainer, c.output_dir
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(config_yaml)
@@ -154,155 +221,203 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
         acc.init_trackers(t.wandb_project, config=OmegaConf.to_container(cfg, resolve=True),
                           init_kwargs={"wandb": {"name": cfg.run_name, "dir": str(out_dir), "mode": t.wandb_mode}})
 
-    step, tokens_seen, last_saved = 0, 0, -1
-    t_fit, wall_before = time.perf_counter(), 0.0  # training wall clock, carried across resumes (learning curves)
-    result = FitResult(0, None)
+
+def _start_state(c: Components, resume_from: Optional[Path], config_yaml: str) -> RunState:
+    """The state at the first step: restored from the checkpoint, or fresh with the held-out metrics before training."""
+    acc, t = c.accelerator, c.cfg.trainer
+    s = RunState(FitResult(0, None), config_yaml, c.output_dir / "metrics.jsonl")
     if resume_from is not None:
-        state = load_checkpoint(acc, resume_from, plan)  # every phase's objective state
-        step, tokens_seen = state["step"], state["tokens_seen"]
-        wall_before = float(state.get("wall_s", 0.0))
-        last_saved = step
-        result.heldout_before = state.get("heldout_before")
-        acc.print(f"[train] resumed from {resume_from} at step {step}")
+        state = load_checkpoint(acc, resume_from, c.phases)  # every phase's objective state
+        s.step, s.tokens_seen = state["step"], state["tokens_seen"]
+        s.wall_before = float(state.get("wall_s", 0.0))
+        s.last_saved = s.step
+        s.result.heldout_before = state.get("heldout_before")
+        acc.print(f"[train] resumed from {resume_from} at step {s.step}")
     else:
-        result.heldout_before = evaluate_heldout(c)
-        acc.print(f"[train] held-out before training: {json.dumps(result.heldout_before)}")
-
-    metrics_file = out_dir / "metrics.jsonl"
-    if resume_from is None and acc.is_main_process and metrics_file.exists():
-        metrics_file.unlink()  # a fresh run in an old output dir starts a fresh log (checkpoints are kept)
-    world = acc.num_processes
-    sums: dict[str, torch.Tensor] = {}
+        s.result.heldout_before = evaluate_heldout(c)
+        acc.print(f"[train] held-out before training: {json.dumps(s.result.heldout_before)}")
+    if resume_from is None and acc.is_main_process and s.metrics_file.exists():
+        s.metrics_file.unlink()  # a fresh run in an old output dir starts a fresh log (checkpoints are kept)
     # Roofline: a matmul microbenchmark now, FLOPs of the first step counted (train/roofline_fraction in the logs).
-    peak_gflops = (matmul_gflops(acc.device, _train_dtype(acc)) * world) if t.measure_roofline else None
-    roofline: Optional[Roofline] = None
-    t_window, tok_window, steps_window = time.perf_counter(), 0, 0
-    latest: dict = {}
+    if t.measure_roofline:
+        s.peak_gflops = matmul_gflops(acc.device, _train_dtype(acc)) * acc.num_processes
+    s.window = Window()  # the first log window starts here (the wall clock at the state's creation)
+    return s
 
-    def save() -> Path:
-        now = plan.at(max(step - 1, 0))  # the phase of the last step taken (at a hand-over: the one that ended)
-        state = {"step": step, "epoch": plan.epoch_of(max(step - 1, 0)), "tokens_seen": tokens_seen,
-                 "phase": now.name, "phase_step": now.local(step), "phases": plan.describe(),
-                 "heldout_before": result.heldout_before, "wall_s": wall_before + time.perf_counter() - t_fit}
-        return save_checkpoint(acc, draft, c.models.tokenizer, out_dir, step, state, latest, config_yaml,
-                               keep=t.keep_checkpoints, objective=plan)
 
-    phase, bar = None, None
-    draft.train()
-    with StopSignal() as stop:
-        while step < max_steps:
-            if plan.at(step) is not phase:  # the run's start, or a hand-over: the next phase's bar, objective, data
-                if bar is not None:
-                    bar.close()
-                phase = plan.at(step)
-                bar = _phase_bar(c, phase, step, many=len(plan.phases) > 1)
-                roofline = None  # another objective: its FLOPs per token are counted on its first step
-                objective = phase.objective
-            if stop.agreed(acc):  # before any work of the step (an on-policy step starts with rollouts)
-                if step > last_saved:
-                    result.final_checkpoint = save()
-                result.preempted = stop.requested or "a signal on another rank"
-                acc.print(f"[train] {result.preempted}: stopped at step {step}, checkpoint {result.final_checkpoint}; "
-                          "continue with trainer.resume=auto")
-                break
-            if t.max_minutes is not None and _out_of_time(acc, wall_before + time.perf_counter() - t_fit, t.max_minutes):
-                if step > last_saved:
-                    result.final_checkpoint = save()
-                acc.print(f"[train] trainer.max_minutes={t.max_minutes} reached at step {step}")
-                break
-            micro = [_to_device(b, acc.device) for b in phase.batches.micro_batches(phase.local(step))]
-            # One micro-batch at a time, the gradient that of the mean over the step's global loss tokens (accumulate).
-            if peak_gflops is not None and roofline is None:  # the first step is counted (its window includes
-                counted = count_flops(lambda: accumulate(c, micro, sums, objective))  # the counter's small overhead)
-                n_local, n_global = counted.result
-                roofline = Roofline(peak_gflops, counted.flops / max(float(n_local), 1.0))
-                acc.print(f"[train] {roofline.flops_per_token / 1e6:.1f} MFLOP per loss token (forward + backward, "
-                          f"torch's FlopCounterMode); matmul peak {peak_gflops:.1f} GFLOPS ({t.mixed_precision})")
-            else:
-                n_local, n_global = accumulate(c, micro, sums, objective)
-            sums["tokens"] = sums.get("tokens", 0) + n_local.float()
-            sums["input_tokens"] = sums.get("input_tokens", 0) + sum(b["attention_mask"].sum() for b in micro).float()
-            grad_norm = acc.clip_grad_norm_(draft.parameters(), t.max_grad_norm) if t.max_grad_norm > 0 else None
-            lr = sched.get_last_lr()[0]  # the learning rate of this step (logged; sched.step() moves to the next's)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            tokens_seen += int(n_global.item())
-            tok_window += int(n_global.item())
-            steps_window += 1
-            bar.update(1)
+def _prefetcher(c: Components, start: int) -> Prefetcher:
+    """Every remaining step's micro-batches, loaded ahead (trainer.prefetch_steps; 0: in the step, no thread)."""
+    plan = c.phases
 
-            epoch_done = phase.epoch_done(step)  # an epoch of the phase's data, or the phase itself, is done
-            phase_done = step == phase.end  # a hand-over (or the end): log, evaluate and checkpoint here
-            last = step == max_steps
-            if step % t.log_every == 0 or phase_done:
-                keys = sorted(sums)
-                totals = acc.reduce(torch.stack([torch.as_tensor(sums[k], device=acc.device) for k in keys]), "sum")
-                red = dict(zip(keys, totals.tolist()))
-                ntok = max(red.pop("tokens"), 1.0)
-                n_input = red.pop("input_tokens")
-                elapsed = time.perf_counter() - t_window
-                latest = ratios(red, ntok)
-                latest.update({"train/lr": lr, "train/tokens_per_s": tok_window / elapsed,
-                               "train/input_tokens_per_s": n_input / elapsed,
-                               "train/s_per_step": elapsed / steps_window,
-                               "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-                               "train/peak_mem_mb": peak_memory_mb(acc.device), "step": step,
-                               "epoch": plan.epoch_of(step - 1), "tokens_seen": tokens_seen,
-                               "wall_s": wall_before + time.perf_counter() - t_fit, "phase": phase.name,
-                               "phase_step": phase.local(step),
-                               "eta_phase_s": elapsed / steps_window * (phase.end - step)})
-                if roofline is not None:
-                    latest.update(roofline.metrics(latest["train/tokens_per_s"]))
-                bar.set_postfix(loss=f"{latest.get('train/loss', math.nan):.4f}",
-                                tok_s=f"{latest['train/tokens_per_s']:.0f}")
-                result.history.append(latest)
-                _log(acc, latest, step, metrics_file)
-                sums, t_window, tok_window, steps_window = {}, time.perf_counter(), 0, 0
-            t_pause = time.perf_counter()  # eval and checkpoint time is kept out of tokens/s and s/step
-            if (t.eval_every and step % t.eval_every == 0) or phase_done:
-                latest.update(evaluate_heldout(c))
-                _log(acc, {"phase": phase.name, **{k: v for k, v in latest.items() if k.startswith("heldout/")}},
-                     step, metrics_file)
-            hook_error = None
-            if epoch_done:
-                for hook in epoch_end_hooks:
-                    try:
-                        latest.update(hook(c, plan.epoch_of(step - 1), step))
-                    except Exception as e:  # noqa: BLE001 - re-raised below, once the trained weights are saved
-                        hook_error = hook_error or e
-                        acc.print(f"[train] epoch-end hook {getattr(hook, '__name__', hook)} failed at step {step}: "
-                                  f"{e!r}; saving a checkpoint before stopping")
-                # every rank learns whether any rank failed, so all of them take part in the save
-                failed = acc.reduce(torch.tensor(float(hook_error is not None), device=acc.device), "sum").item() > 0
-            else:
-                failed = False
-            if step % t.save_every == 0 or phase_done or (epoch_done and checkpoint_hooks) or failed:
-                result.final_checkpoint = save()
-                last_saved = step
-                if epoch_done:
-                    saved = Saved(result.final_checkpoint, plan.epoch_of(step - 1), step, last, dict(latest))
-                    for hook in checkpoint_hooks:
-                        hook(c, saved)
-            if failed:
-                raise hook_error if hook_error is not None else RuntimeError(
-                    f"an epoch-end hook failed on another rank at step {step}; checkpoint {result.final_checkpoint}")
-            t_window += time.perf_counter() - t_pause
-    if bar is not None:
-        bar.close()
-    result.step = step
-    result.heldout_after = {k: v for k, v in latest.items() if k.startswith("heldout/")} or None
+    def load(step: int) -> list[dict]:
+        phase = plan.at(step)
+        return phase.batches.micro_batches(phase.local(step))
+
+    return Prefetcher(load, start, plan.total_steps, depth=c.cfg.trainer.prefetch_steps,
+                      pin=c.accelerator.device.type == "cuda")
+
+
+def _enter_phase(c: Components, s: RunState) -> None:
+    """At the run's start or a hand-over: the next phase's progress bar (its objective and data come with it)."""
+    if c.phases.at(s.step) is s.phase:
+        return
+    if s.bar is not None:
+        s.bar.close()
+    s.phase = c.phases.at(s.step)
+    s.bar = _phase_bar(c, s.phase, s.step, many=len(c.phases.phases) > 1)
+    s.roofline = None  # another objective: its FLOPs per token are counted on its first step
+
+
+def _stopped(c: Components, s: RunState, stop: StopSignal) -> bool:
+    """Before any work of a step (an on-policy step starts with rollouts): a signal on any rank or the wall-clock
+    budget ends the run here, with a resumable checkpoint."""
+    acc, t = c.accelerator, c.cfg.trainer
+    if stop.agreed(acc):
+        if s.step > s.last_saved:
+            s.result.final_checkpoint = _save(c, s)
+        s.result.preempted = stop.requested or "a signal on another rank"
+        acc.print(f"[train] {s.result.preempted}: stopped at step {s.step}, checkpoint {s.result.final_checkpoint}; "
+                  "continue with trainer.resume=auto")
+        return True
+    if t.max_minutes is not None and _out_of_time(acc, s.wall_s(), t.max_minutes):
+        if s.step > s.last_saved:
+            s.result.final_checkpoint = _save(c, s)
+        acc.print(f"[train] trainer.max_minutes={t.max_minutes} reached at step {s.step}")
+        return True
+    return False
+
+
+def _train_step(c: Components, s: RunState, batches: Prefetcher) -> StepTaken:
+    """One optimizer step: the step's micro-batches forward and backward (accumulate), clip, step, schedule."""
+    acc, t, draft = c.accelerator, c.cfg.trainer, c.models.draft
+    objective = s.phase.objective
+    wait_before = batches.wait_s
+    micro = [_to_device(b, acc.device) for b in batches.get(s.step)]
+    s.window.data_wait_s += batches.wait_s - wait_before
+    # One micro-batch at a time, the gradient that of the mean over the step's global loss tokens (accumulate).
+    if s.peak_gflops is not None and s.roofline is None:  # the first step is counted (its window includes
+        counted = count_flops(lambda: accumulate(c, micro, s.sums, objective))  # the counter's small overhead)
+        n_local, n_global = counted.result
+        s.roofline = Roofline(s.peak_gflops, counted.flops / max(float(n_local), 1.0))
+        acc.print(f"[train] {s.roofline.flops_per_token / 1e6:.1f} MFLOP per loss token (forward + backward, "
+                  f"torch's FlopCounterMode); matmul peak {s.peak_gflops:.1f} GFLOPS ({t.mixed_precision})")
+    else:
+        n_local, n_global = accumulate(c, micro, s.sums, objective)
+    s.sums["tokens"] = s.sums.get("tokens", 0) + n_local.float()
+    s.sums["input_tokens"] = s.sums.get("input_tokens", 0) + sum(b["attention_mask"].sum() for b in micro).float()
+    grad_norm = acc.clip_grad_norm_(draft.parameters(), t.max_grad_norm) if t.max_grad_norm > 0 else None
+    lr = c.scheduler.get_last_lr()[0]  # the learning rate of this step (logged; sched.step() moves to the next's)
+    c.optimizer.step()
+    c.scheduler.step()
+    c.optimizer.zero_grad(set_to_none=True)
+    s.step += 1
+    s.tokens_seen += int(n_global.item())
+    s.window.tokens += int(n_global.item())
+    s.window.steps += 1
+    s.bar.update(1)
+    return StepTaken(lr, grad_norm)
+
+
+def _after_step(c: Components, s: RunState, taken: StepTaken, batches: Prefetcher,
+                epoch_end_hooks: tuple, checkpoint_hooks: tuple) -> None:
+    """Log, evaluate, run the epoch-end hooks and checkpoint, each at its cadence; their time is kept out of the
+    log window (tokens/s and s/step measure training alone)."""
+    t, phase = c.cfg.trainer, s.phase
+    epoch_done = phase.epoch_done(s.step)  # an epoch of the phase's data, or the phase itself, is done
+    phase_done = s.step == phase.end  # a hand-over (or the end): log, evaluate and checkpoint here
+    if s.step % t.log_every == 0 or phase_done:
+        _log_window(c, s, taken)
+    t_pause = time.perf_counter()
+    if (t.eval_every and s.step % t.eval_every == 0) or phase_done:
+        s.latest.update(evaluate_heldout(c))
+        _log(c.accelerator, {"phase": phase.name, **{k: v for k, v in s.latest.items() if k.startswith("heldout/")}},
+             s.step, s.metrics_file)
+    hook_error = _epoch_end(c, s, epoch_end_hooks) if epoch_done else None
+    # every rank learns whether any rank failed, so all of them take part in the save
+    failed = epoch_done and c.accelerator.reduce(
+        torch.tensor(float(hook_error is not None), device=c.accelerator.device), "sum").item() > 0
+    if s.step % t.save_every == 0 or phase_done or (epoch_done and checkpoint_hooks) or failed:
+        s.result.final_checkpoint = _save(c, s)
+        s.last_saved = s.step
+        if epoch_done:
+            saved = Saved(s.result.final_checkpoint, c.phases.epoch_of(s.step - 1), s.step,
+                          s.step == c.phases.total_steps, dict(s.latest))
+            for hook in checkpoint_hooks:
+                hook(c, saved)
+    if failed:
+        raise hook_error if hook_error is not None else RuntimeError(
+            f"an epoch-end hook failed on another rank at step {s.step}; checkpoint {s.result.final_checkpoint}")
+    s.window.t0 += time.perf_counter() - t_pause
+
+
+def _log_window(c: Components, s: RunState, taken: StepTaken) -> None:
+    """The log window's metrics, reduced over ranks, into the history, the trackers and metrics.jsonl."""
+    acc, phase, w = c.accelerator, s.phase, s.window
+    keys = sorted(s.sums)
+    totals = acc.reduce(torch.stack([torch.as_tensor(s.sums[k], device=acc.device) for k in keys]), "sum")
+    red = dict(zip(keys, totals.tolist()))
+    ntok = max(red.pop("tokens"), 1.0)
+    n_input = red.pop("input_tokens")
+    elapsed = w.elapsed()
+    s.latest = ratios(red, ntok)
+    s.latest.update({"train/lr": taken.lr, "train/tokens_per_s": w.tokens / elapsed,
+                     "train/input_tokens_per_s": n_input / elapsed,
+                     "train/s_per_step": elapsed / w.steps,
+                     "train/data_wait_fraction": w.data_wait_s / elapsed,
+                     "train/grad_norm": float(taken.grad_norm) if taken.grad_norm is not None else math.nan,
+                     "train/peak_mem_mb": peak_memory_mb(acc.device), "step": s.step,
+                     "epoch": c.phases.epoch_of(s.step - 1), "tokens_seen": s.tokens_seen,
+                     "wall_s": s.wall_s(), "phase": phase.name, "phase_step": phase.local(s.step),
+                     "eta_phase_s": elapsed / w.steps * (phase.end - s.step)})
+    if s.roofline is not None:
+        s.latest.update(s.roofline.metrics(s.latest["train/tokens_per_s"]))
+    s.bar.set_postfix(loss=f"{s.latest.get('train/loss', math.nan):.4f}",
+                      tok_s=f"{s.latest['train/tokens_per_s']:.0f}")
+    s.result.history.append(s.latest)
+    _log(acc, s.latest, s.step, s.metrics_file)
+    s.sums, s.window = {}, Window()
+
+
+def _epoch_end(c: Components, s: RunState, hooks: tuple) -> Optional[Exception]:
+    """Run the epoch-end hooks (their metrics join s.latest); the first failure is returned, to be raised once the
+    trained weights are saved."""
+    error = None
+    for hook in hooks:
+        try:
+            s.latest.update(hook(c, c.phases.epoch_of(s.step - 1), s.step))
+        except Exception as e:  # noqa: BLE001 - raised by _after_step after the checkpoint
+            error = error or e
+            c.accelerator.print(f"[train] epoch-end hook {getattr(hook, '__name__', hook)} failed at step {s.step}: "
+                                f"{e!r}; saving a checkpoint before stopping")
+    return error
+
+
+def _save(c: Components, s: RunState) -> Path:
+    """A checkpoint of the run at s.step: weights, optimizer, every phase's objective state and trainer_state."""
+    plan, t = c.phases, c.cfg.trainer
+    now = plan.at(max(s.step - 1, 0))  # the phase of the last step taken (at a hand-over: the one that ended)
+    state = {"step": s.step, "epoch": plan.epoch_of(max(s.step - 1, 0)), "tokens_seen": s.tokens_seen,
+             "phase": now.name, "phase_step": now.local(s.step), "phases": plan.describe(),
+             "heldout_before": s.result.heldout_before, "wall_s": s.wall_s()}
+    return save_checkpoint(c.accelerator, c.models.draft, c.models.tokenizer, c.output_dir, s.step, state, s.latest,
+                           s.config_yaml, keep=t.keep_checkpoints, objective=plan)
+
+
+def _finish(c: Components, s: RunState) -> FitResult:
+    """The result, and summary.json beside the checkpoints."""
+    acc, result = c.accelerator, s.result
+    result.step = s.step
+    result.heldout_after = {k: v for k, v in s.latest.items() if k.startswith("heldout/")} or None
     if acc.is_main_process:
-        summary = {"step": step, "heldout_before": result.heldout_before, "heldout_after": result.heldout_after,
+        summary = {"step": s.step, "heldout_before": result.heldout_before, "heldout_after": result.heldout_after,
                    "final_checkpoint": str(result.final_checkpoint) if result.final_checkpoint else None,
                    "preempted": result.preempted, "num_processes": acc.num_processes,
                    "distributed_type": str(acc.distributed_type),
                    "torch_threads": torch.get_num_threads(),  # per process: throughput figures depend on it
-                   "wall_s": wall_before + time.perf_counter() - t_fit,
-                   "last_train_metrics": {k: v for k, v in latest.items() if k.startswith("train/")}}
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    if t.wandb:
+                   "wall_s": s.wall_s(),
+                   "last_train_metrics": {k: v for k, v in s.latest.items() if k.startswith("train/")}}
+        (c.output_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if c.cfg.trainer.wandb:
         acc.end_training()
     return result
 
@@ -365,7 +480,7 @@ def accumulate(c: Components, micro: list[dict], sums: dict, objective=None) -> 
         last_micro = i == len(micro) - 1
         sync = nullcontext() if last_micro else acc.no_sync(draft)
         # DeepSpeed steps its engine inside backward when sync_gradients is set: on the last micro-batch.
-        acc.gradient_state._set_sync_gradients(last_micro)
+        set_gradient_sync(acc, last_micro)
         with sync, acc.autocast():
             out = objective.loss(p, c.models)
             per_token = out.loss if out.weight is None else out.loss * out.weight
