@@ -148,6 +148,15 @@ class DraftAdapter:
         raise NotImplementedError
 
 
+def decoding_precision(target_model: torch.nn.Module):
+    """The context a draft decodes in beside `target_model` (evaluation, rollouts): autocast to the target's dtype
+    when that is bf16 / fp16, so the draft's matmuls run at the target's precision and speed while a training draft
+    keeps its fp32 weights; nothing for an fp32 target. Verification stays fp32 whatever this is (decoding/ casts the
+    probabilities it compares)."""
+    p = next(target_model.parameters())
+    return torch.autocast(p.device.type, dtype=p.dtype, enabled=p.dtype in (torch.bfloat16, torch.float16))
+
+
 def chain_counts(match: torch.Tensor, valid: torch.Tensor, gamma: int) -> torch.Tensor:
     """match, valid: (B, T) bool. Returns reached (gamma+1,): reached[k] = #starts whose next k positions all
     agree (reached[0] = #valid starts). Summed counts, so ratios can be taken after reducing over batches/ranks."""
@@ -159,15 +168,6 @@ def chain_counts(match: torch.Tensor, valid: torch.Tensor, gamma: int) -> torch.
         shifted = torch.zeros_like(good)
         shifted[:, : T - k] = good[:, k:]  # position t+k agrees
         ok = ok & shifted
-def decoding_precision(target_model: torch.nn.Module):
-    """The context a draft decodes in beside `target_model` (evaluation, rollouts): autocast to the target's dtype
-    when that is bf16 / fp16, so the draft's matmuls run at the target's precision and speed while a training draft
-    keeps its fp32 weights; nothing for an fp32 target. Verification stays fp32 whatever this is (decoding/ casts the
-    probabilities it compares)."""
-    p = next(target_model.parameters())
-    return torch.autocast(p.device.type, dtype=p.dtype, enabled=p.dtype in (torch.bfloat16, torch.float16))
-
-
         reached.append(ok.sum())
     return torch.stack(reached)
 
