@@ -203,7 +203,6 @@ def eagle3_logits_at(head, rows: list[torch.Tensor], aux: torch.Tensor, row: tor
             t = rows[r][s + 2: s + 1 + steps]                                  # tokens read at steps 1 .. steps-1
             chain_tok[bi, ci, : len(t)] = t
             where[c] = (bi, ci)
-    hidden = torch.stack(head.unroll_chains(feats, ids, mask, chain_slot, chain_tok, steps))  # (steps, Rb, C, H)
     at = torch.tensor([where[chain_of[k]] for k in key], dtype=torch.long, device=device)  # (P, 2)
     read = torch.cat([index[:, None].to(device), at], dim=1)                  # (P, 3): step, base row, column
     # through the (possibly DDP / DeepSpeed-wrapped) module's forward, so its gradients are synced across ranks
