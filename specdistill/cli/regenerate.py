@@ -8,7 +8,9 @@ regenerated). Decoding uses specdistill.decoding.target_generate, the evaluator'
   specdistill-train recipe=eagle3 data=jsonl data.path=data/sharegpt_smollm2.jsonl
 
 The output is JSONL of {"id", "messages"}; rows are appended as batches finish, so an interrupted run resumes where it
-stopped (ids already in the file are skipped; a torn last line is dropped).
+stopped (ids already in the file are skipped; a torn last line is dropped). <out>.settings.json records what the
+answers depend on (the target's files, the data's bytes, the tokenizer and chat template, the generation settings);
+a run into an existing --out with other settings is refused, naming them, so one file never mixes two targets.
 """
 from __future__ import annotations
 
@@ -34,6 +36,39 @@ def done_ids(out: Path) -> set[str]:
         with out.open("r+b") as f:
             f.truncate(good_bytes)
     return ids
+
+
+def answer_settings(args, tokenizer) -> dict:
+    """What the answers in --out depend on, by content; not how many rows (--max-rows: a longer run extends the file)
+    nor how fast (--batch-size, --threads)."""
+    from specdistill.assets import model_digest, source_digest
+    from specdistill.cache import tokenizer_digest
+
+    flags = {f"--{k.replace('_', '-')}": getattr(args, k) for k in
+             ("target", "data", "format", "max_turns", "max_new_tokens", "max_prompt_tokens", "temperature", "seed",
+              "dtype")}
+    return {"settings": flags, "target files": model_digest(args.target), "data bytes": source_digest(args.data),
+            "tokenizer": tokenizer_digest(tokenizer), "chat template": tokenizer.chat_template}
+
+
+def check_out_settings(out: Path, settings: dict) -> None:
+    """Record `settings` beside a new --out; refuse an existing one made with other settings (or unrecorded ones)."""
+    from specdistill.data.regenerated import input_differences
+
+    record = out.with_name(out.name + ".settings.json")
+    has_rows = out.exists() and out.stat().st_size > 0
+    if record.exists():
+        diff = input_differences(json.loads(record.read_text()), settings)
+        if diff:
+            raise SystemExit(f"[regenerate] {out} holds answers made with other settings: {'; '.join(diff)}. Pass "
+                             "another --out (or the settings it was made with) so one file never mixes two setups")
+        return
+    if has_rows:
+        raise SystemExit(f"[regenerate] {out} has rows but no {record.name} saying what made them: pass another --out "
+                         "(or move the file away) so one file never mixes two setups")
+    tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(settings, indent=1, default=str))
+    os.replace(tmp, record)
 
 
 def regenerate_batch(model, tokenizer, convs: list[list[dict]], max_new_tokens: int, temperature: float,
@@ -122,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         todo.append((cid, msgs))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    check_out_settings(out, answer_settings(args, tok))
     finished = done_ids(out)
     todo = [(cid, m) for cid, m in todo if cid not in finished]
     print(f"[regenerate] {len(finished)} already done, {len(todo)} to go, {skipped_long} skipped (prompt > "

@@ -10,7 +10,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specdistill.assets import is_embedded
+from specdistill.assets import source_digest
 from specdistill.config import DataConfig
 from specdistill.data.chat import tokenize_conversation
 from specdistill.data.conversations import load_rows, normalize
@@ -26,13 +26,8 @@ class TokenizedData:
 
 
 def _source_id(path: str) -> str:
-    if is_embedded(path):
-        return path
-    p = Path(path).expanduser()
-    if p.exists():
-        st = p.stat()
-        return f"{p.resolve()}:{st.st_size}:{int(st.st_mtime)}"
-    return path
+    """The source by content (its bytes' digest: an edited file is another cache entry), a hub dataset by name."""
+    return source_digest(path)
 
 
 def _fingerprint(cfg: DataConfig, tokenizer) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,13 +28,15 @@ def estimate_bytes(num_tokens: int, aux_dim: int, hidden: int) -> int:
 
 
 class FeatureWriter:
-    """Append examples; flushes a shard whenever `shard_mb` is reached. Writes into <out>.tmp, renamed on close."""
+    """Append examples; flushes a shard whenever `shard_mb` is reached. Writes into <out>.<host>-<pid>.tmp, renamed on
+    close."""
 
     def __init__(self, out_dir, meta: dict, shard_mb: int = 256):
         self.final_dir = Path(out_dir)
         if self.final_dir.exists():
             raise FileExistsError(f"{self.final_dir} already exists: pick another data.offline_dir or delete it")
-        self.dir = self.final_dir.with_name(self.final_dir.name + ".tmp")
+        # one temp folder per process: two writers never share one (the second rename then finds the folder made)
+        self.dir = self.final_dir.with_name(f"{self.final_dir.name}.{socket.gethostname()}-{os.getpid()}.tmp")
         shutil.rmtree(self.dir, ignore_errors=True)
         self.dir.mkdir(parents=True)
         self.meta, self.limit = meta, shard_mb * 2**20

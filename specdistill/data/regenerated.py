@@ -8,14 +8,17 @@ generate and once more per epoch. Rows are stored as generated token ids (no dec
 ids and features are aligned by construction.
 
 Layout of a store (one folder per setting; the folder name is a hash of everything the content depends on, except
-how many prompts are answered):
+how many prompts are answered: the bytes of the prompt source, the target's files (weights, config, tokenizer), its
+dtype, the tokenizer as it encodes with its chat template, the generation settings and the captured layers):
   settings.json           what the content depends on (and whether answers are greedy), written at creation
   part-NNNNN.safetensors  decode batch N = prompts [N*batch_size, (N+1)*batch_size) of the filtered source: ids (N,)
                           int64, aux (N, A) bf16, final (N, H) bf16, lengths (n,), prompt_lengths (n,); written to a
-                          temp name and renamed, so a part is whole or absent
+                          temp name of its own process and renamed, so a part is whole or absent even when several
+                          processes write into one store
 A part's content depends only on the settings and its index, so a run asking for more prompts reuses every part an
 earlier run wrote and decodes only the rest; an interrupted run resumes at the first missing part; a changed setting
-hashes to another folder. Other captured layers (target.aux_layer_ids) are another folder too, but of the same answers:
+hashes to another folder, and so does an edited prompt file or new weights in the same target folder. Other captured
+layers (target.aux_layer_ids) are another folder too, but of the same answers:
 pipeline/regenerate.py fills it by one prefill of the stored ids per part instead of decoding again.
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
@@ -47,12 +51,37 @@ def part_path(root: Path, i: int) -> Path:
     return Path(root) / f"part-{i:05d}.safetensors"
 
 
-def store_key(cfg, target_path: str, capture_layers: list[int], tokenizer) -> str:
-    """What the store's content depends on; the cache folder is named after it (a changed setting misses)."""
-    settings = store_settings(cfg)
-    key = {"target": str(target_path), "layers": list(capture_layers), "settings": settings,
-           "template": getattr(tokenizer, "chat_template", None), "vocab": len(tokenizer), "v": FORMAT_VERSION}
+def store_inputs(cfg, target_path: str, target_dtype, capture_layers: list[int], tokenizer) -> dict:
+    """Everything a store's content depends on, by content: settings.json records it, store_key hashes it.
+
+    cfg has a resolved batch_size (it fixes which prompts share a part). Digests are of bytes (specdistill.cache), so
+    a prompt file edited in place or new weights in the same target folder give other inputs; a target or prompt
+    source that is not on disk (a hub id) is known by its name only."""
+    from specdistill.assets import model_digest, source_digest
+    from specdistill.cache import tokenizer_digest
+
+    return {"settings": store_settings(cfg), "layers": list(capture_layers), "target": str(target_path),
+            "target_files": model_digest(str(target_path)), "target_dtype": str(target_dtype).removeprefix("torch."),
+            "prompts_bytes": source_digest(cfg.prompts), "tokenizer": tokenizer_digest(tokenizer),
+            "chat_template": getattr(tokenizer, "chat_template", None), "v": FORMAT_VERSION}
+
+
+def store_key(inputs: dict) -> str:
+    """The store's folder name: a hash of store_inputs (any changed input misses)."""
+    key = {k: v for k, v in inputs.items() if k != "target"}  # by content: the same files under another path hit
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def input_differences(recorded: dict, wanted: dict) -> list[str]:
+    """Human-readable differences between two store_inputs (settings compared key by key), e.g.
+    ["max_new_tokens: 12 (stored) vs 6 (now)", "target_files: sha256:ab.. vs sha256:cd.."]."""
+    def flat(d: dict) -> dict:
+        out = {k: v for k, v in d.items() if k != "settings"}
+        out.update(d.get("settings", {}))
+        return out
+
+    a, b = flat(recorded), flat(wanted)
+    return [f"{k}: {a.get(k)!r} (stored) vs {b.get(k)!r} (now)" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
 def split_rows(prompts: list[list[int]], sequences: torch.Tensor, num_new: torch.Tensor, hidden: torch.Tensor,
@@ -85,7 +114,7 @@ def loss_mask_for(length: int, prompt_length: int) -> list[int]:
 def _write_part(path: Path, rows: list[dict]) -> None:
     from safetensors.torch import save_file
 
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{socket.gethostname()}-{os.getpid()}.tmp")  # one temp name per process
     save_file({"ids": torch.cat([r["ids"] for r in rows]),
                "aux": torch.cat([r["aux"] for r in rows]).to(FEATURE_DTYPE).contiguous(),
                "final": torch.cat([r["final"] for r in rows]).to(FEATURE_DTYPE).contiguous(),

@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 from specdistill.config import RegenerateConfig
-from specdistill.data.regenerated import (RegeneratedStore, _write_part, num_parts, part_path, split_rows, store_key,
-                                          store_settings)
+from specdistill.data.regenerated import (RegeneratedStore, _write_part, num_parts, part_path, split_rows, store_inputs,
+                                          store_key)
 from specdistill.tensors import pad_rows
 from specdistill.tokens import pad_id
+from specdistill.ranks import WorkShare, alone
 
 
 def load_prompt_rows(cfg: RegenerateConfig, tokenizer, count: int) -> tuple[list[list[int]], dict]:
@@ -52,21 +55,51 @@ def load_prompt_rows(cfg: RegenerateConfig, tokenizer, count: int) -> tuple[list
     return ids, skipped
 
 
-def answers_donor(cfg: RegenerateConfig, target_path: str, layers: list[int], tokenizer) -> Optional[Path]:
-    """A store holding the very answers this run would decode, with other layers' features, or None.
+def answers_donor(store_dir: Path, inputs: dict) -> Optional[Path]:
+    """A store holding the very answers a store of `inputs` would decode, with other layers' features, or None.
 
     Which layers are captured does not change what the target emits, so a store whose folder name is store_key of
-    these settings with its own layers has the same ids part by part (decoding is keyed by part index and seed); of
+    these inputs with its own layers has the same ids part by part (decoding is keyed by part index and seed); of
     several, the one with the most parts."""
     best, best_parts = None, 0
-    for s in sorted(Path(cfg.store_dir).expanduser().glob("*/settings.json")):
+    for s in sorted(Path(store_dir).glob("*/settings.json")):
         other = json.loads(s.read_text()).get("layers")
-        if not other or list(other) == list(layers) or s.parent.name != store_key(cfg, target_path, other, tokenizer):
+        if not other or list(other) == list(inputs["layers"]) or s.parent.name != store_key({**inputs, "layers": other}):
             continue
         n = len(list(s.parent.glob("part-*.safetensors")))
         if n > best_parts:
             best, best_parts = s.parent, n
     return best
+
+
+def regeneration_batch_size(cfg: RegenerateConfig, model) -> int:
+    """cfg.batch_size, or (null) the batch the target's device decodes well: 16 on CPU, where a larger batch gains
+    little; on CUDA the largest power of two up to 256 whose KV cache, captured features and prefill activations fit
+    in half of the device memory beside the target's weights.
+
+    Total memory, not free memory: the batch size fixes which prompts share a part and is part of the store's key, so
+    every process of a launch and every run on the same kind of GPU must pick the same number."""
+    if cfg.batch_size is not None:
+        return int(cfg.batch_size)
+    param = next(model.parameters())
+    if param.device.type != "cuda":
+        return 16
+    c = model.config
+    T = cfg.max_prompt_tokens + cfg.max_new_tokens
+    L, H = c.num_hidden_layers, c.hidden_size
+    head_dim = getattr(c, "head_dim", None) or H // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    elem = param.element_size()
+    per_row = (2 * L * kv_heads * head_dim * T * elem  # KV cache
+               + (L + 1) * cfg.max_prompt_tokens * H * elem  # every hidden state of the prefill (output_hidden_states)
+               + 4 * T * H * 4  # captured features (aux + final), kept in fp32 on the host side as well
+               + 4 * cfg.max_prompt_tokens * getattr(c, "intermediate_size", 4 * H) * elem)  # prefill MLP activations
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = (torch.cuda.get_device_properties(param.device).total_memory - weights) // 2
+    size = 1
+    while size < 256 and 2 * size * per_row <= budget:
+        size *= 2
+    return size
 
 
 @torch.no_grad()
@@ -95,41 +128,68 @@ def recapture_part(target_model, src: Path, layers: list[int], aux_width: int, p
 
 
 def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path: str, aux_layer_ids: list[int],
-                     log: Callable[[str], None] = print, progress: bool = True) -> tuple[Path, int]:
+                     log: Callable[[str], None] = print, progress: bool = True,
+                     share: Callable[[Path], WorkShare] = alone) -> tuple[Path, int]:
     """Make, finish or reuse the parts this run needs; returns (store folder, parts to read).
+
+    share(folder) says how the processes of a launch split the parts of that folder (ranks.folder_share:
+    every process of the launch when they all see the folder, the processes of each node when it is node-local); each
+    decodes the missing parts it owns, then all wait until the store is complete. Every process makes the same calls
+    whatever it finds on disk, so the collective steps never mismatch.
 
     A part that a store of the same answers with other layers already has (another target.aux_layer_ids) is
     recaptured by one prefill of its ids (recapture_part) instead of decoded again: a forward over known tokens
     costs a fraction of generating them one by one."""
+    L = target_model.config.num_hidden_layers
+    layers = list(aux_layer_ids) + [L]  # hidden_states[L]: after the final norm, what lm_head reads
+    cfg = replace(cfg, batch_size=regeneration_batch_size(cfg, target_model))
+    inputs = store_inputs(cfg, target_path, next(target_model.parameters()).dtype, layers, tokenizer)
+    store_dir = Path(cfg.store_dir).expanduser()
+    root = store_dir / store_key(inputs)
+    root.mkdir(parents=True, exist_ok=True)
+    want = num_parts(cfg)
+    complete = all(part_path(root, i).exists() for i in range(want))  # seen before any process of the launch writes
+    work = share(root)
+    if not complete:
+        _write_settings(root, inputs)
+        want = _fill(cfg, target_model, tokenizer, root, inputs, want, work, log, progress and work.index == 0)
+    else:
+        log(f"[regenerate] reusing {want} parts of {root}")
+    work.wait()  # every process: the store is complete once all have written their parts
+    return root, want
+
+
+def _write_settings(root: Path, inputs: dict) -> None:
+    if (root / "settings.json").exists():
+        return
+    fd, tmp = tempfile.mkstemp(prefix="settings.json.", suffix=".tmp", dir=root)  # one temp name per process
+    with os.fdopen(fd, "w") as f:
+        json.dump(inputs, f, indent=1, default=str)
+    os.replace(tmp, root / "settings.json")
+
+
+def _fill(cfg: RegenerateConfig, target_model, tokenizer, root: Path, inputs: dict, want: int, work: WorkShare,
+          log: Callable[[str], None], progress: bool) -> int:
+    """Write this process's share of the missing parts (recaptured from a donor store where one has their answers,
+    else decoded); returns the number of parts the run reads (fewer than asked when the source runs out)."""
     from tqdm.auto import tqdm
 
     from specdistill.decoding import target_generate
 
-    L = target_model.config.num_hidden_layers
-    layers = list(aux_layer_ids) + [L]  # hidden_states[L]: after the final norm, what lm_head reads
-    root = Path(cfg.store_dir).expanduser() / store_key(cfg, target_path, layers, tokenizer)
-    want = num_parts(cfg)
-    missing = [i for i in range(want) if not part_path(root, i).exists()]
-    if not missing:
-        log(f"[regenerate] reusing {want} parts of {root}")
-        return root, want
-    root.mkdir(parents=True, exist_ok=True)
-    if not (root / "settings.json").exists():
-        tmp = root / "settings.json.tmp"
-        tmp.write_text(json.dumps({"settings": store_settings(cfg), "layers": layers, "target": str(target_path)},
-                                  indent=1))
-        os.replace(tmp, root / "settings.json")
+    layers = inputs["layers"]
     prompts, skipped = load_prompt_rows(cfg, tokenizer, want * cfg.batch_size)
     batches = [prompts[s: s + cfg.batch_size] for s in range(0, len(prompts), cfg.batch_size)]
     want = len(batches)  # the source may run out
-    missing = [i for i in missing if i < want]
+    missing = [i for i in range(want) if not part_path(root, i).exists()]
     log(f"[regenerate] {len(prompts)} prompts ({skipped} skipped) x <= {cfg.max_new_tokens} new tokens at "
         f"T={cfg.temperature}, batch {cfg.batch_size}, features of layers {layers} -> {root}; "
-        f"{want - len(missing)} of {want} parts exist")
+        f"{want - len(missing)} of {want} parts exist" + (f"; {work.count} processes share the rest" if work.count > 1
+                                                           else ""))
+    missing = work.mine(missing)
     device = next(target_model.parameters()).device
     pad = pad_id(tokenizer)
-    A = len(aux_layer_ids) * target_model.config.hidden_size
-    donor = answers_donor(cfg, target_path, layers, tokenizer)
+    A = (len(layers) - 1) * target_model.config.hidden_size
+    donor = answers_donor(Path(cfg.store_dir).expanduser(), inputs)
     from_donor = [i for i in missing if donor is not None and part_path(donor, i).exists()]
     if from_donor:
         log(f"[regenerate] {len(from_donor)} of the {len(missing)} missing parts have their answers in {donor} "
@@ -147,8 +207,8 @@ def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path
         log(f"[regenerate] recaptured {len(from_donor)} parts: {tokens} tokens in {time.perf_counter() - t0:.0f} s")
         done = set(from_donor)
         missing = [i for i in missing if i not in done]
-        if not missing:
-            return root, want
+    if not missing:
+        return want
     t0, new_tokens = time.perf_counter(), 0
     bar = tqdm(total=len(missing), desc="regenerate", unit="batch", disable=not progress, dynamic_ncols=True)
     for i in missing:
@@ -164,14 +224,15 @@ def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path
         bar.update(1)
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
-    log(f"[regenerate] wrote {len(missing)} parts: {new_tokens} answer tokens in {time.perf_counter() - t0:.0f} s")
-    return root, want
+    log(f"[regenerate] wrote {len(missing)} parts: {new_tokens} answer tokens in {time.perf_counter() - t0:.0f} s"
+        + (" (this process's share)" if work.count > 1 else ""))
+    return want
 
 
-def build_regenerated_data(cfg, target, tokenizer, log=print):
+def build_regenerated_data(cfg, target, tokenizer, log=print, share: Callable[[Path], WorkShare] = alone):
     """data.regenerate.enabled: the TokenizedData of a (cached) regenerated store. `cfg` is the whole run config;
-    `target` the models.target.Target, whose aux_layer_ids are the head's. The last data.heldout_size rows are held
-    out (plain ids, no features: the held-out proxy runs the target itself)."""
+    `target` the models.target.Target, whose aux_layer_ids are the head's; share as in regenerate_store. The last
+    data.heldout_size rows are held out (plain ids, no features: the held-out proxy runs the target itself)."""
     import datasets
 
     from specdistill.data.dataset import TokenizedData
@@ -184,7 +245,7 @@ def build_regenerated_data(cfg, target, tokenizer, log=print):
         rcfg = RegenerateConfig(**OmegaConf.to_container(rcfg, resolve=True))
     L = target.config.num_hidden_layers
     aux = list(target.aux_layer_ids or default_aux_layer_ids(L))
-    root, parts = regenerate_store(rcfg, target.model, tokenizer, str(cfg.target.path), aux, log=log)
+    root, parts = regenerate_store(rcfg, target.model, tokenizer, str(cfg.target.path), aux, log=log, share=share)
     store = RegeneratedStore(root, parts)
     n_held = min(cfg.data.heldout_size, max(1, len(store) // 10)) if cfg.data.heldout_size > 0 else 0
     train = store.subset(list(range(len(store) - n_held)))

@@ -27,6 +27,7 @@ def make_launch_accelerator(cfg: DictConfig):
     from accelerate import PartialState
 
     from specdistill.build import make_accelerator
+    from specdistill.ranks import process_group_timeout
 
     cpu_fsdp2 = False
     if launched_world_size() > 1 and not torch.cuda.is_available():
@@ -39,7 +40,8 @@ def make_launch_accelerator(cfg: DictConfig):
                 os.environ.pop(k)  # or accelerate would build its (CUDA-only) FSDP plugin
         # The shared state every Accelerator created after this reuses: DDP over gloo (accelerate's MULTI_CPU), or
         # DeepSpeed over gloo. Without cpu=True accelerate would see 2 ranks and run them as DistributedType.NO.
-        PartialState(cpu=not _env_true("ACCELERATE_USE_DEEPSPEED"), backend="gloo")
+        PartialState(cpu=not _env_true("ACCELERATE_USE_DEEPSPEED"), backend="gloo",
+                     timeout=process_group_timeout(cfg))
     acc = make_accelerator(cfg)
     if cpu_fsdp2:
         acc.__class__ = CpuFsdp2Accelerator  # keeps make_accelerator's settings; changes how the draft is prepared
@@ -201,3 +203,4 @@ class CpuFsdp2Accelerator(Accelerator):
         dcp.load(state, checkpoint_id=os.path.join(input_dir, "fsdp2"))
         set_state_dict(self._models[0], self._optimizers[0], model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
+
