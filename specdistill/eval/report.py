@@ -70,7 +70,8 @@ def markdown(r: EvalResult) -> str:
         ("round cost / target step (from rollouts)", _f(r.round_cost_ratio)),
     ]
     if r.cost is not None:
-        rows += [("cost c = draft token / target forward", _f(r.cost.c)),
+        rows += [("cost c = draft token / target forward (steady state)", _f(r.cost.c)),
+                 ("first draft round after the prefill, ms (apart from c)", _f(r.cost.draft_prefill_ms, 1)),
                  ("v = verify forward (gamma+1 tokens) / target forward", _f(r.cost.v)),
                  ("predicted tau from alpha (i.i.d.)", _f(r.predicted_tau_from_alpha)),
                  ("predicted speedup (Leviathan, from alpha and c)", _f(r.predicted_speedup)),

@@ -1,6 +1,7 @@
 """The evaluator's result types: the cost model's ratios, one batch-size sweep point, and the whole EvalResult."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -9,10 +10,11 @@ from typing import Optional
 class CostRatio:
     target_step_ms: float   # one target forward, 1 token per row, KV-cached (batch of the first eval batch)
     verify_ms: float        # one target forward of gamma+1 tokens per row
-    draft_token_ms: float   # drafter.propose(gamma) / gamma
+    draft_token_ms: float   # drafter.propose(gamma) / gamma in the steady state (after a committed round)
     c: float                # draft_token_ms / target_step_ms
     v: float                # verify_ms / target_step_ms
     context_tokens: int     # prompt length the costs were timed at
+    draft_prefill_ms: float = math.nan  # the first propose(gamma) after start(), apart: an EAGLE-3 head reads the prompt
 
 
 @dataclass

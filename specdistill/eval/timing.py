@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from specdistill.decoding import Drafter, Rollout, Sampler
-from specdistill.decoding.kv import BatchKV, device_of
+from specdistill.decoding.kv import BatchKV, CacheMode, device_of
 from specdistill.eval.batches import PromptBatch
 from specdistill.eval.results import CostRatio
 
@@ -49,13 +49,19 @@ def median_ms(device, fn: Callable[[], Any], reps: int) -> float:
 
 @torch.no_grad()
 def measure_cost(target_model, drafter: Drafter, batch: PromptBatch, gamma: int, sampler: Sampler,
-                 reps: int = 7) -> CostRatio:
+                 reps: int = 7, cache: CacheMode = CacheMode()) -> CostRatio:
     """Time one target forward of 1 and of gamma+1 tokens per row (KV-cached, rolled back after each), and the
-    drafter's propose(gamma), at the batch's context. Medians of `reps` runs."""
+    drafter's propose(gamma) in the steady state, at the batch's context, on the caches `cache` makes. Medians of
+    `reps` runs.
+
+    The first propose() after start() is the prefill round: an EAGLE-3 head reads the whole prompt there, an LM draft
+    its pending token. It is timed apart (draft_prefill_ms) and kept out of c: each timed propose follows a committed
+    round (one verify forward, every draft rejected), as every later round of a generation does."""
     device = device_of(target_model)
     ids, mask = batch.input_ids, batch.attention_mask
     B = ids.shape[0]
-    kv = BatchKV(target_model)
+    new_kv = cache.factory(ids.shape[1] + (reps + 2) * (gamma + 1))  # the prompt, and every round fed below
+    kv = new_kv(target_model)
     hidden = {"output_hidden_states": True} if drafter.needs_hidden_states else {}
     prefill = kv.prefill(ids[:, :-1], mask[:, :-1], **hidden)
     target_hidden = getattr(prefill, "hidden_states", None)  # EAGLE-3 heads start from the target's features
@@ -67,14 +73,43 @@ def measure_cost(target_model, drafter: Drafter, batch: PromptBatch, gamma: int,
 
     step_ms = median_ms(device, lambda: target_step(1), reps)
     verify_ms = median_ms(device, lambda: target_step(gamma + 1), reps)
+    draft = steady_propose_ms(kv, drafter, ids, mask, target_hidden, gamma, sampler, reps, new_kv)
+    draft_ms = draft.steady_ms / max(gamma, 1)
+    return CostRatio(step_ms, verify_ms, draft_ms, draft_ms / step_ms, verify_ms / step_ms, int(mask.sum(1).max()),
+                     draft_prefill_ms=draft.first_ms)
+
+
+@dataclass
+class ProposeTimes:
+    first_ms: float   # the first propose() after start(): the prefill round
+    steady_ms: float  # median propose() after a committed round
+
+
+@torch.no_grad()
+def steady_propose_ms(kv: BatchKV, drafter: Drafter, ids: torch.Tensor, mask: torch.Tensor, target_hidden,
+                      gamma: int, sampler: Sampler, reps: int, new_kv=BatchKV) -> ProposeTimes:
+    """Time drafter.propose(gamma) right after start() (once), then `reps` times after a committed round, past one
+    untimed warm-up. Each round between: the target verifies [pending, drafts] on kv (rolled back after), and the
+    drafter commits with every draft rejected, the target's argmax at the pending position as its next token."""
+    device = device_of(kv.model)
+    B = ids.shape[0]
+    hidden = {"output_hidden_states": True} if drafter.needs_hidden_states else {}
+    drafter.start(ids, mask, target_hidden=target_hidden, new_kv=new_kv)
+    proposal, first = timed(device, lambda: drafter.propose(gamma, sampler))
+    pending = ids[:, -1]                                                     # (B,)
+    none = torch.zeros(B, dtype=torch.long, device=device)
+    going = torch.ones(B, dtype=torch.bool, device=device)
     times = []
     for i in range(reps + 1):
-        drafter.start(ids, mask, target_hidden=target_hidden)
-        _, t = timed(device, lambda: drafter.propose(gamma, sampler))
-        if i:  # the first is a warm-up
+        drafts = proposal.tokens.to(device)                                  # (B, k)
+        out = kv.step(torch.cat([pending[:, None], drafts], dim=1), **hidden)
+        kv.commit(torch.zeros(B, drafts.shape[1] + 1, dtype=torch.bool, device=device))  # the target stays put
+        pending = out.logits[:, 0].argmax(-1)                                # (B,)
+        drafter.commit(none, pending, going, target_hidden=getattr(out, "hidden_states", None))
+        proposal, t = timed(device, lambda: drafter.propose(gamma, sampler))
+        if i:  # the first steady round is a warm-up
             times.append(t)
-    draft_ms = 1000 * statistics.median(times) / max(gamma, 1)
-    return CostRatio(step_ms, verify_ms, draft_ms, draft_ms / step_ms, verify_ms / step_ms, int(mask.sum(1).max()))
+    return ProposeTimes(1000 * first, 1000 * statistics.median(times))
 
 
 class Throughput:

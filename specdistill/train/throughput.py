@@ -39,16 +39,28 @@ def matmul_gflops(device: torch.device | str = "cpu", dtype: torch.dtype = torch
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    a @ b  # warm-up
+    return sustained_gflops(lambda: a @ b, sync, 2 * n ** 3, seconds)
+
+
+def sustained_gflops(op: Callable[[], Any], sync: Callable[[], None], flops: float, seconds: float = 0.3,
+                     clock: Callable[[], float] = time.perf_counter) -> float:
+    """GFLOPS of op() (flops each) issued back to back with one sync per batch, as a training step issues its kernels.
+
+    A sync after every op would add a launch-and-wait round trip to each (on a GPU, often longer than a small matmul),
+    reading the peak several times too low and so the roofline fraction too high. The batch doubles until one batch
+    lasts seconds / 4; the last batch's rate is the peak (the round trip is then spread over the whole batch)."""
+    op()  # warm-up
     sync()
-    reps, t0 = 0, time.perf_counter()
+    batch = 1
     while True:
-        a @ b
-        reps += 1
+        t0 = clock()
+        for _ in range(batch):
+            op()
         sync()
-        elapsed = time.perf_counter() - t0
-        if elapsed >= seconds and reps >= 3:
-            return 2 * n ** 3 * reps / elapsed / 1e9
+        elapsed = clock() - t0
+        if elapsed >= seconds / 4 or batch >= 1 << 20:
+            return flops * batch / max(elapsed, 1e-12) / 1e9
+        batch *= 2
 
 
 @dataclass
