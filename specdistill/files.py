@@ -1,16 +1,23 @@
-"""Files other users and engines read: modes that follow the umask (exports, checkpoints, cached models), and
-integrity records (size and SHA-256 of every written file, manifest.json) that resume, evaluation and export verify.
+"""Files other users and engines read: modes that follow the umask (exports, checkpoints, cached models), integrity
+records (size and SHA-256 of every written file, manifest.json) that resume, evaluation and export verify, one
+writer per folder (folder_lock), and disk faults that name the folder and the setting that moves it.
 
-Knows nothing about models or training: it reads, hashes and fixes modes of files.
+Knows nothing about models or training: it reads, hashes, locks and fixes modes of files.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
+import socket
 import struct
+import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 MANIFEST = "manifest.json"
 
@@ -120,3 +127,165 @@ def check_draft_folder(draft_dir, what: str = "draft") -> None:
     if problems:
         raise CorruptCheckpoint(f"the {what} at {d} is corrupt; refusing to use it:\n  - " + "\n  - ".join(problems)
                                 + "\nUse an earlier checkpoint's draft/ folder, or retrain.")
+
+
+# ---------------------------------------------------------------- atomic small files
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `path` under a temporary name and rename it into place: a reader sees the old file or the new one,
+    never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+# ---------------------------------------------------------------- one writer per folder
+LOCK_FILE = ".specdistill.lock"
+
+
+class FolderBusy(RuntimeError):
+    """Another live process holds a folder's lock; the message names it (pid, host, command)."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def _read_holder(lock: Path) -> Optional[dict]:
+    try:
+        return json.loads(lock.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # unreadable: treated as held (never taken over on a guess)
+
+
+def _describe(holder: dict) -> str:
+    return (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')} since {holder.get('started', '?')} "
+            f"({holder.get('command', '?')})")
+
+
+@contextmanager
+def folder_lock(folder, setting: str, log: Callable[[str], None] = print) -> Iterator[Path]:
+    """Hold `folder`/.specdistill.lock (pid, host, start time, command line) while this process writes into the
+    folder. A second writer is refused (FolderBusy naming the holder and `setting`, the key that picks another
+    folder). A lock whose holder is dead (a pid that no longer runs on this host) is taken over with a message. The
+    same process may nest the lock (the inner one is a no-op). The lock file is created whole (written under a
+    temporary name, then hard-linked into place), so a reader never sees a half-written holder."""
+    folder = Path(folder).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / LOCK_FILE
+    me = {"pid": os.getpid(), "host": socket.gethostname(),
+          "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv)[:300]}
+    tmp = folder / f".{LOCK_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(me))
+    owned = False
+    try:
+        for _ in range(3):  # a race with another taker: retry a few times, then report the holder
+            try:
+                os.link(tmp, lock)
+                owned = True
+                break
+            except FileExistsError:
+                holder = _read_holder(lock)
+                if holder is None:
+                    continue  # released meanwhile
+                if holder.get("pid") == me["pid"] and holder.get("host") == me["host"]:
+                    break  # this process holds it already: nested
+                stale = holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) and not _pid_alive(
+                    holder["pid"])
+                if not stale:
+                    raise FolderBusy(
+                        f"{folder} is in use by another run: {_describe(holder)} holds {lock}. Wait for it to end, "
+                        f"or write elsewhere with {setting}=<another folder>. If that process is gone (another "
+                        f"host's, or killed), delete {lock}") from None
+                log(f"[lock] {lock} was held by {_describe(holder)}, which is no longer running: taking it over")
+                try:
+                    os.replace(lock, folder / f".{LOCK_FILE}.stale")
+                except FileNotFoundError:
+                    pass
+        else:
+            raise FolderBusy(f"{folder}: could not take {lock} (other processes keep taking it); set {setting} to "
+                             "another folder")
+    finally:
+        tmp.unlink(missing_ok=True)
+    try:
+        yield folder
+    finally:
+        if owned and (_read_holder(lock) or {}).get("pid") == me["pid"]:
+            lock.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- disk and permission faults, by name
+class WriteFailed(OSError):
+    """A write that failed for space or permission; the message names the folder, the setting that moves it and
+    what was kept."""
+
+
+_DISK_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
+                errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+                errno.EROFS: "the file system is read-only"}
+
+
+def _free(folder: Path) -> str:
+    p = Path(folder)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return f"{shutil.disk_usage(p).free / 2**20:.0f} MiB free there"
+    except OSError:
+        return "free space unknown"
+
+
+def disk_fault(exc: BaseException, folder: Path, setting: str, kept: str) -> Optional[WriteFailed]:
+    """A WriteFailed saying what went wrong when `exc` is a space or permission fault (an OSError with such an errno,
+    or torch's zip writer's "unexpected pos" / "PytorchStreamWriter failed" on a full disk), else None."""
+    code = getattr(exc, "errno", None)
+    if isinstance(exc, OSError) and code in _DISK_ERRNOS:
+        why = _DISK_ERRNOS[code]
+    elif isinstance(exc, RuntimeError) and any(s in str(exc) for s in ("unexpected pos", "PytorchStreamWriter")):
+        why, code = "torch could not write the file (a full disk, most often)", errno.EIO
+    else:
+        return None
+    fix = "free some space there" if code in (errno.ENOSPC, errno.EDQUOT, errno.EIO) else "make it writable"
+    return WriteFailed(code, f"could not write to {folder}: {why} ({_free(folder)}; {type(exc).__name__}: "
+                             f"{str(exc)[:200]}). {kept}. Fix: {fix}, or move it with {setting}=<another folder>")
+
+
+@contextmanager
+def named_writes(folder, setting: str, kept: str) -> Iterator[None]:
+    """Turn a space or permission fault raised inside the block into a WriteFailed naming `folder`, `setting` (the
+    config key or variable that moves it) and `kept` (what is still on disk and usable)."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        named = None if isinstance(e, WriteFailed) else disk_fault(e, Path(folder), setting, kept)
+        if named is None:
+            raise
+        raise named from e
+
+
+def check_writable(folder, setting: str) -> Path:
+    """Create `folder` if needed and write a probe file into it, before minutes of work depend on it; raise
+    WriteFailed naming the folder and `setting` otherwise."""
+    folder = Path(folder).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-probe.{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        why = _DISK_ERRNOS.get(e.errno, f"{type(e).__name__}: {e}")
+        raise WriteFailed(e.errno or errno.EIO, f"{folder} is not writable ({why}); nothing was started. Fix: make it "
+                                                f"writable, or set {setting}=<a writable folder>") from e
+    return folder

@@ -53,6 +53,28 @@ def check_hub_config(hub) -> None:
             raise ValueError(f"hub.serving_formats: unknown format {f!r}; choose from {list(SERVING_FORMATS)}")
 
 
+class PushFailed(RuntimeError):
+    """A push that hub.push=true asked for did not happen; the run's checkpoint is kept and the message says how to
+    upload it."""
+
+
+def check_hub_access(hub, log=print) -> None:
+    """Before training, with hub.push=true: the Hub answers and the token is accepted (whoami), so a run does not
+    train for hours and then fail to publish. Raises PushFailed naming the endpoint, hub.repo_id and the fix."""
+    from huggingface_hub import HfApi
+
+    where = hub.endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    try:
+        user = HfApi(endpoint=hub.endpoint).whoami()
+    except Exception as e:  # offline, refused, a bad or missing token: all stop the run before it starts
+        raise PushFailed(f"hub.push=true but the Hub at {where} cannot be used ({type(e).__name__}: "
+                         f"{_redact(str(e))[:300]}). Fix: log in (`hf auth login` or HF_TOKEN), check the network "
+                         f"or hub.endpoint, or train without publishing (hub.push=false) and upload later with "
+                         f"`hf upload {hub.repo_id} <checkpoint>/draft`") from None
+    name = user.get("name") if isinstance(user, dict) else None
+    log(f"[hub] {where} reachable as {name or 'a logged-in user'}; pushes go to {hub.repo_id}")
+
+
 def _redact(text: str) -> str:
     """Error messages are printed and logged: make sure no token can appear in them."""
     try:

@@ -1,17 +1,33 @@
 """The training pipeline train.py runs: regenerate (optional) -> build -> fit (speculative eval at each epoch end, hub
-push after each epoch's checkpoint and at the end) -> final speculative eval -> serving export."""
+push after each epoch's checkpoint and at the end) -> final speculative eval -> serving export.
+
+Every stage resumes. Training resumes from its checkpoints; each stage after it (eval/final, export/<format>) is
+recorded in <output_dir>/stages.json once its files are complete, with the step of the checkpoint it was made from.
+`trainer.resume=auto` on a run whose training is done runs whichever of those stages is missing or unrecorded (a
+stage killed halfway is redone from scratch), so an interrupted run ends with the files of an uninterrupted one.
+One process writes into trainer.output_dir at a time (files.folder_lock).
+"""
 from __future__ import annotations
+
+import json
+import shutil
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Callable, Optional
 
 from omegaconf import DictConfig
 
 from specdistill.build import build
 from specdistill.drafts import kind_for_init
+from specdistill.files import check_writable, folder_lock, named_writes, write_text_atomic
 from specdistill.train.spec_eval import final_spec_eval, spec_eval_hook
-from specdistill.hub.push import HubPusher, check_hub_config
+from specdistill.hub.push import HubPusher, PushFailed, check_hub_access, check_hub_config
 from specdistill.pipeline.regenerate import build_regenerated_data
 from specdistill.threads import configure_threads
 from specdistill.train.distributed import check_replicas, make_launch_accelerator
 from specdistill.train.loop import FitResult, fit
+
+STAGES_FILE = "stages.json"
 
 
 def run(cfg: DictConfig) -> FitResult:
@@ -19,22 +35,40 @@ def run(cfg: DictConfig) -> FitResult:
     check_export_config(cfg)
     acc = make_launch_accelerator(cfg)
     configure_threads(cfg.trainer.threads, "trainer.threads", log=acc.print)  # deliberate, printed (threads.py)
-    c = build_components(cfg, accelerator=acc)
-    pusher = HubPusher(cfg, c.output_dir, is_main=acc.is_main_process, log=acc.print)
-    result = fit(c, epoch_end_hooks=(spec_eval_hook,), checkpoint_hooks=(pusher,) if cfg.hub.push else ())
-    if result.nothing_to_do:  # a finished run: no eval, export or push rewrites its results
-        return result
-    pusher.finish(wait=result.preempted is None)
-    check_replicas(acc, c.models.draft)
-    if result.preempted is None and result.final_checkpoint is not None:
-        final_spec_eval(c, epoch=-1, step=result.step)  # eval.spec_eval_at=end: the full benchmark, once
+    out_dir = Path(cfg.trainer.output_dir)
+    lock = folder_lock(out_dir, "trainer.output_dir", log=acc.print) if acc.is_main_process else nullcontext()
+    with lock:
         if acc.is_main_process:
-            export_final(cfg, result.final_checkpoint, c.output_dir, log=acc.print)
-    if result.preempted:
-        acc.print(f"[train] stopped by {result.preempted} at step {result.step}; resumable checkpoint: "
-                  f"{result.final_checkpoint}")
-    else:
-        acc.print(f"[train] done at step {result.step}; checkpoint: {result.final_checkpoint}")
+            check_writable_folders(cfg)  # before minutes of conversion, tokenizing or regeneration
+        if cfg.hub.push:
+            check_hub_access(cfg.hub, log=acc.print)  # before training: a push that cannot happen fails now
+        c = build_components(cfg, accelerator=acc)
+        pusher = HubPusher(cfg, c.output_dir, is_main=acc.is_main_process, log=acc.print)
+        result = fit(c, epoch_end_hooks=(spec_eval_hook,), checkpoint_hooks=(pusher,) if cfg.hub.push else ())
+        if result.nothing_to_do:  # training is done: only stages that are missing or incomplete run
+            todo = pending_stages(cfg, c.output_dir, result.step)
+            if not todo:
+                return result
+            acc.print(f"[train] training is done; finishing the stages that did not complete: {', '.join(todo)}")
+            from specdistill.train.checkpoint import load_checkpoint
+
+            load_checkpoint(acc, result.final_checkpoint, c.phases)  # the draft as the run ended
+        else:
+            pusher.finish(wait=result.preempted is None)
+            check_replicas(acc, c.models.draft)
+        if result.preempted is None and result.final_checkpoint is not None:
+            final_stages(cfg, c, result.final_checkpoint, result.step)
+        if result.preempted:
+            acc.print(f"[train] stopped by {result.preempted} at step {result.step}; resumable checkpoint: "
+                      f"{result.final_checkpoint}")
+        else:
+            acc.print(f"[train] done at step {result.step}; checkpoint: {result.final_checkpoint}")
+        failed = [r for r in pusher.records if not r.ok]
+        if failed and not result.nothing_to_do:  # asked for and not done: the run did not do its job
+            raise PushFailed(f"hub.push=true: {len(failed)} of {len(pusher.records)} pushes to {cfg.hub.repo_id} "
+                             f"failed (last: {failed[-1].error}). The checkpoint {result.final_checkpoint} is kept; "
+                             f"upload it with `hf upload {cfg.hub.repo_id} {failed[-1].staging}` (its staged folder), "
+                             f"or fix the access and run again with trainer.resume=auto (see {pusher.root})")
     return result
 
 
@@ -44,13 +78,79 @@ def build_components(cfg: DictConfig, accelerator=None):
                  make_data=build_regenerated_data if cfg.data.regenerate.enabled else None)
 
 
-def export_final(cfg: DictConfig, checkpoint, output_dir, log=print) -> list:
-    """trainer.export_formats: serving exports of the final checkpoint's draft, validated, in <output_dir>/export/."""
+def check_writable_folders(cfg: DictConfig) -> None:
+    """The folders a run writes into, each probed before any work: the output folder, the data cache and (for an
+    embedded target, converted once) SPECDISTILL_CACHE."""
+    from specdistill.assets import CACHE_ROOT, is_embedded
+
+    check_writable(cfg.trainer.output_dir, "trainer.output_dir")
+    check_writable(cfg.data.cache_dir, "data.cache_dir")
+    if is_embedded(str(cfg.target.path)):
+        check_writable(CACHE_ROOT, "the environment variable SPECDISTILL_CACHE")
+
+
+# ---------------------------------------------------------------------------------------- stages after training
+def stage_names(cfg: DictConfig) -> list[str]:
+    """The stages that follow training, in order: eval/final (eval.spec_eval_at=end), export/<format> per
+    trainer.export_formats."""
+    names = ["eval/final"] if cfg.eval.spec_eval and cfg.eval.spec_eval_at == "end" else []
+    return names + [f"export/{fmt}" for fmt in cfg.trainer.export_formats or []]
+
+
+def read_stages(output_dir) -> dict:
+    f = Path(output_dir) / STAGES_FILE
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError):
+        return {}  # absent, or unreadable: every stage runs again
+
+
+def pending_stages(cfg: DictConfig, output_dir, step: int) -> list[str]:
+    """The stages not recorded complete for the checkpoint at `step` (or whose folder is gone)."""
+    done = read_stages(output_dir)
+    return [n for n in stage_names(cfg)
+            if done.get(n, {}).get("step") != step or not (Path(output_dir) / n).exists()]
+
+
+def record_stage(output_dir, name: str, step: int, checkpoint) -> None:
+    """Mark stage `name` complete (its files are all written) for the checkpoint at `step`."""
+    stages = read_stages(output_dir)
+    stages[name] = {"step": step, "checkpoint": str(checkpoint)}
+    write_text_atomic(Path(output_dir) / STAGES_FILE, json.dumps(stages, indent=1))
+
+
+def final_stages(cfg: DictConfig, c, checkpoint: Path, step: int) -> None:
+    """Run the pending stages after training, each from scratch (a half-written folder of an interrupted stage is
+    removed first) and recorded only once complete. Every rank calls this (the final eval has a barrier)."""
+    acc = c.accelerator
+    todo = pending_stages(cfg, c.output_dir, step)
+    acc.wait_for_everyone()  # every rank read the same record before the main process changes it
+    for name in todo:
+        folder = c.output_dir / name
+        if acc.is_main_process and folder.exists():
+            shutil.rmtree(folder)  # an interrupted stage's partial files
+        acc.wait_for_everyone()
+        if name == "eval/final":
+            final_spec_eval(c, epoch=-1, step=step)  # eval.spec_eval_at=end: the full benchmark, once
+        elif acc.is_main_process:
+            export_final(cfg, checkpoint, c.output_dir, formats=[name.split("/", 1)[1]], log=acc.print)
+        if acc.is_main_process:
+            record_stage(c.output_dir, name, step, checkpoint)
+        acc.wait_for_everyone()
+
+
+def export_final(cfg: DictConfig, checkpoint, output_dir, formats: Optional[list[str]] = None,
+                 log: Callable[[str], None] = print) -> list:
+    """trainer.export_formats (or `formats`): serving exports of the final checkpoint's draft, validated, in
+    <output_dir>/export/."""
     kind = kind_for_init(cfg.draft.init)
     written = []
-    for fmt in cfg.trainer.export_formats or []:
-        res = kind.export(checkpoint / "draft", output_dir / "export" / fmt, fmt=fmt, target_path=str(cfg.target.path),
-                          overwrite=True)
+    for fmt in (cfg.trainer.export_formats or []) if formats is None else formats:
+        out = Path(output_dir) / "export" / fmt
+        with named_writes(out.parent, "trainer.output_dir", f"the checkpoint {checkpoint} is complete; export it "
+                          f"again with scripts/export.py or trainer.resume=auto"):
+            res = kind.export(Path(checkpoint) / "draft", out, fmt=fmt, target_path=str(cfg.target.path),
+                              overwrite=True)
         log(f"[export] {fmt}: {res.out_dir}")
         written.append(res.out_dir)
     return written

@@ -78,6 +78,9 @@ class FakeHub:
                 return self._send(404, {"error": f"not implemented: {self.path}"})
 
             def do_GET(self):
+                if self.path.split("?")[0] == "/api/whoami-v2":  # the access check before training
+                    hub.auth.add(self.headers.get("authorization", ""))
+                    return self._send(200, {"name": "me", "type": "user"})
                 hub.unknown.append(f"GET {self.path}")
                 return self._send(404, {"error": f"not implemented: {self.path}"})
 
