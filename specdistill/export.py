@@ -40,6 +40,7 @@ Architectures (tests/test_architectures_train.py runs llama, qwen2, qwen3, gemma
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -411,6 +412,7 @@ def export_eagle3(head_dir, out_dir, fmt: str = "vllm", target_path: Optional[st
             warnings.append(f"target model_type {mt!r}: vLLM versions that check `eagle3_target_supported` "
                             f"({', '.join(VLLM_EAGLE3_TARGETS)}) refuse EAGLE-3 for it; the head itself is valid")
     include_embeddings = _embedding_scale(fmt, cfg, sd, include_embeddings, errs, warnings)
+    digest = None
     errs += check_tensors(cfg, sd, target_layers, require_embeddings=include_embeddings)
     if fmt == "sglang" and 0 in cfg.aux_layer_ids:
         errs.append("aux layer id 0 (the embeddings) cannot be expressed in SGLang's convention (config id j = stream "
@@ -418,7 +420,7 @@ def export_eagle3(head_dir, out_dir, fmt: str = "vllm", target_path: Optional[st
     _raise(errs, f"export of {head_dir} refused; nothing was written")
 
     if not include_embeddings and "embed_tokens.weight" in sd:
-        del sd["embed_tokens.weight"]
+        digest = embedding_digest(sd.pop("embed_tokens.weight"))  # the loader checks the target's against it
         warnings.append("embed_tokens.weight not written: engines reuse the target's input embeddings "
                         "(pass include_embeddings=True / --include-embeddings to ship them)")
     if dtype is not None:
@@ -427,6 +429,10 @@ def export_eagle3(head_dir, out_dir, fmt: str = "vllm", target_path: Optional[st
     float_dtypes = {str(v.dtype).replace("torch.", "") for v in sd.values() if v.is_floating_point()}
     mid_cfg = cfg.to_hf_dict()
     mid_cfg["norm_before_residual"] = False
+    if not include_embeddings and digest is not None:
+        mid_cfg["embed_tokens_sha256"] = digest
+    if target_path is not None:
+        mid_cfg["specdistill_target"] = str(target_path)  # what the head was trained for (drafts/readback.py)
     mid_cfg["torch_dtype"] = float_dtypes.pop() if len(float_dtypes) == 1 else "float32"
     if fmt == "vllm":
         config, tensors = mid_cfg, sd
@@ -448,6 +454,13 @@ def export_eagle3(head_dir, out_dir, fmt: str = "vllm", target_path: Optional[st
                                          for k, v in tensors.items()}, warnings, config)
     _write_atomic(out_dir, config, tensors, overwrite, target_layers)
     return result
+
+
+def embedding_digest(weight: torch.Tensor) -> str:
+    """SHA-256 (first 16 hex digits) of embeddings (V, H) rounded to bfloat16: the same for a target loaded in
+    float32 or bfloat16, so an export records which target's embeddings its head was trained with."""
+    bits = weight.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16)
+    return hashlib.sha256(bits.numpy().tobytes()).hexdigest()[:16]
 
 
 def _embedding_scale(fmt: str, cfg: Eagle3Config, sd: dict, include_embeddings: bool, errs: list[str],

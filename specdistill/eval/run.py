@@ -9,6 +9,10 @@ from omegaconf import DictConfig, OmegaConf
 from specdistill.eval.evaluator import EvalResult, check_eval_config, evaluate
 from specdistill.data.prompts import load_prompts
 from specdistill.eval.report import write_report
+from specdistill.files import check_writable, folder_lock, named_writes
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+RESULT_FILES = ("results.json", "results.md", "outputs.jsonl")  # what an evaluation writes (eval/report.py)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -19,7 +23,8 @@ def resolve_device(name: str) -> torch.device:
 
 def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
     """eval.draft_path (a trained HF draft folder) if set, else a draft built from the `draft` group (untrained)."""
-    from specdistill.drafts import draft_adapter, kind_for_init, load_trained_draft
+    from specdistill.drafts import kind_for_init, load_trained_draft
+    from specdistill.drafts.readback import read_back
     from specdistill.models.draft import check_tokenizers_match
     from specdistill.models.target import Target
 
@@ -32,9 +37,12 @@ def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
 
         check_draft_folder(path, what="eval.draft_path draft")  # sizes, checksums, safetensors headers
         draft = load_trained_draft(path)  # a standalone LM or an EAGLE-3 head
-        draft_adapter(draft).check_target(target_model, "a draft must share the target's tokenizer and output "
-                                          "layer size")
-        check_tokenizers_match(path, tokenizer)
+        read_back(draft, path, target_model, target_name=str(cfg.target.path), log=log)  # shapes, embeddings
+        if any((Path(path).expanduser() / f).exists() for f in TOKENIZER_FILES):
+            check_tokenizers_match(path, tokenizer)
+        else:
+            log(f"[eval] {path} ships no tokenizer: the tokenizer check is skipped (only the vocabulary size was "
+                "compared); a draft trained with another tokenizer would decode with the wrong ids")
         log(f"[eval] draft from {path}")
     else:
         draft_cfg = OmegaConf.to_object(cfg.draft)
@@ -49,17 +57,53 @@ def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
 
 
 def run(cfg: DictConfig, log=print) -> tuple[EvalResult, dict[str, Path]]:
-    from specdistill.build import build_tokenizer
-    from specdistill.models.target import load_causal_lm
-    from specdistill.decoding.kv import max_positions
-
+    """Evaluate into eval.output_dir: refused when another evaluation writes there, or when it holds results already
+    (unless eval.overwrite=true)."""
     from specdistill.validation import validate_config
 
     validate_config(cfg, log=log)  # required keys, ranges, local paths: before loading anything
     ecfg = OmegaConf.to_object(cfg.eval)
     check_eval_config(ecfg)  # fail before loading anything
-    device = resolve_device(ecfg.device)
+    out = Path(ecfg.output_dir).expanduser()
+    check_writable(out, "eval.output_dir")
+    with folder_lock(out, "eval.output_dir", log=log):  # one evaluation writes into a folder at a time
+        check_no_results(out, cfg)
+        return _evaluate(cfg, ecfg, out, log)
+
+
+def check_no_results(out: Path, cfg: DictConfig) -> None:
+    """Refuse a folder that already holds an evaluation's results unless eval.overwrite=true, suggesting a folder
+    named after the draft and the settings."""
+    if cfg.eval.overwrite:
+        return
+    found = [f for f in RESULT_FILES if (out / f).exists()]
+    if found:
+        raise FileExistsError(f"eval.output_dir={out} already holds {', '.join(found)} of an earlier evaluation: "
+                              f"write this one elsewhere, e.g. eval.output_dir={out.parent / default_folder(cfg)}, or "
+                              "pass eval.overwrite=true to replace them")
+
+
+def default_folder(cfg: DictConfig) -> str:
+    """A folder name that says which draft was evaluated and how: eval_<draft>_<prompts>_g<gamma>_t<temperature>."""
+    e = cfg.eval
+    if e.drafter == "draft" and e.draft_path:
+        p = Path(e.draft_path).expanduser()
+        parts = [q for q in (p.parent.parent.parent.name, p.parent.name, p.name) if q and q != "draft"]
+        draft = "-".join(parts[-2:]) or "draft"
+    else:
+        draft = e.drafter
+    prompts = str(e.prompts).split(":")[-1].replace("/", "-").rsplit(".", 1)[0]
+    name = f"eval_{draft}_{prompts}_g{e.gamma}{'dyn' if e.dynamic_gamma else ''}_t{e.temperature:g}"
+    return "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in name)
+
+
+def _evaluate(cfg: DictConfig, ecfg, out: Path, log) -> tuple[EvalResult, dict[str, Path]]:
+    from specdistill.build import build_tokenizer
+    from specdistill.models.target import load_causal_lm
+    from specdistill.decoding.kv import max_positions
     from specdistill.threads import configure_threads
+
+    device = resolve_device(ecfg.device)
 
     threads = configure_threads(ecfg.threads, "eval.threads", log=log)  # deliberate and printed, never torch's default
     torch.manual_seed(ecfg.seed)
@@ -79,7 +123,8 @@ def run(cfg: DictConfig, log=print) -> tuple[EvalResult, dict[str, Path]]:
     extra = {"target_path": cfg.target.path, "draft_path": ecfg.draft_path,
              "prompts_skipped_too_long": prompts.skipped_too_long, "threads": threads.to_dict(),
              "config": OmegaConf.to_container(cfg.eval, resolve=True)}
-    paths = write_report(result, ecfg.output_dir, extra=extra)
+    with named_writes(out, "eval.output_dir", "no result file is complete; the evaluation must run again"):
+        paths = write_report(result, out, extra=extra)
     log(summary_line(result))
     log(f"[eval] wrote {', '.join(sorted(p.name for p in paths.values()))} to {ecfg.output_dir}")
     return result, paths

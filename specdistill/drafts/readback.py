@@ -1,0 +1,110 @@
+"""Drafts read back as they were trained: a saved draft is checked against the target it will run with before any
+decoding, and an EAGLE-3 folder without embed_tokens (a serving export) takes the target's embeddings.
+
+Every kind: its adapter's check_target (the vocabulary it scores) must pass; a failure names the folder and the target
+it was trained for (an export's `specdistill_target`, or the checkpoint's config.yaml). EAGLE-3 heads also need the
+target's hidden size and enough layers for their aux ids, and their embeddings: kept when the folder holds them, else
+the target's input embeddings, shape-checked, and digest-checked where the export recorded `embed_tokens_sha256`.
+A kind with more to check adds a function to FITS. Knows nothing of the evaluator or training.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+
+def trained_for(path) -> Optional[str]:
+    """The target a saved draft was trained for, where the folder says: an export's config.json
+    (`specdistill_target`) or the checkpoint's config.yaml next to its draft/ folder (target.path)."""
+    path = Path(path).expanduser()
+    try:
+        recorded = json.loads((path / "config.json").read_text()).get("specdistill_target")
+    except (OSError, ValueError):
+        recorded = None
+    if recorded:
+        return str(recorded)
+    run_cfg = path.parent / "config.yaml"
+    if run_cfg.exists():
+        from omegaconf import OmegaConf
+
+        try:
+            return str(OmegaConf.load(run_cfg).target.path)
+        except Exception:  # an unreadable or foreign config.yaml: the folder just does not say
+            return None
+    return None
+
+
+def _unfit(path, target_name: str, problem: str) -> ValueError:
+    was = trained_for(path)
+    origin = f"it was trained for {was}" if was else "its folder does not record the target it was trained for"
+    return ValueError(f"the draft at {path} does not fit the target {target_name}: {problem}; {origin}. Fix: evaluate "
+                      "it with the target it was trained for (target.path=...), or train a draft for this target")
+
+
+def saved_tensor_names(path) -> set[str]:
+    """The tensor names stored in a folder's *.safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in sorted(Path(path).expanduser().glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            names.update(st.keys())
+    return names
+
+
+def fill_eagle3_embeddings(head, path, target_model, target_name: str = "the target", log=print) -> None:
+    """An EAGLE-3 head loaded from `path`: when the folder holds no embed_tokens.weight (engines reuse the target's,
+    so exports leave it out), copy the target's input embeddings in, after checking their shape and, where the
+    export recorded one, their digest. Raises ValueError naming the folder otherwise."""
+    from specdistill.export import embedding_digest
+
+    if "embed_tokens.weight" in saved_tensor_names(path):
+        return
+    emb = target_model.get_input_embeddings().weight  # (V, H)
+    want = tuple(head.embed_tokens.weight.shape)
+    if tuple(emb.shape) != want:
+        raise _unfit(path, target_name, f"the folder has no embed_tokens and the target's embeddings are "
+                                        f"{list(emb.shape)}, the head needs {list(want)}")
+    recorded = json.loads((Path(path).expanduser() / "config.json").read_text()).get("embed_tokens_sha256")
+    if recorded and embedding_digest(emb) != recorded:
+        raise _unfit(path, target_name, "the folder has no embed_tokens and the target's embeddings differ from the "
+                                        f"ones the head was trained with (digest {embedding_digest(emb)} != "
+                                        f"{recorded} recorded by the export)")
+    with torch.no_grad():
+        head.embed_tokens.weight.copy_(emb.detach().to(head.embed_tokens.weight))
+    log(f"[draft] {path} has no embed_tokens: using the target's input embeddings ({list(want)}"
+        + (", digest matches the export's record)" if recorded else ", shape checked; no digest recorded)"))
+
+
+def _eagle3_fits(draft, path, target_model, target_name: str, log) -> None:
+    c = draft.config
+    t = target_model.config.get_text_config()
+    if c.target_hidden_size != t.hidden_size:
+        raise _unfit(path, target_name, f"the head reads target features of width {c.target_hidden_size}, the "
+                                        f"target's hidden size is {t.hidden_size}")
+    if c.aux_layer_ids and max(c.aux_layer_ids) > t.num_hidden_layers:
+        raise _unfit(path, target_name, f"the head reads the target's hidden states {list(c.aux_layer_ids)}, the "
+                                        f"target has {t.num_hidden_layers} layers")
+    fill_eagle3_embeddings(draft, path, target_model, target_name, log)
+
+
+FITS: dict[str, Callable] = {"eagle3": _eagle3_fits}  # kind -> its checks beyond check_target (drafts/base.py)
+
+
+def read_back(draft, path, target_model, target_name: str = "the target", log=print) -> None:
+    """Check a draft loaded from `path` against the target it will run with, before decoding (every kind), and give
+    an EAGLE-3 head its embeddings. Raises ValueError naming the folder, the problem and the target it was trained
+    for."""
+    from specdistill.drafts import draft_adapter
+
+    adapter = draft_adapter(draft)
+    try:
+        adapter.check_target(target_model, "a draft must share the target's tokenizer and output layer size")
+    except ValueError as e:
+        raise _unfit(path, target_name, str(e)) from None
+    extra = FITS.get(adapter.kind)
+    if extra is not None:
+        extra(adapter.module, path, target_model, target_name, log)
