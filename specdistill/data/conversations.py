@@ -11,6 +11,7 @@ from specdistill.assets import EMBEDDED_DATA, EMBEDDED_PREFIX, is_embedded
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
                   "assistant": "assistant", "system": "system"}
 FORMATS = ("auto", "sharegpt", "messages", "prompt")
+REPLACEMENT = "\ufffd"  # what a byte that is not valid UTF-8 becomes when read with errors="replace"
 
 
 class MalformedRow(ValueError):
@@ -42,9 +43,13 @@ class Conversations:
     indices: list[int] = field(default_factory=list)  # source row index of each kept conversation
     examples: dict = field(default_factory=dict)  # reason -> first row index with it
     malformed_rows: list = field(default_factory=list)  # the first MAX_REPORTED: {"row", "line"?, "reason"}
+    replacement_chars: int = 0  # U+FFFD in the kept conversations (invalid UTF-8 bytes read with errors="replace")
+    rows_with_replacement: int = 0  # kept conversations holding at least one
 
     def report(self) -> dict:
         return {"rows": self.num_rows, "kept": len(self.conversations), "repaired_leading_assistant": self.repaired,
+                "replacement_characters": self.replacement_chars,
+                "rows_with_replacement_characters": self.rows_with_replacement,
                 "malformed": dict(self.malformed),
                 "first_malformed_row": self.examples,
                 "malformed_rows": self.malformed_rows}
@@ -217,5 +222,7 @@ def normalize(rows: Iterable[dict], fmt: str = "auto", need_assistant: bool = Tr
                 if lines is not None:
                     entry["line"] = lines[i]
                 listed.append(entry)
+    per_row = [sum(str(m.get("content", "")).count(REPLACEMENT) for m in msgs) for msgs in convs]
     return Conversations(convs, n, malformed=bad, examples=first, repaired=repaired,
-                         indices=kept, malformed_rows=listed)
+                         indices=kept, malformed_rows=listed, replacement_chars=sum(per_row),
+                         rows_with_replacement=sum(1 for k in per_row if k))

@@ -9,9 +9,11 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 from specdistill.assets import source_digest
 from specdistill.config import DataConfig
+from specdistill.files import named_writes, verify_folder, write_manifest
 from specdistill.data.chat import tokenize_conversation
 from specdistill.data.conversations import load_rows, normalize
 
@@ -43,14 +45,17 @@ def build_data(cfg: DataConfig, tokenizer, log=print) -> TokenizedData:
 
     cache = Path(cfg.cache_dir).expanduser() / _fingerprint(cfg, tokenizer)
     if (cache / "report.json").exists():
-        report = json.loads((cache / "report.json").read_text())
-        log(f"[data] cached tokenized data at {cache}")
-        return TokenizedData(datasets.load_from_disk(str(cache / "train")), datasets.load_from_disk(str(cache / "heldout")),
-                             json.loads((cache / "heldout_messages.json").read_text()), report, cache.name)
+        cached = _read_cache(cache, log)
+        if cached is not None:
+            return cached
 
     rows = load_rows(cfg.path, cfg.split, cfg.max_rows, keep_bad=True)
     convs = normalize(rows, cfg.format)
     report = convs.report()
+    if convs.replacement_chars:
+        log(f"[data] {convs.replacement_chars} replacement characters (U+FFFD: bytes that were not valid UTF-8, or "
+            f"already in the text) in {convs.rows_with_replacement} conversations of {cfg.path}; they are trained on "
+            "as they are (counted in data_report.json). Fix the file's encoding to train on the real text")
     if convs.num_rows == 0:
         raise ValueError(f"data.path={cfg.path!r} holds no rows (split {cfg.split!r}): point data.path at a file or "
                          "dataset of conversations")
@@ -103,19 +108,52 @@ def build_data(cfg: DataConfig, tokenizer, log=print) -> TokenizedData:
                    "train_loss_tokens": int(sum(sum(m) for m in train["loss_mask"])),
                    "train_tokens": int(sum(len(x) for x in train["input_ids"]))})
 
-    # Written to a temp folder and renamed: a crash mid-write never leaves a cache that looks complete.
+    # Written to a temp folder and renamed: a crash mid-write never leaves a cache that looks complete. The manifest
+    # (sizes and SHA-256) lets a later run name a truncated or damaged file and rebuild the cache.
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=cache.name + ".", dir=cache.parent))
-    train.save_to_disk(str(tmp / "train"))
-    held.save_to_disk(str(tmp / "heldout"))
-    (tmp / "heldout_messages.json").write_text(json.dumps(held_msgs))
-    (tmp / "report.json").write_text(json.dumps(report, indent=1))
+    tmp = None
+    try:
+        with named_writes(cache.parent, "data.cache_dir", "nothing was cached; the next run tokenizes the data again"):
+            tmp = Path(tempfile.mkdtemp(prefix=cache.name + ".", dir=cache.parent))
+            train.save_to_disk(str(tmp / "train"))
+            held.save_to_disk(str(tmp / "heldout"))
+            (tmp / "heldout_messages.json").write_text(json.dumps(held_msgs))
+            (tmp / "report.json").write_text(json.dumps(report, indent=1))
+            write_manifest(tmp)
+    except BaseException:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         os.replace(tmp, cache)
     except OSError:  # another rank got there first
         shutil.rmtree(tmp, ignore_errors=True)
     return TokenizedData(datasets.load_from_disk(str(cache / "train")), datasets.load_from_disk(str(cache / "heldout")),
                          held_msgs, report, cache.name)
+
+
+def _read_cache(cache: Path, log) -> Optional[TokenizedData]:
+    """The tokenized data cached at `cache`, or None when a file there is damaged (truncated, unreadable, not what was
+    written): the bad files are named, the folder moved aside and the caller rebuilds it."""
+    import datasets
+
+    problems = verify_folder(cache)
+    if not problems:
+        try:
+            data = TokenizedData(datasets.load_from_disk(str(cache / "train")),
+                                 datasets.load_from_disk(str(cache / "heldout")),
+                                 json.loads((cache / "heldout_messages.json").read_text()),
+                                 json.loads((cache / "report.json").read_text()), cache.name)
+            log(f"[data] cached tokenized data at {cache}")
+            return data
+        except Exception as e:  # pyarrow, json and OS errors alike: a cache is rebuilt, never trusted half-read
+            problems = [f"{cache}: unreadable ({type(e).__name__}: {str(e)[:300]})"]
+    aside = cache.with_name(f"{cache.name}.damaged")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(cache, aside)
+    log(f"[data] the cached tokenized data is damaged and will be rebuilt (moved aside to {aside}):\n  - "
+        + "\n  - ".join(problems))
+    return None
 
 
 def pack(ds, max_length: int):

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from specdistill.files import follow_umask
-from specdistill.files import write_manifest
+from specdistill.files import WriteFailed, follow_umask, named_writes, write_manifest
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 
@@ -151,7 +150,25 @@ def save_checkpoint(accelerator, draft, tokenizer, output_dir, step: int, traine
                     config_yaml: str, keep: int = 2, objective=None) -> Path:
     """Every rank must call this (accelerate gathers state); only the main process writes shared files.
     `objective`: its state_dict() saved per rank when not empty (not accelerate's register_for_checkpointing, which
-    keeps rank 0's copy only; on-policy state such as a replay buffer differs per rank)."""
+    keeps rank 0's copy only; on-policy state such as a replay buffer differs per rank).
+    A write that fails for space or permission raises files.WriteFailed naming the folder, trainer.output_dir and
+    the newest complete checkpoint, which is kept; the partial folder is removed."""
+    root = checkpoint_dir(output_dir)
+    earlier = list_checkpoints(output_dir)
+    kept = (f"The previous checkpoint {earlier[-1]} is complete and kept (resume from it with trainer.resume=auto)"
+            if earlier else "No earlier checkpoint exists")
+    try:
+        with named_writes(root, "trainer.output_dir", kept):
+            return _save(accelerator, draft, tokenizer, output_dir, step, trainer_state, metrics, config_yaml, keep,
+                         objective)
+    except WriteFailed:
+        if accelerator.is_main_process:
+            shutil.rmtree(root / f".step-{step:07d}.tmp", ignore_errors=True)  # give the space back
+        raise
+
+
+def _save(accelerator, draft, tokenizer, output_dir, step: int, trainer_state: dict, metrics: dict,
+          config_yaml: str, keep: int, objective) -> Path:
     root = checkpoint_dir(output_dir)
     final = root / f"step-{step:07d}"
     tmp = root / f".step-{step:07d}.tmp"

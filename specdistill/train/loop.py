@@ -30,7 +30,7 @@ from specdistill.eval.simulated import simulated_acceptance
 from specdistill.train.accelerate_compat import set_gradient_sync
 from specdistill.train.checkpoint import check_resume_config, list_checkpoints, load_checkpoint, save_checkpoint
 from specdistill.train.integrity import select_resume
-from specdistill.train.results import finished_run, nothing_to_do_message
+from specdistill.train.results import drop_replayed, finished_run, nothing_to_do_message
 from specdistill.train.throughput import Roofline, count_flops, matmul_gflops
 
 
@@ -238,6 +238,8 @@ def _start_state(c: Components, resume_from: Optional[Path], config_yaml: str) -
         acc.print(f"[train] held-out before training: {json.dumps(s.result.heldout_before)}")
     if resume_from is None and acc.is_main_process and s.metrics_file.exists():
         s.metrics_file.unlink()  # a fresh run in an old output dir starts a fresh log (checkpoints are kept)
+    if resume_from is not None and acc.is_main_process:
+        drop_replayed(s.metrics_file, s.step)  # steps logged after the checkpoint are logged again as they replay
     # Roofline: a matmul microbenchmark now, FLOPs of the first step counted (train/roofline_fraction in the logs).
     if t.measure_roofline:
         s.peak_gflops = matmul_gflops(acc.device, _train_dtype(acc)) * acc.num_processes

@@ -42,3 +42,27 @@ def nothing_to_do_message(result, out_dir: Path, max_steps: int) -> str:
     return (f"[train] nothing to do: {result.final_checkpoint} is already at step {result.step} >= "
             f"trainer.max_steps={max_steps}. Left untouched: {', '.join(kept) or 'no result files'} "
             "(raise trainer.max_steps to train further)")
+
+
+def drop_replayed(metrics_file: Path, resumed_at: int) -> int:
+    """Before a resume from the checkpoint at step `resumed_at` appends to metrics.jsonl: remove the lines of later
+    steps (written after that checkpoint by a run that was then killed), which the resume trains and logs again, so
+    each step appears once. Rewritten atomically; returns how many lines were dropped."""
+    from specdistill.files import write_text_atomic
+
+    f = Path(metrics_file)
+    if not f.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in f.read_text().splitlines():
+        try:
+            step = json.loads(line).get("step")
+        except ValueError:
+            step = None  # a line cut by the kill: dropped with the steps after the checkpoint
+        if step is None or step > resumed_at:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        write_text_atomic(f, "".join(k + "\n" for k in kept))
+    return dropped
