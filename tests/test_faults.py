@@ -261,3 +261,11 @@ def test_a_failed_push_fails_the_run_and_keeps_the_checkpoint(tiny_target_dir, t
     with pytest.raises(PushFailed, match=r"1 of 1 pushes.*checkpoint .*step-0000002 is kept.*hf upload"):
         pipeline.run(cfg)
     assert (tmp_path / "out" / "checkpoints" / "step-0000002" / "draft" / "model.safetensors").exists()
+
+    pushed = []  # the Hub is back: a resume of the trained run pushes its final checkpoint, and only that
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, *a, **k: None)
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **k: pushed.append(k) or "url")
+    cfg.trainer.resume = "auto"
+    res = pipeline.run(cfg)
+    assert res.nothing_to_do and len(pushed) == 1 and "step 2" in pushed[0]["commit_message"]
+    assert "hub/push" in pipeline.read_stages(tmp_path / "out")

@@ -4,7 +4,8 @@ push after each epoch's checkpoint and at the end) -> final speculative eval -> 
 Every stage resumes. Training resumes from its checkpoints; each stage after it (eval/final, export/<format>) is
 recorded in <output_dir>/stages.json once its files are complete, with the step of the checkpoint it was made from.
 `trainer.resume=auto` on a run whose training is done runs whichever of those stages is missing or unrecorded (a
-stage killed halfway is redone from scratch), so an interrupted run ends with the files of an uninterrupted one.
+stage killed halfway is redone from scratch), so an interrupted run ends with the files of an uninterrupted one; with
+hub.push, a final push that failed is made again (hub/push).
 One process writes into trainer.output_dir at a time (files.folder_lock).
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from specdistill.train.distributed import check_replicas, make_launch_accelerato
 from specdistill.train.loop import FitResult, fit
 
 STAGES_FILE = "stages.json"
+HUB_STAGE = "hub/push"  # recorded when the final checkpoint's push succeeded (no folder of its own)
 
 
 def run(cfg: DictConfig) -> FitResult:
@@ -53,22 +55,27 @@ def run(cfg: DictConfig) -> FitResult:
             from specdistill.train.checkpoint import load_checkpoint
 
             load_checkpoint(acc, result.final_checkpoint, c.phases)  # the draft as the run ended
+            if HUB_STAGE in todo:
+                push_final(pusher, c, result.final_checkpoint, result.step)
         else:
             pusher.finish(wait=result.preempted is None)
             check_replicas(acc, c.models.draft)
         if result.preempted is None and result.final_checkpoint is not None:
             final_stages(cfg, c, result.final_checkpoint, result.step)
+            if acc.is_main_process and any(r.final and r.ok for r in pusher.records):
+                record_stage(c.output_dir, HUB_STAGE, result.step, result.final_checkpoint)
         if result.preempted:
             acc.print(f"[train] stopped by {result.preempted} at step {result.step}; resumable checkpoint: "
                       f"{result.final_checkpoint}")
         else:
             acc.print(f"[train] done at step {result.step}; checkpoint: {result.final_checkpoint}")
         failed = [r for r in pusher.records if not r.ok]
-        if failed and not result.nothing_to_do:  # asked for and not done: the run did not do its job
+        if failed:  # asked for and not done: the run did not do its job
             raise PushFailed(f"hub.push=true: {len(failed)} of {len(pusher.records)} pushes to {cfg.hub.repo_id} "
                              f"failed (last: {failed[-1].error}). The checkpoint {result.final_checkpoint} is kept; "
                              f"upload it with `hf upload {cfg.hub.repo_id} {failed[-1].staging}` (its staged folder), "
-                             f"or fix the access and run again with trainer.resume=auto (see {pusher.root})")
+                             f"or fix the access and run again with trainer.resume=auto, which pushes it (see "
+                             f"{pusher.root / 'push_log.jsonl'})")
     return result
 
 
@@ -92,9 +99,10 @@ def check_writable_folders(cfg: DictConfig) -> None:
 # ---------------------------------------------------------------------------------------- stages after training
 def stage_names(cfg: DictConfig) -> list[str]:
     """The stages that follow training, in order: eval/final (eval.spec_eval_at=end), export/<format> per
-    trainer.export_formats."""
+    trainer.export_formats, and hub/push (hub.push: the final checkpoint's push, done by fit's checkpoint hook)."""
     names = ["eval/final"] if cfg.eval.spec_eval and cfg.eval.spec_eval_at == "end" else []
-    return names + [f"export/{fmt}" for fmt in cfg.trainer.export_formats or []]
+    names += [f"export/{fmt}" for fmt in cfg.trainer.export_formats or []]
+    return names + ([HUB_STAGE] if cfg.hub.push else [])
 
 
 def read_stages(output_dir) -> dict:
@@ -109,7 +117,7 @@ def pending_stages(cfg: DictConfig, output_dir, step: int) -> list[str]:
     """The stages not recorded complete for the checkpoint at `step` (or whose folder is gone)."""
     done = read_stages(output_dir)
     return [n for n in stage_names(cfg)
-            if done.get(n, {}).get("step") != step or not (Path(output_dir) / n).exists()]
+            if done.get(n, {}).get("step") != step or (n != HUB_STAGE and not (Path(output_dir) / n).exists())]
 
 
 def record_stage(output_dir, name: str, step: int, checkpoint) -> None:
@@ -123,7 +131,7 @@ def final_stages(cfg: DictConfig, c, checkpoint: Path, step: int) -> None:
     """Run the pending stages after training, each from scratch (a half-written folder of an interrupted stage is
     removed first) and recorded only once complete. Every rank calls this (the final eval has a barrier)."""
     acc = c.accelerator
-    todo = pending_stages(cfg, c.output_dir, step)
+    todo = [n for n in pending_stages(cfg, c.output_dir, step) if n != HUB_STAGE]
     acc.wait_for_everyone()  # every rank read the same record before the main process changes it
     for name in todo:
         folder = c.output_dir / name
@@ -137,6 +145,19 @@ def final_stages(cfg: DictConfig, c, checkpoint: Path, step: int) -> None:
         if acc.is_main_process:
             record_stage(c.output_dir, name, step, checkpoint)
         acc.wait_for_everyone()
+
+
+def push_final(pusher: HubPusher, c, checkpoint: Path, step: int) -> None:
+    """The final checkpoint's hub push, for a resumed run whose training is done but whose last push failed or never
+    ran (waits for the upload; pusher.records says how it went)."""
+    from specdistill.drafts import draft_adapter
+
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    metrics_file = Path(checkpoint) / "metrics.json"
+    metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
+    if c.accelerator.is_main_process:
+        kind = type(draft_adapter(c.accelerator.unwrap_model(c.models.draft)))
+        pusher.push(Path(checkpoint), step, int(state.get("epoch", 0)), True, metrics, kind)
 
 
 def export_final(cfg: DictConfig, checkpoint, output_dir, formats: Optional[list[str]] = None,
