@@ -1,11 +1,15 @@
 """Real speculative evaluation inside training: the loop calls spec_eval_hook at each epoch end.
 
 Same code as scripts/evaluate.py (specdistill.eval.evaluator over specdistill.decoding), on a small prompt set
-(eval.prompts, eval.num_prompts, eval.max_new_tokens), without the batch sweep or the HF comparison. Rank 0 runs it;
-the other ranks wait at a barrier and return {}. Drafts sharded across ranks (FSDP, DeepSpeed ZeRO-3) have no full
-copy on rank 0, so the hook skips them (with a message) rather than hang.
+(eval.prompts, eval.num_prompts, eval.max_new_tokens), without the batch sweep or the HF comparison. Every process of
+a launch decodes a share of the prompt batches with its own replica (eval/merge.shares); rank 0 merges the counts
+into the result one process would give (eval/merge.merge_results), writes the report and returns the metrics, the
+other ranks return {}. Drafts sharded across ranks (FSDP, DeepSpeed ZeRO-3) have no full copy on any rank, so the hook
+skips them (with a message) rather than hang.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -44,18 +48,30 @@ def run_spec_eval(c, epoch: int, step: int, name: str | None = None) -> dict:
                       "scripts/evaluate.py eval.draft_path=<checkpoint>/draft instead")
             _warned.add("sharded")
         return {}
+    name = name or f"epoch-{epoch}"
+    mine = _evaluate_share(c, step, name)  # (result or None, the prompts' indices in the whole set)
+    every = [mine]
+    if acc.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        every = gather_object([mine])
     metrics: dict = {}
     if acc.is_main_process:
-        metrics = _evaluate_on_this_rank(c, epoch, step, name or f"epoch-{epoch}")
+        from specdistill.eval.merge import merge_results
+
+        result = mine[0] if len(every) == 1 else merge_results([r for r, _ in every], [ix for _, ix in every])
+        metrics = _report(c, result, epoch, step, name)
     acc.wait_for_everyone()
     return metrics
 
 
-def _evaluate_on_this_rank(c, epoch: int, step: int, name: str) -> dict:
-    from specdistill.eval.evaluator import evaluate, for_training
-    from specdistill.data.prompts import load_prompts
-    from specdistill.eval.report import write_report
+def _evaluate_share(c, step: int, name: str):
+    """This process's share of the evaluation: (EvalResult of its prompt batches or None when it has none, their
+    indices in the whole prompt set)."""
     from specdistill.decoding.kv import max_positions
+    from specdistill.data.prompts import load_prompts
+    from specdistill.eval.evaluator import evaluate, for_training
+    from specdistill.eval.merge import shares
 
     acc = c.accelerator
     ecfg = OmegaConf.to_object(c.cfg.eval) if isinstance(c.cfg.eval, DictConfig) else c.cfg.eval
@@ -63,25 +79,36 @@ def _evaluate_on_this_rank(c, epoch: int, step: int, name: str) -> dict:
     target = unwrap_target(c.models.target)
     tokenizer = c.models.tokenizer
     draft = acc.unwrap_model(c.models.draft)
+    prompts = load_prompts(cfg.prompts, tokenizer, num_prompts=cfg.num_prompts, max_new_tokens=cfg.max_new_tokens,
+                           context=max_positions(target), max_prompt_tokens=cfg.max_prompt_tokens,
+                           split=cfg.prompts_split, heldout=getattr(c.data, "heldout_messages", None))
+    index = shares(len(prompts), cfg.batch_size, acc.num_processes)[acc.process_index]
+    if not index:
+        return None, index
+    spec = draft if cfg.drafter == "draft" else cfg.drafter
+    split = f", {acc.num_processes} processes sharing them" if acc.num_processes > 1 else ""
+    acc.print(f"[spec-eval] {name} step {step}: speculative decoding of {len(prompts)} prompts x up to "
+              f"{cfg.max_new_tokens} tokens, then the target alone (eval.num_prompts, eval.max_new_tokens){split}")
     was_training = draft.training
     draft.eval()
     try:
-        prompts = load_prompts(cfg.prompts, tokenizer, num_prompts=cfg.num_prompts, max_new_tokens=cfg.max_new_tokens,
-                               context=max_positions(target), max_prompt_tokens=cfg.max_prompt_tokens,
-                               split=cfg.prompts_split, heldout=getattr(c.data, "heldout_messages", None))
-        spec = draft if cfg.drafter == "draft" else cfg.drafter
-        acc.print(f"[spec-eval] {name} step {step}: speculative decoding of {len(prompts)} prompts x up to "
-                  f"{cfg.max_new_tokens} tokens, then the target alone (eval.num_prompts, eval.max_new_tokens)")
-        # its own progress bar (with an ETA): the training bar sits at 100% meanwhile
-        result = evaluate(target, tokenizer, spec, prompts, cfg, progress=True, log=acc.print)
+        # its own progress bar (with an ETA) on rank 0: the training bar sits at 100% meanwhile
+        result = evaluate(target, tokenizer, spec, replace(prompts, prompts=[prompts.prompts[i] for i in index]), cfg,
+                          progress=acc.is_main_process, log=acc.print)
     finally:
         draft.train(was_training)
-    final = name == "final"
-    write_report(result, c.output_dir / "eval" / name, plots=final, extra={"epoch": epoch, "step": step})
+    return result, index
+
+
+def _report(c, result, epoch: int, step: int, name: str) -> dict:
+    """Write the evaluation's report under the run's eval/ folder and return its spec/* metrics."""
+    from specdistill.eval.report import write_report
+
+    write_report(result, c.output_dir / "eval" / name, plots=name == "final", extra={"epoch": epoch, "step": step})
     metrics = result.flat("spec/")
     metrics["spec/epoch"] = float(epoch)
     mm = "-" if result.greedy_mismatches is None else result.greedy_mismatches
-    acc.print(f"[spec-eval] {name} step {step}: tau {result.mean_accept_len:.3f}, speedup {result.speedup:.3f}x "
-              f"({result.tokens_per_s:.1f} vs {result.target_only_tokens_per_s:.1f} tok/s), "
-              f"a_k {[round(a, 3) for a in result.accept_rate_per_pos]}, greedy mismatches {mm}")
+    c.accelerator.print(f"[spec-eval] {name} step {step}: tau {result.mean_accept_len:.3f}, speedup "
+                        f"{result.speedup:.3f}x ({result.tokens_per_s:.1f} vs {result.target_only_tokens_per_s:.1f} "
+                        f"tok/s), a_k {[round(a, 3) for a in result.accept_rate_per_pos]}, greedy mismatches {mm}")
     return metrics
