@@ -1,8 +1,9 @@
 r"""Serve an exported EAGLE-3 draft with vLLM (CPU build) on MT-bench first turns and report vLLM's acceptance.
 
-Runs under the vLLM venv, not the project's (keep imports light: json + the target's tokenizer):
+Runs under the vLLM venv, not the project's (keep imports light: json + the target's tokenizer); scripts/engine_test.sh
+makes one (.venv-vllm) and runs tests/test_engine_vllm.py, which calls this script:
 
-  VLLM_CPU_KVCACHE_SPACE=2 /work/vllm-venv/bin/python scripts/vllm_check.py \
+  VLLM_CPU_KVCACHE_SPACE=2 .venv-vllm/bin/python scripts/vllm_check.py \
       --target ~/.cache/specdistill/models/smollm2-135m-instruct --draft exported/eagle3-smollm2 \
       --num-prompts 80 --max-tokens 128 --gamma 4 --out outputs/vllm_check.json [--baseline] [--ours results.json]
 
