@@ -16,6 +16,7 @@ import torch
 
 from .kv import BatchKV, TokenBuffer, device_of, logits_dim, max_positions
 from .sampling import Sampler
+from .tree import Tree, TreeShape, grow
 
 
 @dataclass
@@ -64,6 +65,19 @@ class Drafter(ABC):
         target_hidden: the target's per-layer hidden states (B, k+1, H) for [pending, d_1..d_k] from the
         verification forward (only when needs_hidden_states); row b keeps the first 1 + num_accepted[b].
         """
+
+    def propose_tree(self, shape: TreeShape) -> Tree:
+        """Grow a token tree under each row's pending token (decoding/tree.py) from the draft's scores: the nodes'
+        tokens are deterministic given the context (top-k children), verified as one-hot proposals."""
+        raise ValueError(f"{type(self).__name__} proposes one token per position: token trees need a drafter that "
+                         "scores alternatives (an LM draft or an EAGLE-3 head)")
+
+    def commit_path(self, path: torch.Tensor, num_accepted: torch.Tensor, next_token: torch.Tensor,
+                    active: torch.Tensor, target_hidden=None) -> None:
+        """After propose_tree(): row b accepted the nodes path[b, 1 : num_accepted[b] + 1] (path (B, D+1) node ids
+        from the root), then next_token[b]. target_hidden: the target's per-layer hidden states (B, D+1, H) of the
+        path's nodes (root first), when needs_hidden_states; row b keeps the first 1 + num_accepted[b]."""
+        raise ValueError(f"{type(self).__name__} has no token tree to commit: it does not propose trees")
 
 
 class LMDrafter(Drafter):
@@ -125,13 +139,57 @@ class LMDrafter(Drafter):
         # New pending: next_token, preceded by d_k where all k drafts were accepted. Stopped rows re-feed any
         # real token (its output is ignored and commit keeps nothing for them).
         full = (n == k) & (k > 0) & active                                   # (B,)
-        first = self.tokens[:, -1] if k else next_token
-        first = torch.where(full, first, torch.where(active, next_token, self.pending[:, 0]))
+        self._pend(self.tokens[:, -1] if k else next_token, full, next_token, active)
+
+    def _pend(self, unfed: torch.Tensor, full: torch.Tensor, next_token: torch.Tensor, active: torch.Tensor) -> None:
+        """New pending tokens: next_token, preceded by unfed (B,) where `full` (an accepted draft the cache never saw)."""
+        first = torch.where(full, unfed, torch.where(active, next_token, self.pending[:, 0]))
         second = torch.where(full, next_token, 0)
         self.pending = torch.stack([first, second], 1)                       # (B, 2)
         self.pending_valid = torch.stack([torch.ones_like(full), full], 1)
         if not bool(full.any()):
             self.pending, self.pending_valid = self.pending[:, :1], self.pending_valid[:, :1]
+
+    # ------------------------------------------------------------------------------------------- token trees
+    @torch.no_grad()
+    def propose_tree(self, shape: TreeShape) -> Tree:
+        """EAGLE-2 expansion (tree.grow) on the draft's cache: the pending block, then each depth's beams with tree
+        attention at position (pending's) + depth. The cache tail holds [pending slots, fed beams in feeding order]."""
+        B, P = self.pending.shape
+        rows = torch.arange(B, device=self.pending.device)
+        self.kv.reserve(P + (shape.depth - 1) * shape.topk)                 # the pending block, then the beams
+        logits = self.kv.step(self.pending, self.pending_valid).logits       # (B, P, V)
+        root = logits[rows, self.pending_valid.sum(1) - 1]                   # (B, V) after each row's pending token
+        depth1 = self.kv.length                                              # (B,) position of the root's children
+        pending_seen = torch.ones(B, shape.topk, P, dtype=torch.bool, device=root.device)  # padding masks itself
+
+        def feed(tokens, visible, d):
+            positions = (depth1 + d - 1)[:, None].expand_as(tokens)
+            return self.kv.step(tokens, positions=positions,
+                                tail_visible=torch.cat([pending_seen, visible], dim=2)).logits  # (B, k, V)
+
+        self.tree = grow(shape, root, feed)
+        return self.tree
+
+    @torch.no_grad()
+    def commit_path(self, path, num_accepted, next_token, active, target_hidden=None) -> None:
+        device = self.pending.device
+        path, n = path.to(device), num_accepted.to(device)
+        next_token, active = next_token.to(device), active.to(device)
+        B, P = self.pending.shape
+        D = path.shape[1] - 1
+        # Tail columns to keep: the real pending slots, then the path's fed nodes (depth 1 .. n-1 always were fed,
+        # having children; the node at depth n was if it was a beam).
+        fed = torch.nn.functional.pad(self.tree.fed, (1, 0), value=-1).gather(1, path[:, 1:])  # (B, D)
+        fed = torch.where(torch.arange(D, device=device) < n[:, None], fed, -1)
+        m = (fed >= 0).sum(1)                                                # (B,) fed path nodes, a prefix
+        pv = self.pending_valid.sum(1)                                       # (B,)
+        i = torch.arange(P + D, device=device)
+        from_path = P + fed.gather(1, (i - pv[:, None]).clamp(0, D - 1)).clamp(min=0)
+        columns = torch.where(i < pv[:, None], i, from_path)                 # (B, P+D)
+        self.kv.commit_path(columns, (pv + m) * active)
+        last = torch.nn.functional.pad(self.tree.tokens, (1, 0)).gather(1, path.gather(1, n[:, None]))[:, 0]
+        self._pend(last, (n > m) & active, next_token, active)
 
 
 class NGramDrafter(Drafter):

@@ -147,6 +147,22 @@ def window_by_position(positions: torch.Tensor, window: int) -> Callable:
     return inside
 
 
+def tail_visibility(visible: torch.Tensor, start: int) -> Callable:
+    """Mask function (masking_utils protocol) for a tree tail: visible (B, C, T) says which of the T uncommitted tail
+    columns (from column `start`) each of the C newest queries sees (itself and its ancestors in a token tree). Keys
+    outside the tail are left to the other rules (causal, padding, window)."""
+    C, T = visible.shape[1:]
+    first_query = start + T - C
+
+    def inside(batch_idx, head_idx, q_idx, kv_idx):
+        t = kv_idx - start
+        in_tail = (t >= 0) & (t < T)
+        seen = visible[batch_idx, (q_idx - first_query).clamp(0, C - 1), t.clamp(0, T - 1)]
+        return ~in_tail | seen
+
+    return inside
+
+
 class BatchKV:
     """A causal LM plus its KV cache for B ragged rows; step() feeds tokens, commit() keeps some per row.
 
@@ -207,20 +223,29 @@ class BatchKV:
         return out
 
     @torch.no_grad()
-    def step(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None, *, eager: bool = False, **kwargs):
+    def step(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None, *, positions: torch.Tensor | None = None,
+             tail_visible: torch.Tensor | None = None, eager: bool = False, **kwargs):
         """Append (B, C) tokens; valid (B, C) bool marks the real ones (others are masked padding slots).
-        eager: run the model uncompiled even when the cache compiles (the prefill: a new shape per prompt batch)."""
+        eager: run the model uncompiled even when the cache compiles (the prefill: a new shape per prompt batch).
+
+        Token trees (decoding/tree.py): positions (B, C) are the new tokens' position ids (by depth) and tail_visible
+        (B, C, T) which of the T uncommitted tail columns, these C included, each new token sees (its ancestors and
+        itself) instead of every earlier one; commit_path() then keeps one path per row."""
         device = device_of(self.model)
         input_ids = input_ids.to(device)
         valid = torch.ones_like(input_ids, dtype=torch.bool) if valid is None else valid.to(device)
         if self.max_length is not None:
             self._make_room(input_ids.shape[1])
-        positions = self.length[:, None] + valid.long().cumsum(1) - 1      # (B, C); padding repeats a position
+        if tail_visible is not None and tail_visible.shape[-1] != self.mask.shape[1] + input_ids.shape[1] - self.committed:
+            raise ValueError(f"tail_visible {tuple(tail_visible.shape)} must cover the "
+                             f"{self.mask.shape[1] + input_ids.shape[1] - self.committed} uncommitted tail columns")
+        if positions is None:
+            positions = self.length[:, None] + valid.long().cumsum(1) - 1  # (B, C); padding repeats a position
         # Clamping only touches tokens past the row's budget: their outputs are never used, and they are not kept.
         positions = positions.clamp(0, None if self.max_positions is None else self.max_positions - 1)
         self.mask = torch.cat([self.mask, valid.long()], dim=1)            # (B, S + C)
         self.positions = torch.cat([self.positions, positions], dim=1)     # (B, S + C)
-        inputs = dict(input_ids=input_ids, attention_mask=self._attention_mask(input_ids.shape[1]),
+        inputs = dict(input_ids=input_ids, attention_mask=self._attention_mask(input_ids.shape[1], tail_visible),
                       position_ids=positions, use_cache=True, **{self._cache_kwarg: self.cache}, **kwargs)
         out = self.model(**inputs) if eager or self._forward is self.model else self._compiled_call(inputs)
         self.length = self.length + valid.sum(1)
@@ -256,14 +281,15 @@ class BatchKV:
             raise ValueError(f"static KV cache of {self.max_length} columns cannot hold {self.mask.shape[1]} real "
                              f"tokens plus {C} new ones: build BatchKV with a larger max_length (or None)")
 
-    def _attention_mask(self, C: int):
+    def _attention_mask(self, C: int, tail_visible: torch.Tensor | None = None):
         """The 2D padding mask for full-attention models; else ready 4D masks (B, 1, C, S + C), one per layer type
         where the config lists layer types (the model picks each layer's), in its attention implementation's format.
+        tail_visible (B, C, T): a token tree in the tail (see step()), always a 4D mask.
 
         Built as transformers' create_causal_mask builds them (its mask interface, causal AND padding AND window),
         but called directly: create_causal_mask vmaps any extra mask function, ~10x slower on CPU, while ours is
         index-based and takes the interface's broadcasting path."""
-        if not self.sliding:
+        if not self.sliding and tail_visible is None:
             if self.max_length is None:
                 return self.mask                                            # (B, S + C)
             # static: one width for every step (the layers return all max_length columns; compiled graphs keep it)
@@ -277,6 +303,8 @@ class BatchKV:
         for layer_type, window in self.windows.items():
             rule = causal_mask_function if window is None else and_masks(
                 causal_mask_function, window_by_position(positions, window))
+            if tail_visible is not None:
+                rule = and_masks(rule, tail_visibility(tail_visible, self.committed))
             front = self.front if window is not None else 0                 # sliding layers may start later
             masks[layer_type] = build(batch_size=B, q_length=C, kv_length=kv_length - front, q_offset=S - C,
                                       kv_offset=front,
@@ -318,6 +346,30 @@ class BatchKV:
             self.compact(widest)
         elif any(self._crops_front) and first - self.front > max(32, self.committed // 4):
             self._crop_front(first)
+
+    @torch.no_grad()
+    def commit_path(self, columns: torch.Tensor, count: torch.Tensor) -> None:
+        """Keep, per row, the tail slots at tail columns columns[b, :count[b]] (columns (B, W), count (B,)), in that
+        order: a token tree's accepted path, each node after its ancestors; drop the rest of the tail.
+
+        The kept slots are gathered to the front of the tail, which touches W columns per layer, never the whole
+        cache; their keys keep the rotary positions they were computed at (by depth), so the path is then a prefix
+        of the tail and commit() keeps it as it keeps accepted chain drafts."""
+        S0 = self.committed
+        tail = self.mask.shape[1] - S0
+        columns = columns[:, :tail].clamp(0, tail - 1)  # a row keeps at most the tail; entries past count are unused
+        W = columns.shape[1]
+        at = S0 + columns.to(self.mask.device)                              # (B, W) absolute columns
+        for i, layer in enumerate(self.cache.layers):
+            if not layer.is_initialized:
+                continue
+            front = self.front if self._crops_front[i] else 0
+            idx = (at - front)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys[:, :, S0 - front: S0 - front + W] = layer.keys.gather(2, idx)      # (B, H, W, D)
+            layer.values[:, :, S0 - front: S0 - front + W] = layer.values.gather(2, idx)
+        self.mask[:, S0: S0 + W] = self.mask.gather(1, at)
+        self.positions[:, S0: S0 + W] = self.positions.gather(1, at)
+        self.commit(torch.arange(tail, device=at.device) < count.to(at.device)[:, None])
 
     def _first_visible(self, mask: torch.Tensor) -> torch.Tensor:
         """() the first column that a sliding layer's window may still show to some row's next queries."""
