@@ -49,7 +49,39 @@ def make_accelerator(cfg: DictConfig):
 def build_target(cfg: DictConfig):
     from specdistill.models.target import Target, load_causal_lm
 
-    return Target(load_causal_lm(cfg.target.path, cfg.target.dtype), cfg.target.aux_layer_ids)
+    placement = "auto" if cfg.target.shard == "device_map" else None  # one process, its layers over the GPUs
+    return Target(load_causal_lm(cfg.target.path, cfg.target.dtype, device_map=placement), cfg.target.aux_layer_ids)
+
+
+def check_target_shard(cfg: DictConfig, objectives: list, processes: int) -> None:
+    """target.shard against the launch and the objectives, before anything loads."""
+    shard = cfg.target.shard
+    if shard == "fsdp":
+        if processes < 2:
+            raise ValueError("target.shard=fsdp splits the target's layers over the processes of a launch and this "
+                             "one has 1: launch N >= 2 (torchrun --nproc_per_node N, accelerate launch --num_processes "
+                             "N), or use target.shard=none or device_map")
+        rollouts = [o.name for o in objectives if o is not None and o.target_calls_depend_on_data]
+        if rollouts:
+            raise ValueError(f"target.shard=fsdp: objective {rollouts[0]} decodes with the target (rollouts), a "
+                             "different number of target forwards on each process, and a sharded target runs them in "
+                             "step: use target.shard=device_map (one process) or none")
+    if shard == "device_map" and processes > 1:
+        raise ValueError(f"target.shard=device_map spreads one process's target over all of the machine's GPUs, and "
+                         f"this launch has {processes} processes that would each do so: launch one process, or use "
+                         "target.shard=fsdp to split the target over the processes")
+
+
+def place_target(cfg: DictConfig, target, accelerator) -> None:
+    """Put the target where it runs: its layers split over the processes (target.shard=fsdp), then on this process's
+    device; where device_map put it (target.shard=device_map)."""
+    if cfg.target.shard == "device_map":
+        return
+    if cfg.target.shard == "fsdp":
+        from specdistill.models.target import shard_target
+
+        shard_target(target)
+    target.to(accelerator.device)
 
 
 def build_tokenizer(cfg: DictConfig):
@@ -92,6 +124,7 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
     from torch.optim.lr_scheduler import LambdaLR
 
     from specdistill.data.dataset import build_data
+    from specdistill.decoding import CacheMode
     from specdistill.drafts import kind_for_init, reads_draft_path
     from specdistill.models.draft import check_tokenizers_match
     from specdistill.objectives import Models
@@ -108,6 +141,7 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
     accelerator = accelerator or make_accelerator(cfg)
     torch.manual_seed(cfg.trainer.seed)
     log = accelerator.print
+    check_target_shard(cfg, [objective, warmup], accelerator.num_processes)
     regen = cfg.data.regenerate.enabled
     if regen and cfg.data.offline_dir:
         raise ValueError("data.regenerate.enabled=true writes its own features while decoding: set "
@@ -129,19 +163,21 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
             data = build_data(OmegaConf.to_object(cfg.data) if isinstance(cfg.data, DictConfig) else cfg.data,
                               tokenizer, log=log)
     if regen:  # the target answers real prompts, every process its share; its features are kept from the same forwards
-        from specdistill.ranks import folder_share
+        from specdistill.ranks import folder_share, in_step
 
-        target.to(accelerator.device)
+        place_target(cfg, target, accelerator)
         if kind.target_layers(draft_cfg, target.config):  # the layers a kind reads, captured while it decodes
             target.set_aux_layer_ids(kind.target_layers(draft_cfg, target.config))
         kind.prepare_target(target)
-        data = make_data(cfg, target, tokenizer, log=log, share=folder_share(accelerator))
+        # a sharded target's forwards are collective: every process then decodes every part, in step
+        share = in_step(accelerator) if cfg.target.shard == "fsdp" else folder_share(accelerator)
+        data = make_data(cfg, target, tokenizer, log=log, share=share)
     draft = kind.build(draft_cfg, target, data)
     if draft_cfg.init == "pretrained":
         check_tokenizers_match(draft_cfg.path, tokenizer)
     if cfg.data.offline_dir:
         data.train = with_offline_features(cfg, target, data)
-    target.to(accelerator.device)
+    place_target(cfg, target, accelerator)
 
     t = cfg.trainer
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=t.lr,
@@ -154,5 +190,6 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
     draft, optimizer = accelerator.prepare(draft, optimizer)
     # Not prepared: accelerate's scheduler wrapper steps num_processes times per step; we step once per update.
     accelerator.register_for_checkpointing(scheduler)
-    return Components(cfg, accelerator, Models(draft, target, tokenizer), objective, data, optimizer, scheduler,
-                      Path(cfg.trainer.output_dir), plan)
+    decoding = CacheMode(static=cfg.eval.static_cache, compile=cfg.eval.compile)  # rollouts decode as the evaluator
+    return Components(cfg, accelerator, Models(draft, target, tokenizer, decoding), objective, data, optimizer,
+                      scheduler, Path(cfg.trainer.output_dir), plan)

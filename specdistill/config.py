@@ -231,6 +231,11 @@ class EvalConfig:
     measure_cost: bool = True  # time one draft token vs one target forward (c of the predicted speedup)
     position_bucket: int = bounded(16, ">= 1")  # acceptance against output position, in buckets of this many tokens
     compare_hf: bool = False  # side by side with HF transformers' assisted generation at batch 1 (temperature 0)
+    # The KV caches of the run's decoding (evaluation, Draft-OPD rollouts, regeneration): static_cache preallocates
+    # them to each call's longest length; compile also runs the decode forwards through torch.compile (CUDA graphs on
+    # CUDA) and implies static_cache. Both decode the same tokens as the default growing caches.
+    static_cache: bool = False
+    compile: bool = False
     device: str = "auto"  # scripts/evaluate.py: auto (cuda if available) | cpu | cuda | cuda:N
     # scripts/evaluate.py: torch CPU threads (null = physical cores / local processes)
     threads: Optional[int] = bounded(None, ">= 1")

@@ -34,7 +34,7 @@ import torch
 
 from specdistill.config import DRAFTERS, EvalConfig
 from specdistill.constraints import check_fields
-from specdistill.decoding import (Drafter, DynamicGamma, FixedGamma, LMDrafter, NGramDrafter, Sampler,
+from specdistill.decoding import (CacheMode, Drafter, DynamicGamma, FixedGamma, LMDrafter, NGramDrafter, Sampler,
                                   check_draft_policy, speculative_generate, target_generate)
 from specdistill.decoding.kv import device_of, max_positions
 from specdistill.drafts import draft_adapter
@@ -136,7 +136,7 @@ class _Decoders:
         def run(b: PromptBatch) -> Run:
             r, t = timed(self.device, lambda: target_generate(
                 self.target_model, b.input_ids, b.attention_mask, max_new_tokens=max_new, generator=self.generator(),
-                **self._sampling()))
+                cache=self.cache(), **self._sampling()))
             return Run([r.tokens(i) for i in range(len(b.index))], t, r)
         return run
 
@@ -144,7 +144,8 @@ class _Decoders:
         def run(b: PromptBatch) -> Run:
             r, t = timed(self.device, lambda: speculative_generate(
                 self.target_model, self.drafter, b.input_ids, b.attention_mask, gamma=policy, max_new_tokens=max_new,
-                generator=self.generator(), draft_policy=self.cfg.draft_policy, **self._sampling()))
+                generator=self.generator(), draft_policy=self.cfg.draft_policy, cache=self.cache(),
+                **self._sampling()))
             return Run([r.tokens(i) for i in range(len(b.index))], t, r)
         return run
 
@@ -158,6 +159,9 @@ class _Decoders:
 
     def _sampling(self) -> dict:
         return dict(temperature=self.cfg.temperature, top_p=self.cfg.top_p, eos_token_id=self.eos)
+
+    def cache(self) -> CacheMode:
+        return CacheMode(static=self.cfg.static_cache, compile=self.cfg.compile)
 
 
 @dataclass
@@ -204,7 +208,8 @@ def _cost(dec: _Decoders, batch: PromptBatch) -> Optional[CostRatio]:
     if not cfg.measure_cost or cfg.gamma <= 0:
         return None
     return measure_cost(dec.target_model, dec.drafter, batch, cfg.gamma,
-                        Sampler(cfg.temperature, cfg.top_p, dec.generator()).for_drafts(cfg.draft_policy))
+                        Sampler(cfg.temperature, cfg.top_p, dec.generator()).for_drafts(cfg.draft_policy),
+                        cache=dec.cache())
 
 
 def _mismatch(target_model, batch: PromptBatch, row: int, ours: list[int], ref: list[int], index: int) -> dict:

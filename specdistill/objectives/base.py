@@ -13,6 +13,7 @@ class Models:
     draft: torch.nn.Module  # trainable (possibly wrapped by accelerate: DDP/FSDP)
     target: torch.nn.Module  # specdistill.models.target.Target, frozen
     tokenizer: Any = None
+    decoding: Any = None  # decoding.CacheMode of rollouts (the run's eval.static_cache / eval.compile); None: growing
 
 
 @dataclass
@@ -59,6 +60,10 @@ class Objective:
     their config knobs (validated by objectives.validate_objective); runtime state (buffers, RNG, counters) lives in a
     separate object that state_dict() saves. The defaults suit objectives on the data's own loss tokens.
     """
+
+    # True when prepare() decodes with the target (rollouts): how many target forwards a micro-batch costs then
+    # depends on its data, so processes cannot run a target sharded over them (target.shard=fsdp) in step.
+    target_calls_depend_on_data = False
 
     def check_draft_kind(self, kind) -> None:
         """Before anything loads (build.py): refuse a draft kind (a drafts.DraftAdapter class) this objective's

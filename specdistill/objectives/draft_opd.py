@@ -48,6 +48,7 @@ import torch
 
 from specdistill.constraints import bounded, check_fields, one_of
 from specdistill.data.prompts import load_prompts
+from specdistill.decoding import CacheMode
 from specdistill.drafts import draft_adapter
 from specdistill.drafts.base import decoding_precision
 from specdistill.losses import DIVERGENCES, divergence
@@ -148,6 +149,7 @@ class _Prepared:
 
 @dataclass
 class DraftOPDObjective(Objective):
+    target_calls_depend_on_data = True  # rollouts (not a config field: no annotation)
     name: str = "draft_opd"
     # rollouts (specdistill/onpolicy/rollout.py)
     gamma: int = bounded(4, ">= 1")  # drafts per round
@@ -395,7 +397,8 @@ class DraftOPDObjective(Objective):
                                        temperature=self.temperature, draft_policy=self.draft_policy,
                                        assist=self.assist, eos_token_id=eos,
                                        generator=generator, pad_id=pad, top_k=self.target_top_k,
-                                       branches=self.off_trajectory == "branch")
+                                       branches=self.off_trajectory == "branch",
+                                       cache=models.decoding or CacheMode())
         finally:
             draft.train(was_training)
 

@@ -25,8 +25,8 @@ from typing import Optional
 
 import torch
 
-from specdistill.decoding import (DEFAULT_DRAFT_POLICY, draft_temperature, probs_from_logits, speculative_generate,
-                                  target_generate, verify_greedy, verify_sampling)
+from specdistill.decoding import (DEFAULT_DRAFT_POLICY, CacheMode, draft_temperature, probs_from_logits,
+                                  speculative_generate, target_generate, verify_greedy, verify_sampling)
 from specdistill.drafts import draft_adapter
 from specdistill.onpolicy.positions import (ACCEPTED, AFTER_REJECTION, FIRST_REJECTED, DraftedPositions,
                                            RolloutStats, TargetLogits, assemble_positions, positions_from_rounds,
@@ -140,7 +140,7 @@ def collect_rollout(target_model, draft_model, prompt_ids: torch.Tensor, prompt_
                     gamma: int, max_new_tokens: int, temperature: float = 1.0,
                     draft_policy: str = DEFAULT_DRAFT_POLICY, assist: bool = True,
                     eos_token_id=None, generator: Optional[torch.Generator] = None, pad_id: int = 0,
-                    top_k: int = 0, branches: bool = True) -> DraftedPositions:
+                    top_k: int = 0, branches: bool = True, cache: Optional[CacheMode] = None) -> DraftedPositions:
     """Roll out the draft on left-padded prompts (B, T) and return every drafted position.
 
     target_model / draft_model: HF causal LMs (unwrapped, eval mode). assist=True runs real speculative decoding
@@ -148,6 +148,7 @@ def collect_rollout(target_model, draft_model, prompt_ids: torch.Tensor, prompt_
     positions after a rejection (their context is off the final trajectory). draft_policy: how drafts are proposed at
     temperature > 0 (decoding.DRAFT_POLICIES; greedy = argmax drafts verified one-hot, as the engines serve).
     Drafts that read target features per row (EAGLE-3) get them from the verify forwards (no second target pass).
+    cache: the KV caches of the speculative decoding (decoding.CacheMode: static or compiled; None: growing).
     """
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1 for on-policy rollouts, got {gamma}")
@@ -170,7 +171,8 @@ def collect_rollout(target_model, draft_model, prompt_ids: torch.Tensor, prompt_
     layers = draft.row_feature_layers()  # EAGLE-3: the aux layers, kept from the verify forwards as they decode
     rollout = speculative_generate(target_model, draft.drafter(), prompt_ids, prompt_mask, gamma=gamma,
                                    max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos_token_id,
-                                   generator=generator, record=True, draft_policy=draft_policy, capture_layers=layers)
+                                   generator=generator, record=True, draft_policy=draft_policy, capture_layers=layers,
+                                   cache=cache or CacheMode())
     positions = positions_from_rounds(prompt_ids, prompt_mask, rollout, top_k, branches)
     if layers:
         positions.aux = row_features(rollout.hidden, prompt_mask, positions.rows, positions.source)

@@ -129,7 +129,7 @@ def recapture_part(target_model, src: Path, layers: list[int], aux_width: int, p
 
 def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path: str, aux_layer_ids: list[int],
                      log: Callable[[str], None] = print, progress: bool = True,
-                     share: Callable[[Path], WorkShare] = alone) -> tuple[Path, int]:
+                     share: Callable[[Path], WorkShare] = alone, cache=None) -> tuple[Path, int]:
     """Make, finish or reuse the parts this run needs; returns (store folder, parts to read).
 
     share(folder) says how the processes of a launch split the parts of that folder (ranks.folder_share:
@@ -139,7 +139,8 @@ def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path
 
     A part that a store of the same answers with other layers already has (another target.aux_layer_ids) is
     recaptured by one prefill of its ids (recapture_part) instead of decoded again: a forward over known tokens
-    costs a fraction of generating them one by one."""
+    costs a fraction of generating them one by one. cache: the decoding's KV caches (decoding.CacheMode; None: growing),
+    which never change the tokens, so the store's key ignores it."""
     L = target_model.config.num_hidden_layers
     layers = list(aux_layer_ids) + [L]  # hidden_states[L]: after the final norm, what lm_head reads
     cfg = replace(cfg, batch_size=regeneration_batch_size(cfg, target_model))
@@ -152,7 +153,8 @@ def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path
     work = share(root)
     if not complete:
         _write_settings(root, inputs)
-        want = _fill(cfg, target_model, tokenizer, root, inputs, want, work, log, progress and work.index == 0)
+        want = _fill(cfg, target_model, tokenizer, root, inputs, want, work, log, progress and work.index == 0,
+                     cache)
     else:
         log(f"[regenerate] reusing {want} parts of {root}")
     work.wait()  # every process: the store is complete once all have written their parts
@@ -169,12 +171,12 @@ def _write_settings(root: Path, inputs: dict) -> None:
 
 
 def _fill(cfg: RegenerateConfig, target_model, tokenizer, root: Path, inputs: dict, want: int, work: WorkShare,
-          log: Callable[[str], None], progress: bool) -> int:
+          log: Callable[[str], None], progress: bool, cache=None) -> int:
     """Write this process's share of the missing parts (recaptured from a donor store where one has their answers,
     else decoded); returns the number of parts the run reads (fewer than asked when the source runs out)."""
     from tqdm.auto import tqdm
 
-    from specdistill.decoding import target_generate
+    from specdistill.decoding import CacheMode, target_generate
 
     layers = inputs["layers"]
     prompts, skipped = load_prompt_rows(cfg, tokenizer, want * cfg.batch_size)
@@ -217,7 +219,7 @@ def _fill(cfg: RegenerateConfig, target_model, tokenizer, root: Path, inputs: di
         input_ids, mask = pad_rows(chunk, pad, side="left")
         roll = target_generate(target_model, input_ids.to(device), mask.to(device), max_new_tokens=cfg.max_new_tokens,
                                temperature=cfg.temperature, eos_token_id=tokenizer.eos_token_id, generator=gen,
-                               capture_layers=layers)
+                               capture_layers=layers, cache=cache or CacheMode())
         _write_part(part_path(root, i), split_rows(chunk, roll.sequences.cpu(), roll.num_new_tokens.cpu(),
                                                    roll.hidden.float().cpu(), A))
         new_tokens += int(roll.num_new_tokens.sum())
@@ -245,7 +247,11 @@ def build_regenerated_data(cfg, target, tokenizer, log=print, share: Callable[[P
         rcfg = RegenerateConfig(**OmegaConf.to_container(rcfg, resolve=True))
     L = target.config.num_hidden_layers
     aux = list(target.aux_layer_ids or default_aux_layer_ids(L))
-    root, parts = regenerate_store(rcfg, target.model, tokenizer, str(cfg.target.path), aux, log=log, share=share)
+    from specdistill.decoding import CacheMode
+
+    cache = CacheMode(static=cfg.eval.static_cache, compile=cfg.eval.compile)  # the run's decoding (eval.*)
+    root, parts = regenerate_store(rcfg, target.model, tokenizer, str(cfg.target.path), aux, log=log, share=share,
+                                   cache=cache)
     store = RegeneratedStore(root, parts)
     n_held = min(cfg.data.heldout_size, max(1, len(store) // 10)) if cfg.data.heldout_size > 0 else 0
     train = store.subset(list(range(len(store) - n_held)))
