@@ -304,7 +304,8 @@ def speculative_generate(
     new_kv = cache.factory(_cache_length(input_ids, max_new_tokens, policy.max_gamma))
     target = new_kv(target_model)
     prefill = target.prefill(input_ids[:, :-1], attention_mask[:, :-1], **hidden)
-    drafter.start(input_ids, attention_mask, target_hidden=getattr(prefill, "hidden_states", None), new_kv=new_kv)
+    drafter.start(input_ids, attention_mask, target_hidden=getattr(prefill, "hidden_states", None),
+                  new_kv=new_kv)
     kept = _KeptFeatures(capture_layers, prefill, B, input_ids.shape[1], max_new_tokens, device) if capture_layers else None
     pending = input_ids[:, -1]                                              # (B,)
     active = torch.ones(B, dtype=torch.bool, device=device)
