@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from specdistill.cache import CACHE_ROOT, file_digest, path_digest
+from specdistill.files import named_writes, safetensors_problem
 
 EMBEDDED_PREFIX = "embedded:"
 CONVERTER_VERSION = 1  # bump when _convert_gguf writes a different folder from the same GGUF
@@ -69,10 +70,15 @@ def resolve_model_path(path: str) -> str:
     record = out / "converted_from.json"
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         old = json.loads(record.read_text()) if record.exists() else None
-        if old == made_from:
+        damaged = safetensors_problem(out / "model.safetensors")  # a cache: a damaged one is named and rebuilt
+        if old == made_from and damaged is None:
             return str(out)
-        print(f"[specdistill] {out} was converted from another {gguf_file} or by another converter "
-              f"({old} vs {made_from}): converting again", flush=True)
+        if damaged:
+            print(f"[specdistill] {out / 'model.safetensors'} is damaged ({damaged}): the converted model is a "
+                  "cache, so it is converted again", flush=True)
+        else:
+            print(f"[specdistill] {out} was converted from another {gguf_file} or by another converter "
+                  f"({old} vs {made_from}): converting again", flush=True)
     _convert_gguf(src, gguf_file, out, made_from)
     return str(out)
 
@@ -112,7 +118,9 @@ def _convert_gguf(src_dir: Path, gguf_file: str, out: Path, made_from: dict) -> 
     model = type(gguf_model)(config)
     model.load_state_dict(gguf_model.state_dict())
     model.tie_weights()
-    save_model_folder(model, tok, out, extra={"converted_from.json": json.dumps(made_from, indent=1)})
+    with named_writes(out.parent, "the environment variable SPECDISTILL_CACHE",
+                      "nothing was cached; the next run converts the model again"):
+        save_model_folder(model, tok, out, extra={"converted_from.json": json.dumps(made_from, indent=1)})
 
 
 def save_model_folder(model, tokenizer, out: Path, extra: Optional[dict[str, str]] = None) -> None:

@@ -269,3 +269,45 @@ def test_a_failed_push_fails_the_run_and_keeps_the_checkpoint(tiny_target_dir, t
     res = pipeline.run(cfg)
     assert res.nothing_to_do and len(pushed) == 1 and "step 2" in pushed[0]["commit_message"]
     assert "hub/push" in pipeline.read_stages(tmp_path / "out")
+
+
+def test_a_truncated_converted_model_in_the_cache_is_named_and_converted_again(tmp_path, monkeypatch, capsys):
+    import specdistill.assets as assets
+    from safetensors.torch import save_file
+
+    name = "smollm2-135m-instruct"
+    package, pip_name, gguf = assets.EMBEDDED_MODELS[name]
+    try:
+        src = assets._package_dir(package, pip_name)
+    except FileNotFoundError:
+        pytest.skip(f"{pip_name} is not installed")
+    out = tmp_path / "models" / name
+    out.mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    save_file({"w": torch.zeros(64, 64)}, str(out / "model.safetensors"))
+    whole = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(whole[: len(whole) // 2])
+    (out / "converted_from.json").write_text(json.dumps(
+        {"gguf": gguf, "sha256": assets.file_digest(src / gguf), "converter": assets.CONVERTER_VERSION}))
+    converted = []
+    monkeypatch.setattr(assets, "CACHE_ROOT", tmp_path)
+    monkeypatch.setattr(assets, "_convert_gguf", lambda *a: converted.append(a))
+    assert assets.resolve_model_path(f"embedded:{name}") == str(out)
+    said = capsys.readouterr().out
+    assert converted and f"{out / 'model.safetensors'} is damaged (truncated" in said and "converted again" in said
+
+
+def test_an_export_to_a_full_disk_names_the_folder_and_exits_non_zero(eagle3_checkpoint, tmp_path, monkeypatch,
+                                                                     capsys):
+    import safetensors.torch
+
+    from specdistill.cli.export import main
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    assert main(["--draft", str(eagle3_checkpoint[0]), "--out", str(tmp_path / "x" / "vllm")]) == 2
+    err = capsys.readouterr().err
+    assert f"could not write to {tmp_path / 'x'}: no space left" in err and "--out=<another folder>" in err
+    assert not (tmp_path / "x" / "vllm").exists()

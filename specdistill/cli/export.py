@@ -13,6 +13,9 @@ Thin CLI; the work is specdistill.export.export_eagle3, which validates every te
 """
 import argparse
 import sys
+from pathlib import Path
+
+from specdistill.files import WriteFailed, named_writes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_threads(a.threads, "--threads")
 
-    from specdistill.export import export_eagle3, validate_export
+    from specdistill.export import validate_export
 
     try:
         if a.check:
@@ -52,10 +55,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not a.draft or not a.out:
             p.error("--draft and --out are required (or --check DIR)")
-        res = export_eagle3(a.draft, a.out, fmt=a.format, target_path=a.target,
-                            include_embeddings=a.include_embeddings, speculative_tokens=a.speculative_tokens,
-                            verifier_name=a.verifier_name, overwrite=a.overwrite, dtype=a.dtype)
-    except (ValueError, FileExistsError, FileNotFoundError) as e:
+        from specdistill.drafts import saved_kind
+
+        with named_writes(Path(a.out).expanduser().parent, "--out", f"nothing was written; {a.draft} is untouched"):
+            res = saved_kind(a.draft).export(a.draft, a.out, fmt=a.format, target_path=a.target,  # its kind's layout
+                                             include_embeddings=a.include_embeddings,
+                                             speculative_tokens=a.speculative_tokens, verifier_name=a.verifier_name,
+                                             overwrite=a.overwrite, dtype=a.dtype)
+    except (ValueError, FileExistsError, FileNotFoundError, WriteFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(res.summary())
