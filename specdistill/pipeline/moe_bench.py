@@ -56,7 +56,7 @@ def arms(eagle3_experts: int = 1, random_seed: int = 0) -> dict[str, Arm]:
     )}
 
 
-# Sized for one busy CPU core (see README "MoE drafts"): every knob is an ordinary override the caller can beat.
+# Sized for one busy CPU core (see docs/guide.md "MoE drafts"): every knob is an ordinary override the caller can beat.
 SMALL = ("data.max_rows=300", "data.max_length=128", "data.heldout_size=16", "trainer.max_steps=8",
          "trainer.micro_batch_size=2", "trainer.grad_accum=1", "trainer.warmup_steps=1", "trainer.lr=3e-3",
          "trainer.log_every=2", "trainer.eval_every=0", "trainer.save_every=1000", "trainer.seed=0",

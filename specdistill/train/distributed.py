@@ -1,7 +1,7 @@
 """The accelerator for every launch mode (single process, DDP, DeepSpeed ZeRO-2/3; FSDP through accelerate on GPU),
 with the checks that catch the silent failure of multi-process launches: ranks that each train alone.
 
-Launch configs live in conf/accelerate/ (README "Scale-out"). On a machine without CUDA the process group
+Launch configs live in conf/accelerate/ (docs/guide.md "Scale-out"). On a machine without CUDA the process group
 uses gloo (DeepSpeed would otherwise ask for oneCCL); `accelerate launch --cpu --num_processes 2` runs ONE process and
 some other combinations start processes that never form a group, so `check_world` compares accelerate's view with
 WORLD_SIZE.
@@ -58,7 +58,7 @@ def check_world(acc) -> None:
         raise RuntimeError(f"the launcher started {world} processes but accelerate sees {acc.num_processes} "
                            f"(distributed_type={acc.distributed_type}): every rank would train alone. On CPU use "
                            "`ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N ...` or torchrun "
-                           "(README, Scale-out)")
+                           "(docs/guide.md, Scale-out)")
 
 
 def configure_deepspeed(acc, cfg: DictConfig) -> None:
