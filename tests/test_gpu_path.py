@@ -1,6 +1,7 @@
 """The GPU code paths, exercised on CPU: the EAGLE-3 head under bf16 autocast and with bf16 weights beside an fp32
 target, its fused TTT attention against a naive reference, chain logits through a wrapper's forward (DDP / DeepSpeed),
-Draft-OPD's metric keys independent of each rank's data, and the precision drafts decode in."""
+Draft-OPD's metric keys independent of each rank's data, the precision drafts decode in, and every recipe trained
+under trainer.mixed_precision=bf16 against its fp32 run."""
 import math
 
 import pytest
@@ -12,7 +13,9 @@ from specdistill.models.eagle3 import _ttt_attend, build_eagle3
 from specdistill.models.target import Target
 from specdistill.objectives import Models
 from specdistill.objectives.draft_opd import DraftOPDObjective
-from tests.conftest import make_tiny_lm, single_thread
+from specdistill.pipeline.run import build_components
+from specdistill.train.loop import fit
+from tests.conftest import ONPOLICY_ALONE, compose, make_tiny_lm, single_thread, tiny_overrides
 
 V, HT = 48, 32
 
@@ -195,3 +198,68 @@ def test_drafts_decode_in_the_targets_dtype(target, dtype):
         logits = head(aux, ids, am, steps=1)[0]
     target.float()
     assert logits.dtype == dtype and head.fc.weight.dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------------------------- every recipe in bf16
+STEPS = ["trainer.max_steps=2", "trainer.lr=3e-3", "trainer.warmup_steps=0", "trainer.export_formats=[]",
+         "trainer.measure_roofline=false"]
+ON_POLICY = ["objective.max_new_tokens=6", "objective.gamma=2", "objective.replay_ratio=0.5"]
+# recipe, overrides: the tiny target (tests/conftest.py) unless the recipe needs an MoE one
+MATRIX = {
+    "sft": ("sft", []),
+    "kd": ("kd", []),
+    "eagle3": ("eagle3", ["draft.draft_vocab_size=96"]),
+    "eagle3_serve": ("eagle3_serve", ["draft.draft_vocab_size=96", "trainer.epochs=null"]),  # regenerates first
+    "draft_opd_lm": ("draft_opd", ONPOLICY_ALONE + ON_POLICY),
+    "draft_opd_eagle3": ("draft_opd", ON_POLICY + [  # 1 warm-up step (eagle3), the hand-over, 1 on-policy step
+        "draft.draft_vocab_size=96", "data.regenerate.enabled=false", "warmup.steps=1", "warmup.epochs=null",
+        "warmup.micro_batch_size=2", "warmup.warmup_steps=0", "warmup.schedule_steps=null", "trainer.max_steps=1"]),
+    "moe_kd": ("moe_kd", ["draft.num_layers=2", "draft.moe.num_experts=2", "draft.moe.coverage=null",
+                          "draft.moe.profile_batches=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory):
+    from tests.conftest import make_tokenizer
+    from tests.moe.conftest import make_tiny_moe
+
+    d = tmp_path_factory.mktemp("tiny_mixtral")
+    tok = make_tokenizer()
+    make_tiny_moe("mixtral", len(tok)).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture
+def fresh_accelerator_state():
+    """accelerate keeps one process-wide state, fixed by its first Accelerator: each run here picks its own precision,
+    and later tests find the state as a fresh process would."""
+    from accelerate.state import AcceleratorState
+
+    yield lambda: AcceleratorState._reset_state(reset_partial_state=True)
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.parametrize("name", list(MATRIX))
+def test_every_recipe_trains_under_bf16_autocast_near_its_fp32_run(name, tiny_target_dir, tiny_moe_dir, tiny_data_file,
+                                                                   tmp_path, fresh_accelerator_state):
+    """trainer.mixed_precision=bf16 (CPU autocast, as a GPU's `auto` picks): the held-out check, every step and the
+    hand-over run; the losses are finite, and the first step's (same weights, same data and rollout) is within 5% of
+    the fp32 run's. Later steps start from weights the two runs updated apart."""
+    recipe, extra = MATRIX[name]
+    target = tiny_moe_dir if recipe.startswith("moe") else tiny_target_dir
+    runs = {}
+    for precision in ("no", "bf16"):
+        out = tmp_path / precision
+        fresh_accelerator_state()
+        cfg = compose(recipe, tiny_overrides(target, tiny_data_file, out, tmp_path / "cache") + STEPS + extra
+                      + [f"trainer.mixed_precision={precision}"])
+        c = build_components(cfg)
+        assert str(c.accelerator.mixed_precision) == precision
+        res = fit(c)
+        runs[precision] = [h["train/loss"] for h in res.history]
+    fp32, bf16 = runs["no"], runs["bf16"]
+    assert len(bf16) == len(fp32) >= 2 and all(math.isfinite(x) for x in bf16)
+    assert abs(bf16[0] - fp32[0]) <= 0.05 * abs(fp32[0]), (bf16, fp32)
+    assert bf16 != fp32  # autocast really ran
