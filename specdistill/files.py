@@ -82,6 +82,19 @@ def safetensors_problem(path: Path) -> Optional[str]:
     return None
 
 
+def drop_damaged(files, what: str, log: Callable[[str], None] = print) -> list[Path]:
+    """Delete each of `files` (cache files in safetensors format) whose header or size says it is damaged, naming it
+    and why; the caller rebuilds what is missing. Returns the deleted paths."""
+    dropped = []
+    for f in map(Path, files):
+        why = safetensors_problem(f) if f.exists() else None
+        if why:
+            log(f"[cache] {f} is damaged ({why}): the {what} is a cache, so it is deleted and made again")
+            f.unlink(missing_ok=True)
+            dropped.append(f)
+    return dropped
+
+
 def verify_folder(folder: Path, only: str = "") -> list[str]:
     """Problems of `folder` (or of its sub-folder `only`, e.g. "draft/"), one line per file; [] when sound.
     With a manifest: every recorded file must exist with its size and checksum. Always: every .safetensors file

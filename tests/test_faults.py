@@ -311,3 +311,23 @@ def test_an_export_to_a_full_disk_names_the_folder_and_exits_non_zero(eagle3_che
     err = capsys.readouterr().err
     assert f"could not write to {tmp_path / 'x'}: no space left" in err and "--out=<another folder>" in err
     assert not (tmp_path / "x" / "vllm").exists()
+
+
+def test_a_truncated_regenerated_part_is_named_and_made_again(tiny_data_file, tmp_path):
+    from specdistill.config import RegenerateConfig
+    from specdistill.data.regenerated import RegeneratedStore, part_path
+    from specdistill.pipeline.regenerate import regenerate_store
+
+    tok = make_tokenizer()
+    model = make_tiny_lm(len(tok), layers=4).eval()
+    cfg = RegenerateConfig(enabled=True, prompts=str(tiny_data_file), max_prompts=8, max_new_tokens=6, batch_size=4,
+                           store_dir=str(tmp_path / "store"))
+    root, parts = regenerate_store(cfg, model, tok, "tiny", [1, 2, 3], **QUIET, progress=False)
+    part = part_path(root, 1)
+    whole = part.read_bytes()
+    part.write_bytes(whole[: len(whole) // 2])
+    said = []
+    root2, parts2 = regenerate_store(cfg, model, tok, "tiny", [1, 2, 3], log=said.append, progress=False)
+    assert (root2, parts2) == (root, parts)
+    assert any(f"{part} is damaged (truncated" in s and "made again" in s for s in said), said
+    assert part.read_bytes() == whole and len(RegeneratedStore(root, parts)) == 8

@@ -18,6 +18,7 @@ import torch
 from specdistill.config import RegenerateConfig
 from specdistill.data.regenerated import (RegeneratedStore, _write_part, num_parts, part_path, split_rows, store_inputs,
                                           store_key)
+from specdistill.files import drop_damaged
 from specdistill.tensors import pad_rows
 from specdistill.tokens import pad_id
 from specdistill.ranks import WorkShare, alone
@@ -148,6 +149,7 @@ def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path
     store_dir = Path(cfg.store_dir).expanduser()
     root = store_dir / store_key(inputs)
     root.mkdir(parents=True, exist_ok=True)
+    drop_damaged(sorted(root.glob("part-*.safetensors")), "regenerated store part", log)  # named, then made again
     want = num_parts(cfg)
     complete = all(part_path(root, i).exists() for i in range(want))  # seen before any process of the launch writes
     work = share(root)

@@ -1,0 +1,154 @@
+"""DFlash drafts -> the folder vLLM's DFlash model loads (speculative method "dflash"), validated tensor by tensor.
+
+The training checkpoint already uses vLLM's tensor names and config keys (model.py's docstring); the export drops the
+frozen copies of the target's embedding and LM head (vLLM shares the target's when a draft ships none), drops our own
+config fields, optionally casts, and re-reads what it wrote: every expected tensor present with its shape, nothing
+else. Refused, with the reason: a draft vLLM would run differently (a scaled embedding, a soft-capped readout), or one
+built for another target (layer count, width or vocabulary differ from --target's).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .model import DFlashConfig
+
+FORMATS = ("vllm",)
+WEIGHTS_FILE = "model.safetensors"
+SHARED = ("embed_tokens.weight", "lm_head.weight")  # the target's, frozen: vLLM uses the target's own
+OWN_FIELDS = ("embed_scale", "final_logit_softcapping")  # specdistill's config fields, not vLLM's
+
+
+def expected_tensors(c: DFlashConfig, include_embeddings: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the vLLM layout with its shape."""
+    H, hd, I = c.hidden_size, c.head_dim, c.intermediate_size
+    out = {"fc.weight": (H, len(c.target_layer_ids) * c.target_hidden_size), "hidden_norm.weight": (H,),
+           "norm.weight": (H,)}
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        out.update({p + "self_attn.q_proj.weight": (c.num_attention_heads * hd, H),
+                    p + "self_attn.k_proj.weight": (c.num_key_value_heads * hd, H),
+                    p + "self_attn.v_proj.weight": (c.num_key_value_heads * hd, H),
+                    p + "self_attn.o_proj.weight": (H, c.num_attention_heads * hd),
+                    p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                    p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
+                    p + "mlp.down_proj.weight": (H, I),
+                    p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)})
+    if include_embeddings:
+        out.update({"embed_tokens.weight": (c.vocab_size, H), "lm_head.weight": (c.vocab_size, H)})
+    return out
+
+
+def check_tensors(c: DFlashConfig, sd: dict[str, torch.Tensor], include_embeddings: bool = False) -> list[str]:
+    """Problems of a state dict against the layout: missing, unexpected, wrong shape, non-finite."""
+    want = expected_tensors(c, include_embeddings)
+    errs = [f"missing tensor {k} {list(s)}" for k, s in want.items() if k not in sd]
+    errs += [f"unexpected tensor {k}" for k in sd if k not in want]
+    for k, s in want.items():
+        if k in sd:
+            if tuple(sd[k].shape) != s:
+                errs.append(f"tensor {k} has shape {list(sd[k].shape)}, expected {list(s)}")
+            elif not bool(torch.isfinite(sd[k].float()).all()):
+                errs.append(f"tensor {k} has non-finite values")
+    return errs
+
+
+def check_target(c: DFlashConfig, target: dict) -> list[str]:
+    """The draft against the target's config.json (its text config)."""
+    errs = []
+    if target.get("num_hidden_layers") != c.num_target_layers:
+        errs.append(f"the draft reads layers {c.target_layer_ids} of a {c.num_target_layers}-layer target, but the "
+                    f"target has {target.get('num_hidden_layers')} layers")
+    if target.get("hidden_size") != c.target_hidden_size:
+        errs.append(f"the draft's fc reads hidden size {c.target_hidden_size}, the target's is {target.get('hidden_size')}")
+    if target.get("vocab_size") != c.vocab_size:
+        errs.append(f"the draft's vocabulary is {c.vocab_size}, the target's {target.get('vocab_size')}")
+    return errs
+
+
+def vllm_config(c: DFlashConfig) -> dict:
+    d = c.to_hf_dict()
+    for k in OWN_FIELDS:
+        d.pop(k, None)
+    return d
+
+
+def export_dflash(draft_dir, out_dir, fmt: str = "vllm", target_path: Optional[str] = None, overwrite: bool = False,
+                  dtype: Optional[str] = None, include_embeddings: bool = False, **_eagle3_options):
+    """Write the checkpoint's draft folder as vLLM's DFlash layout in out_dir; returns specdistill.export.ExportResult.
+    EAGLE-3-only options (speculative_tokens, verifier_name) do not apply: vLLM drafts block_size - 1 tokens."""
+    from safetensors.torch import load_file
+
+    from specdistill.export import ExportResult, read_target_config
+
+    if fmt not in FORMATS:
+        raise ValueError(f"a DFlash draft exports to {FORMATS} only (SGLang and speculators have no DFlash layout "
+                         f"here), got format {fmt!r}")
+    draft_dir, out_dir = Path(draft_dir), Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} exists: pass overwrite=True (--overwrite) or another folder")
+    c = DFlashConfig.from_hf_dict(json.loads((draft_dir / "config.json").read_text()))
+    errs = []
+    if c.embed_scale != 1.0:
+        errs.append(f"the target scales its embeddings by {c.embed_scale:g}; vLLM's DFlash model embeds the block "
+                    "with the plain embedding table, so it would serve another draft")
+    if c.final_logit_softcapping:
+        errs.append("the target soft-caps its logits; vLLM's DFlash readout does not, so it would serve another draft")
+    if target_path is not None:
+        _, target = read_target_config(target_path)
+        errs += check_target(c, target)
+    sd = load_file(str(draft_dir / WEIGHTS_FILE))
+    if not include_embeddings:
+        sd = {k: v for k, v in sd.items() if k not in SHARED}
+    if dtype is not None:
+        to = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        sd = {k: v.to(to) if v.is_floating_point() else v for k, v in sd.items()}
+    errs += check_tensors(c, sd, include_embeddings)
+    if errs:
+        raise ValueError(f"cannot export {draft_dir} for vLLM:\n  - " + "\n  - ".join(errs))
+    config = vllm_config(c)
+    if dtype is not None:
+        config["torch_dtype"] = dtype
+    _write_atomic(out_dir, config, sd, include_embeddings)
+    tensors = {k: (list(v.shape), str(v.dtype).replace("torch.", "")) for k, v in sd.items()}
+    return ExportResult(out_dir, fmt, tensors, [], config)
+
+
+def validate_dflash_export(path, include_embeddings: bool = False) -> DFlashConfig:
+    """Re-read an export: the config parses (settings checked by name) and every tensor matches the layout."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    if raw.get("architectures") != ["DFlashDraftModel"]:
+        raise ValueError(f"{path}: architectures {raw.get('architectures')} is not ['DFlashDraftModel']")
+    c = DFlashConfig.from_hf_dict(raw)
+    errs = check_tensors(c, load_file(str(path / WEIGHTS_FILE)), include_embeddings)
+    if errs:
+        raise ValueError(f"{path} is not a valid DFlash export:\n  - " + "\n  - ".join(errs))
+    return c
+
+
+def _write_atomic(out_dir: Path, config: dict, tensors: dict, include_embeddings: bool) -> None:
+    from safetensors.torch import save_file
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE),
+                  metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        validate_dflash_export(tmp, include_embeddings)  # what vLLM will read, re-read from disk
+        os.chmod(tmp, 0o755)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
