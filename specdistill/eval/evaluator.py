@@ -46,8 +46,6 @@ from specdistill.eval.results import CostRatio, EvalResult, SweepPoint  # noqa: 
 from specdistill.eval.timing import Run, Runner, Throughput, measure_cost, run_pass, timed  # noqa: F401
 from specdistill.tokens import eos_ids, pad_id as pad_id_of
 
-_weighted_percentiles = weighted_percentiles  # the name earlier callers import
-
 
 # ------------------------------------------------------------------------------------------------ inputs
 def make_drafter(spec: Union[str, Drafter, torch.nn.Module], target_model, cfg: EvalConfig) -> tuple[Drafter, str]:

@@ -4,6 +4,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.objectives.base import Models, StepOutput
+from specdistill.objectives.dflash import DFlashObjective
 from specdistill.objectives.draft_opd import DraftOPDObjective
 from specdistill.objectives.eagle3 import Eagle3Objective
 from specdistill.objectives.kd import KDObjective
@@ -15,6 +16,7 @@ OBJECTIVES = {"sft": SFTObjective, "kd": KDObjective, "eagle3": Eagle3Objective}
 OBJECTIVES["draft_opd"] = DraftOPDObjective
 OBJECTIVES["moe_kd"] = MoEKDObjective
 OBJECTIVES["moe_opd"] = MoEOPDObjective
+OBJECTIVES["dflash"] = DFlashObjective
 
 
 def validate_objective(cfg: DictConfig) -> Any:
