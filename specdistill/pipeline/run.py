@@ -86,12 +86,14 @@ def build_components(cfg: DictConfig, accelerator=None):
 
 
 def check_writable_folders(cfg: DictConfig) -> None:
-    """The folders a run writes into, each probed before any work: the output folder, the data cache and (for an
-    embedded target, converted once) SPECDISTILL_CACHE."""
+    """The folders a run writes into, each probed before any work: the output folder, the data cache, the regenerated
+    store (data.regenerate.enabled) and (for an embedded target, converted once) SPECDISTILL_CACHE."""
     from specdistill.assets import CACHE_ROOT, is_embedded
 
     check_writable(cfg.trainer.output_dir, "trainer.output_dir")
     check_writable(cfg.data.cache_dir, "data.cache_dir")
+    if cfg.data.regenerate.enabled:
+        check_writable(cfg.data.regenerate.store_dir, "data.regenerate.store_dir")
     if is_embedded(str(cfg.target.path)):
         check_writable(CACHE_ROOT, "the environment variable SPECDISTILL_CACHE")
 
