@@ -35,7 +35,7 @@ class TargetConfig:
     path: str = MISSING
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (the checkpoint's own)
     # EAGLE-3 aux layers (vLLM convention: k = output_hidden_states[k]); null = defaults for any depth.
-    aux_layer_ids: Optional[list[int]] = None
+    aux_layer_ids: Optional[list[int]] = bounded(None, ">= 0")
 
 
 @dataclass
@@ -43,7 +43,8 @@ class MoEDraftConfig:
     """Drafts from an MoE target's most used experts (specdistill/moe/build.py): draft.init=moe_experts, or
     draft.init=eagle3 with eagle3_mlp=true. Hot experts come from a routing profile (scripts/profile_moe.py)."""
     kind: str = "moe"  # moe: hot experts behind a sliced router | dense: one MLP merged from the hot experts
-    layers: Optional[list[int]] = None  # target layers the draft copies, in order; null = the first draft.num_layers
+    # target layers the draft copies, in order; null = the first draft.num_layers
+    layers: Optional[list[int]] = bounded(None, ">= 0")
     # keep the most used experts until their routing-weight share >= coverage
     coverage: Optional[float] = bounded(0.9, "(0, 1]")
     num_experts: Optional[int] = bounded(None, ">= 1")  # or keep a fixed count per layer (set coverage=null)
@@ -54,7 +55,7 @@ class MoEDraftConfig:
     profile_batches: int = bounded(8, ">= 1")  # on-the-fly profiling: batches of 4 training rows
     token_selection: str = "loss_mask"  # tokens profiled: loss_mask (trained positions) | all (non-padding)
     eagle3_mlp: bool = False  # init=eagle3: the head's MLP merged from the hot experts of eagle3_layers
-    eagle3_layers: Optional[list[int]] = None  # null = the target's last MoE layer
+    eagle3_layers: Optional[list[int]] = bounded(None, ">= 0")  # null = the target's last MoE layer
     # Which experts, at the count above: hot (most routing weight) | random (seeded, per layer) | cold (least used)
     selection: str = "hot"
     selection_seed: int = 0  # selection=random only
@@ -64,15 +65,15 @@ class MoEDraftConfig:
 class DFlashDraftConfig:
     """draft.init=dflash (specdistill/drafts/dflash/): a block drafter over the target's hidden states. Checked by name
     before anything loads (the layer ids and the mask token against the target's config)."""
-    block_size: int = 8  # B: one forward proposes B - 1 tokens (>= 2); vLLM serves num_speculative_tokens = B - 1
-    target_layer_ids: Optional[list[int]] = None  # target decoder layers read (0-based); null = spread evenly
-    mask_token_id: Optional[int] = None  # fills block positions 1 .. B-1; null = the target's last vocabulary id
-    sliding_window: Optional[int] = None  # a block sees the last W context positions; null = all of them
-
-    def __post_init__(self):
-        if self.block_size < 2:
-            raise ValueError(f"draft.dflash.block_size={self.block_size}: a block is [anchor, MASK x (B-1)], so it "
-                             "must be >= 2 (typical: 4, 8 or 16)")
+    # B: a block is [anchor, MASK x (B-1)] and one forward proposes B - 1 tokens (typical: 4, 8 or 16); vLLM serves
+    # num_speculative_tokens = B - 1
+    block_size: int = bounded(8, ">= 2")
+    # target decoder layers read (0-based); null = spread evenly
+    target_layer_ids: Optional[list[int]] = bounded(None, ">= 0")
+    # fills block positions 1 .. B-1; null = the target's last vocabulary id
+    mask_token_id: Optional[int] = bounded(None, ">= 0")
+    # a block sees the last W context positions; null = all of them
+    sliding_window: Optional[int] = bounded(None, ">= 1")
 
 
 @dataclass

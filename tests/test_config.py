@@ -4,6 +4,7 @@ from omegaconf import OmegaConf
 
 from specdistill.config import CONF_DIR, RECIPES_DIR
 from specdistill.objectives import validate_objective
+from specdistill.validation import range_errors
 from tests.conftest import compose
 
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
@@ -13,6 +14,7 @@ RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 def test_every_recipe_composes_and_validates(recipe):
     cfg = compose(recipe, [])
     assert cfg.run_name == recipe
+    assert range_errors(cfg) == []  # the recipe's values satisfy the ranges on the schema's fields
     obj = validate_objective(cfg)
     assert obj.name == cfg.objective.name
 
@@ -57,5 +59,6 @@ def test_group_yaml_options_all_compose(group):
             overrides.append(f"{key}=/x")
         cfg = compose(None, overrides)
         assert cfg[group] is not None
+        assert range_errors(cfg) == [], path  # the shipped option's values satisfy the schema's ranges
         if group == "objective":
             validate_objective(cfg)

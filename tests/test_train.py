@@ -99,8 +99,9 @@ def test_resume_equals_uninterrupted(tiny_target_dir, tiny_data_file, tmp_path):
     full, res = _run("kd", tiny_target_dir, tiny_data_file, tmp_path, common, "full")
     ckpts = list_checkpoints(tmp_path / "full")
     assert [p.name for p in ckpts] == ["step-0000003", "step-0000006"]
+    # the resumed run loads its batches in the step (no prefetch thread): the same batches, the same weights
     resumed, res2 = _run("kd", tiny_target_dir, tiny_data_file, tmp_path,
-                         common + [f"trainer.resume={ckpts[0]}"], "resumed")
+                         common + [f"trainer.resume={ckpts[0]}", "trainer.prefetch_steps=0"], "resumed")
     assert res2.step == 6
     pf, pr = _params(full), _params(resumed)
     for k in pf:
@@ -227,3 +228,49 @@ def test_a_failing_epoch_end_hook_still_leaves_the_trained_checkpoint(tiny_targe
     with pytest.raises(RuntimeError, match="exploded"):
         fit(c, epoch_end_hooks=(broken_eval,))
     assert [p.name for p in list_checkpoints(tmp_path / "o")] == ["step-0000002"]
+
+
+def _toy_batches(n=40, micro=3, accum=2, seed=5):
+    from specdistill.data.loader import StepBatches
+
+    rows = [{"input_ids": list(range(1, 2 + i % 7)), "loss_mask": [1] * (1 + i % 7)} for i in range(n)]
+    return StepBatches(rows, micro, accum, pad_id=0, seed=seed)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_prefetched_batches_are_the_steps_own_in_order(depth):
+    """The prefetch thread serves exactly StepBatches.micro_batches(step), step after step, from any start step (a
+    resume), across epochs; a step asked out of order is an error, and a loading error surfaces at its step."""
+    from specdistill.data.loader import Prefetcher
+
+    sb = _toy_batches()
+    for start in (0, 5):
+        with Prefetcher(sb.micro_batches, start, 14, depth=depth) as pf:
+            for step in range(start, 14):
+                got, want = pf.get(step), _toy_batches().micro_batches(step)
+                assert len(got) == len(want) == 2
+                for g, w in zip(got, want):
+                    assert g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in w)
+    with Prefetcher(sb.micro_batches, 0, 14, depth=depth) as pf:
+        with pytest.raises(RuntimeError, match="serves step 0 next, not step 1"):
+            pf.get(1)
+
+    def broken(step):
+        if step == 2:
+            raise OSError("truncated part")
+        return sb.micro_batches(step)
+
+    with Prefetcher(broken, 0, 14, depth=depth) as pf:
+        pf.get(0), pf.get(1)
+        with pytest.raises(OSError, match="truncated part"):
+            pf.get(2)
+
+
+def test_a_run_stopped_early_leaves_no_prefetch_thread():
+    import threading
+
+    from specdistill.data.loader import Prefetcher
+
+    with Prefetcher(_toy_batches().micro_batches, 0, 1000, depth=2) as pf:
+        pf.get(0)
+    assert not any(t.name == "specdistill-prefetch" for t in threading.enumerate())
