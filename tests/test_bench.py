@@ -133,3 +133,21 @@ def test_a_signal_that_stops_a_variants_training_stops_the_benchmark(head_bench,
     assert not (out / "runs" / "draft_opd_eagle3").exists()  # the next variant never started
     with pytest.raises(SystemExit, match="--append --overwrite"):
         bench.main(argv + ["--overwrite"])
+
+
+def test_target_token_budget_orders_the_reference_first_and_names_it():
+    """--budget target_tokens: the first on-policy variant trains first and its target tokens are the others'
+    budget; a benchmark without one is refused before anything trains."""
+    args = bench.parse_args(["--variants", "kd", "draft_opd_no_replay", "draft_opd", "--budget", "target_tokens"])
+    b = bench.BenchState(args, bench.size_knobs(args))
+    bench._choose_reference(b)
+    assert b.reference == "draft_opd_no_replay" and b.budget_tokens is None
+    assert bench._training_order(b, ["kd", "draft_opd_no_replay", "draft_opd"]) == ["draft_opd_no_replay", "kd",
+                                                                                  "draft_opd"]
+    b.budget_tokens = 1234
+    assert "1234 tokens through the target (draft_opd_no_replay's 40 steps)" in bench._budget(b)["description"]
+    only_kd = bench.parse_args(["--variants", "kd", "--budget", "target_tokens"])
+    b = bench.BenchState(only_kd, bench.size_knobs(only_kd))
+    bench._choose_reference(b)
+    with pytest.raises(ValueError, match="include one"):
+        bench._training_order(b, ["kd"])

@@ -11,9 +11,10 @@ on-policy plus KD on the data batch), `init` (the untrained from_target draft ev
 `init_eagle3` (the untrained head of recipe eagle3). From one EAGLE-3 head (--variants head, with --override
 draft.path=<head>): eagle3_regen (recipe eagle3_serve's off-policy objective on its regenerated data, the cached store
 reused) against draft_opd_eagle3 (Draft-OPD on the head, replay on) and its _no_replay / _no_weighting ablations (a
-head cannot decode without the target's features, so it has no no_assist arm). A warm start for all of them: --override draft.path=... (and --opd-warm-start for a
-standalone draft when the EAGLE-3 variants run alongside). Variants can run in parallel processes with separate
---out folders and the same knobs; --merge then joins them into one table.
+head cannot decode without the target's features, so it has no no_assist arm). A warm start for all of them:
+--override draft.path=... (and --opd-warm-start for a standalone draft when the EAGLE-3 variants run alongside).
+Variants can run in parallel processes with separate --out folders and the same knobs; --merge then joins them into
+one table.
 
 Compute budget (--budget, recorded per run in results.json):
   steps          (default) every variant makes the same number of optimizer steps on the same micro-batches (same
@@ -42,7 +43,9 @@ import shlex
 import shutil
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, Optional
 
 # recipe=draft_opd's on-policy phase alone (no warm-up, the benchmark's --data, a standalone draft, no EAGLE-3 export):
 # like every other variant, it trains from the benchmark's own start (--override draft.path=... / --opd-warm-start)
@@ -509,116 +512,172 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"[bench] {e}") from None
 
 
+@dataclass
+class BenchState:
+    """What run_bench's steps share: the arguments, the results so far (written after every variant), the one prompt
+    set every variant is scored on, and (--budget target_tokens) the on-policy reference whose target tokens are the
+    other variants' budget."""
+    args: argparse.Namespace
+    knobs: dict                             # size_knobs(args): what makes two benchmark runs comparable
+    log: Callable[[str], None] = print
+    results: dict = field(default_factory=dict)  # variant -> its runs, budget points and scores
+    prompts: Any = None                     # loaded at the first scoring
+    reference: Optional[str] = None         # the first on-policy variant listed
+    budget_tokens: Optional[int] = None     # its target-forward tokens, once known
+
+    @property
+    def previous(self) -> Path:
+        return Path(self.args.out) / "results.json"
+
+
 def run_bench(argv: list[str] | None = None) -> dict:
     """Train and evaluate every selected variant; returns {variant: results} (also written under --out)."""
-    import torch
-
-    from specdistill.pipeline.run import build_components as build  # with the regeneration stage
-    from specdistill.data.prompts import load_prompts
-    from specdistill.decoding.kv import max_positions
+    from specdistill.threads import configure_threads
 
     args = parse_args(argv)
     args.argv = list(argv) if argv is not None else None  # the command recorded in results.md
-    from specdistill.threads import configure_threads
-
     configure_threads(args.threads, "--threads")
-    log = print
-    results: dict = {}
-    prompts = None
-    knobs = size_knobs(args)
-    previous = Path(args.out) / "results.json"
-    sources = [previous] if args.append and previous.exists() else []
+    b = BenchState(args, size_knobs(args))
+    _keep_earlier_results(b)
+    _choose_reference(b)
+    if args.reeval:
+        _reevaluate(b)
+    todo = [v for v in args.variants if v not in b.results and (args.only is None or v in args.only)]
+    _score_untrained(b, todo)
+    for name in _training_order(b, todo):
+        _train_and_score(b, name)
+    paths = _save(b)
+    b.log(f"[bench] wrote {', '.join(str(p) for p in paths.values())}")
+    b.log(paths["md"].read_text())
+    return {n: b.results[n] for n in args.variants if n in b.results}
+
+
+def _keep_earlier_results(b: BenchState) -> None:
+    """--append and --merge: the variants of earlier runs of the same benchmark are kept, not rerun."""
+    args = b.args
+    sources = [b.previous] if args.append and b.previous.exists() else []
     sources += [Path(d) / "results.json" for d in args.merge]
-    for src in sources:  # earlier runs of the same benchmark: their variants are kept, not rerun
+    for src in sources:
         if not src.exists():
             raise FileNotFoundError(f"--merge: {src} does not exist (a benchmark --out folder holds results.json)")
         old = json.loads(src.read_text())
-        if old["meta"].get("knobs") != knobs:
-            raise ValueError(f"{src} was made with other settings ({old['meta'].get('knobs')} vs {knobs}): only "
+        if old["meta"].get("knobs") != b.knobs:
+            raise ValueError(f"{src} was made with other settings ({old['meta'].get('knobs')} vs {b.knobs}): only "
                              "runs of the same benchmark can share a table; use another --out")
-        results.update({k: v for k, v in old["variants"].items() if k not in results})
-        log(f"[bench] keeping {sorted(old['variants'])} from {src}")
+        b.results.update({k: v for k, v in old["variants"].items() if k not in b.results})
+        b.log(f"[bench] keeping {sorted(old['variants'])} from {src}")
 
-    def eval_all(c, draft) -> dict:
-        nonlocal prompts
-        if prompts is None:  # one prompt set for every variant
-            prompts = load_prompts(args.prompts, c.models.tokenizer, num_prompts=args.num_prompts,
-                                   max_new_tokens=args.max_new_tokens, context=max_positions(c.models.target.model))
-        out = {f"T={T:g}": evaluate_draft(args, c, draft, prompts, T, log) for T in args.temperatures}
-        for T in args.temperatures:
-            e = out[f"T={T:g}"]
-            log(f"[bench] T={T:g}: tau {e['mean_accept_len']:.3f}, alpha {e['alpha']:.3f}, speedup {e['speedup']:.3f}x")
-        return out
 
-    def budget_now() -> dict:
-        if args.budget == "steps":
-            return {"unit": "optimizer steps", "steps": args.steps,
-                    "description": f"{args.steps} optimizer steps of {args.micro_batch_size} x {args.grad_accum} "
-                                   "conversations/prompts each, same data order; target-forward tokens recorded"}
-        if args.budget == "wall_time":
-            return {"unit": "training wall time", "minutes": args.minutes,
-                    "description": f"{args.minutes:g} minutes of training wall time per variant (trainer.max_minutes, "
-                                   f"step cap {args.steps}), variants one after another; steps and tokens recorded"}
-        return {"unit": "target-forward tokens", "target_forward_tokens": budget_tokens,
-                "description": f"{budget_tokens} tokens through the target ({reference}'s {args.steps} steps); "
-                               "steps per variant recorded"}
+def _choose_reference(b: BenchState) -> None:
+    """--budget target_tokens: the first on-policy variant is the reference; its target tokens, when an earlier run
+    measured them, are the budget."""
+    on_policy = [v for v in b.args.variants if v in VARIANTS and VARIANTS[v] and VARIANTS[v][0] == "draft_opd"]
+    b.reference = on_policy[0] if on_policy else None
+    if b.args.budget == "target_tokens":
+        b.budget_tokens = b.results.get(b.reference, {}).get("target_forward_tokens")
 
-    def save() -> dict[str, Path]:  # after every variant: an interrupted benchmark keeps what it measured
-        return write_outputs(args, {n: results[n] for n in args.variants if n in results}, budget_now(), knobs)
 
-    on_policy = [v for v in args.variants if v in VARIANTS and VARIANTS[v] and VARIANTS[v][0] == "draft_opd"]
-    reference = on_policy[0] if on_policy else None  # target_tokens: its target-forward tokens are the others' budget
-    budget_tokens = results.get(reference, {}).get("target_forward_tokens") if args.budget == "target_tokens" \
-        else None
-    if args.reeval:
-        if not args.append or not args.only:
-            raise ValueError("--reeval re-scores saved variants: pass --append and --only <variants>")
-        for name in args.only:
-            if name not in results:
-                raise ValueError(f"--reeval: {name} is not in {previous}; run it first")
-            c = build(compose(*reeval_recipe(args, name, results[name])))
-            results[name]["eval"] = eval_all(c, c.accelerator.unwrap_model(c.models.draft))
-            del c
-            save()
-    todo = [v for v in args.variants if v not in results and (args.only is None or v in args.only)]
-    for name, recipe in INIT_RECIPES.items():  # the drafts the trained variants start from, untrained
+def _eval_all(b: BenchState, c, draft) -> dict:
+    """A draft scored at every --temperatures on the benchmark's prompt set."""
+    from specdistill.data.prompts import load_prompts
+    from specdistill.decoding.kv import max_positions
+
+    args = b.args
+    if b.prompts is None:  # one prompt set for every variant
+        b.prompts = load_prompts(args.prompts, c.models.tokenizer, num_prompts=args.num_prompts,
+                                 max_new_tokens=args.max_new_tokens, context=max_positions(c.models.target.model))
+    out = {f"T={T:g}": evaluate_draft(args, c, draft, b.prompts, T, b.log) for T in args.temperatures}
+    for T in args.temperatures:
+        e = out[f"T={T:g}"]
+        b.log(f"[bench] T={T:g}: tau {e['mean_accept_len']:.3f}, alpha {e['alpha']:.3f}, speedup {e['speedup']:.3f}x")
+    return out
+
+
+def _budget(b: BenchState) -> dict:
+    """The budget every variant got, as results.json and results.md record it."""
+    args = b.args
+    if args.budget == "steps":
+        return {"unit": "optimizer steps", "steps": args.steps,
+                "description": f"{args.steps} optimizer steps of {args.micro_batch_size} x {args.grad_accum} "
+                               "conversations/prompts each, same data order; target-forward tokens recorded"}
+    if args.budget == "wall_time":
+        return {"unit": "training wall time", "minutes": args.minutes,
+                "description": f"{args.minutes:g} minutes of training wall time per variant (trainer.max_minutes, "
+                               f"step cap {args.steps}), variants one after another; steps and tokens recorded"}
+    return {"unit": "target-forward tokens", "target_forward_tokens": b.budget_tokens,
+            "description": f"{b.budget_tokens} tokens through the target ({b.reference}'s {args.steps} steps); "
+                           "steps per variant recorded"}
+
+
+def _save(b: BenchState) -> dict[str, Path]:
+    """results.json, results.md and the plots, after every variant: an interrupted benchmark keeps what it measured."""
+    return write_outputs(b.args, {n: b.results[n] for n in b.args.variants if n in b.results}, _budget(b), b.knobs)
+
+
+def _reevaluate(b: BenchState) -> None:
+    """--reeval: the --only variants scored again from their saved final drafts, no training."""
+    from specdistill.pipeline.run import build_components as build
+
+    args = b.args
+    if not args.append or not args.only:
+        raise ValueError("--reeval re-scores saved variants: pass --append and --only <variants>")
+    for name in args.only:
+        if name not in b.results:
+            raise ValueError(f"--reeval: {name} is not in {b.previous}; run it first")
+        c = build(compose(*reeval_recipe(args, name, b.results[name])))
+        b.results[name]["eval"] = _eval_all(b, c, c.accelerator.unwrap_model(c.models.draft))
+        del c
+        _save(b)
+
+
+def _score_untrained(b: BenchState, todo: list[str]) -> None:
+    """The drafts the trained variants start from, scored untrained."""
+    from specdistill.pipeline.run import build_components as build
+
+    for name, recipe in INIT_RECIPES.items():
         if name in todo:
-            c0 = build(compose(recipe, common_overrides(args, name, 1)))
-            results[name] = {"steps": 0, "target_forward_tokens": 0, "trained_positions": 0, "train_seconds": 0.0,
-                             "eval": eval_all(c0, c0.accelerator.unwrap_model(c0.models.draft))}
+            c0 = build(compose(recipe, common_overrides(b.args, name, 1)))
+            b.results[name] = {"steps": 0, "target_forward_tokens": 0, "trained_positions": 0, "train_seconds": 0.0,
+                               "eval": _eval_all(b, c0, c0.accelerator.unwrap_model(c0.models.draft))}
             del c0
-            save()
+            _save(b)
+
+
+def _training_order(b: BenchState, todo: list[str]) -> list[str]:
+    """The variants to train; under --budget target_tokens the reference first (its tokens are the budget)."""
     order = [v for v in todo if v not in INIT_RECIPES]
-    if args.budget == "target_tokens" and budget_tokens is None:
-        if reference is None or reference not in order:
+    if b.args.budget == "target_tokens" and b.budget_tokens is None:
+        if b.reference is None or b.reference not in order:
             raise ValueError("--budget target_tokens measures the budget on an on-policy variant (draft_opd or "
                              "draft_opd_eagle3 ...): include one; the first listed is the reference")
-        order = [reference] + [v for v in order if v != reference]
-    marks_ref = checkpoint_steps(args.checkpoints_at, args.steps)
-    for name in order:
-        recipe, extra = VARIANTS[name]
-        steps, marks = args.steps, marks_ref
-        if budget_tokens is not None and recipe != "draft_opd":  # the reference's target tokens at each point
-            tokens = [p["target_forward_tokens"] for p in results[reference]["points"]]
-            probe = build(compose(recipe, common_overrides(args, name + "_probe", 1) + extra))
-            exact = steps_for_target_tokens(probe, tokens, cap=100 * args.steps)
-            del probe  # on-policy variants keep the reference's steps (their target tokens per step are alike)
-            steps = exact[-1]
-            marks = checkpoint_steps([m / steps for m in exact], steps, quantum=max(1, exact[0] // 8))
-        run = train(args, name, steps, log, marks=marks)
-        if name == reference and args.budget == "target_tokens":
-            budget_tokens = run["target_forward_tokens"]
-        c = run.pop("components")
-        for point in run["points"]:  # every budget point of the one run, scored from its checkpoint
-            point["eval"] = eval_all(c, load_checkpoint_draft(c, point["checkpoint"]))
-        run["eval"] = run["points"][-1]["eval"]
-        results[name] = run
-        del c
-        save()
-    paths = save()
-    log(f"[bench] wrote {', '.join(str(p) for p in paths.values())}")
-    log(paths["md"].read_text())
-    return {n: results[n] for n in args.variants if n in results}
+        order = [b.reference] + [v for v in order if v != b.reference]
+    return order
+
+
+def _train_and_score(b: BenchState, name: str) -> None:
+    """One variant: its one run at its budget, scored at every budget point from that point's checkpoint."""
+    from specdistill.pipeline.run import build_components as build
+
+    args = b.args
+    recipe, extra = VARIANTS[name]
+    steps, marks = args.steps, checkpoint_steps(args.checkpoints_at, args.steps)
+    if b.budget_tokens is not None and recipe != "draft_opd":  # the reference's target tokens at each point
+        tokens = [p["target_forward_tokens"] for p in b.results[b.reference]["points"]]
+        probe = build(compose(recipe, common_overrides(args, name + "_probe", 1) + extra))
+        exact = steps_for_target_tokens(probe, tokens, cap=100 * args.steps)
+        del probe  # on-policy variants keep the reference's steps (their target tokens per step are alike)
+        steps = exact[-1]
+        marks = checkpoint_steps([m / steps for m in exact], steps, quantum=max(1, exact[0] // 8))
+    run = train(args, name, steps, b.log, marks=marks)
+    if name == b.reference and args.budget == "target_tokens":
+        b.budget_tokens = run["target_forward_tokens"]
+    c = run.pop("components")
+    for point in run["points"]:  # every budget point of the one run, scored from its checkpoint
+        point["eval"] = _eval_all(b, c, load_checkpoint_draft(c, point["checkpoint"]))
+    run["eval"] = run["points"][-1]["eval"]
+    b.results[name] = run
+    del c
+    _save(b)
 
 
 if __name__ == "__main__":
