@@ -36,6 +36,9 @@ class TargetConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (the checkpoint's own)
     # EAGLE-3 aux layers (vLLM convention: k = output_hidden_states[k]); null = defaults for any depth.
     aux_layer_ids: Optional[list[int]] = bounded(None, ">= 0")
+    # A target too large for one GPU: none (a whole copy per process) | device_map (one process, its layers spread over
+    # the machine's GPUs) | fsdp (each decoder layer split over the launch's processes; on-policy objectives excluded)
+    shard: str = one_of("none", ("none", "device_map", "fsdp"))
 
 
 @dataclass

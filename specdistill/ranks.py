@@ -42,6 +42,16 @@ def alone(folder=None) -> WorkShare:
     return WorkShare()
 
 
+def in_step(acc) -> Callable[[Path], WorkShare]:
+    """share(folder) for processes that must do the same work together (a target sharded over them: each of its
+    forwards is collective): every process does all of it, after all have looked at the folder."""
+    def share(folder: Path) -> WorkShare:
+        acc.wait_for_everyone()
+        return WorkShare(0, 1, acc.wait_for_everyone)
+
+    return share
+
+
 def folder_share(acc) -> Callable[[Path], WorkShare]:
     """share(folder) for a launch: how its processes split the work of filling `folder`.
 

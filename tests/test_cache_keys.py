@@ -152,9 +152,11 @@ def test_the_converted_model_is_converted_again_when_its_gguf_changes(tmp_path, 
 
     def fake_convert(src_dir, gguf_file, out, made_from):
         converted.append(made_from["sha256"])
+        from safetensors.torch import save_file
+
         out.mkdir(parents=True, exist_ok=True)
-        for name in ("config.json", "model.safetensors"):
-            (out / name).write_text("{}")
+        (out / "config.json").write_text("{}")
+        save_file({"w": torch.zeros(2)}, str(out / "model.safetensors"))
         (out / "converted_from.json").write_text(json.dumps(made_from))
 
     monkeypatch.setattr(assets, "_convert_gguf", fake_convert)

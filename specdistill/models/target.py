@@ -41,15 +41,16 @@ def enable_tf32() -> None:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
 
-def load_causal_lm(path: str, dtype: str = "float32"):
+def load_causal_lm(path: str, dtype: str = "float32", device_map: Optional[str] = None):
     """A causal LM from an HF folder or hub id. Every command loads its models through here, so this is also where
-    a run turns on TF32."""
+    a run turns on TF32. device_map="auto" spreads its layers over the machine's GPUs (target.shard=device_map)."""
     from transformers import AutoModelForCausalLM
 
     enable_tf32()
     where = locate_model(path)
+    placement = {"device_map": device_map} if device_map else {}
     try:
-        return AutoModelForCausalLM.from_pretrained(where, dtype=parse_dtype(dtype))
+        return AutoModelForCausalLM.from_pretrained(where, dtype=parse_dtype(dtype), **placement)
     except OSError as e:
         raise FileNotFoundError(
             f"could not load model {path!r} ({type(e).__name__}: {str(e).splitlines()[0]}). Offline machines cannot "
@@ -108,6 +109,24 @@ def embedding_scale(model) -> float:
                          "rows, so an EAGLE-3 head cannot embed tokens as the target does; this architecture is not "
                          "supported for draft=eagle3 (use an LM draft: draft=from_target)")
     return 1.0 if abs(scale - 1.0) < 1e-6 else scale
+
+
+def shard_target(target: "Target") -> None:
+    """target.shard=fsdp: each decoder layer of the frozen target split over the processes of the launch (FSDP2
+    fully_shard, over the default process group), so a process holds about 1/N of the layers' weights and gathers one
+    layer at a time in a forward. The embeddings, final norm and output layer stay whole on every process: heads and
+    stored-feature logits read them directly. Every forward is then collective: the processes must call the target
+    the same number of times."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    blocks = set(getattr(target.model, "_no_split_modules", None) or ())
+    layers = [m for m in target.model.modules() if type(m).__name__ in blocks or isinstance(m, FSDPModule)]
+    if not layers:
+        raise ValueError(f"target.shard=fsdp: {type(target.model).__name__} names no decoder layer class "
+                         "(_no_split_modules) to shard; use target.shard=none or device_map")
+    for m in layers:
+        if not isinstance(m, FSDPModule):  # sharded once: placing the target again changes nothing
+            fully_shard(m)
 
 
 @dataclass

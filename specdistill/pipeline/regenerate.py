@@ -75,8 +75,7 @@ def answers_donor(store_dir: Path, inputs: dict) -> Optional[Path]:
 
 def regeneration_batch_size(cfg: RegenerateConfig, model) -> int:
     """cfg.batch_size, or (null) the batch the target's device decodes well: 16 on CPU, where a larger batch gains
-    little; on CUDA the largest power of two up to 256 whose KV cache, captured features and prefill activations fit
-    in half of the device memory beside the target's weights.
+    little; on CUDA rows_that_fit in the device's total memory.
 
     Total memory, not free memory: the batch size fixes which prompts share a part and is part of the store's key, so
     every process of a launch and every run on the same kind of GPU must pick the same number."""
@@ -85,18 +84,24 @@ def regeneration_batch_size(cfg: RegenerateConfig, model) -> int:
     param = next(model.parameters())
     if param.device.type != "cuda":
         return 16
-    c = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = torch.cuda.get_device_properties(param.device).total_memory
+    return rows_that_fit(model.config, cfg, param.element_size(), weights, total)
+
+
+def rows_that_fit(config, cfg: RegenerateConfig, elem_bytes: int, weight_bytes: int, device_bytes: int) -> int:
+    """The largest power of two up to 256 whose KV cache, prefill hidden states and activations and captured features
+    take at most half of the device memory beside the weights (the other half: allocator slack, logits, the rest)."""
+    c = config
     T = cfg.max_prompt_tokens + cfg.max_new_tokens
     L, H = c.num_hidden_layers, c.hidden_size
     head_dim = getattr(c, "head_dim", None) or H // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    elem = param.element_size()
-    per_row = (2 * L * kv_heads * head_dim * T * elem  # KV cache
-               + (L + 1) * cfg.max_prompt_tokens * H * elem  # every hidden state of the prefill (output_hidden_states)
-               + 4 * T * H * 4  # captured features (aux + final), kept in fp32 on the host side as well
-               + 4 * cfg.max_prompt_tokens * getattr(c, "intermediate_size", 4 * H) * elem)  # prefill MLP activations
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    budget = (torch.cuda.get_device_properties(param.device).total_memory - weights) // 2
+    per_row = (2 * L * kv_heads * head_dim * T * elem_bytes  # KV cache
+               + (L + 1) * cfg.max_prompt_tokens * H * elem_bytes  # every hidden state of the prefill
+               + 4 * cfg.max_prompt_tokens * getattr(c, "intermediate_size", 4 * H) * elem_bytes  # prefill MLP
+               + 4 * T * H * 4)  # captured features (aux + final) in fp32
+    budget = (device_bytes - weight_bytes) // 2
     size = 1
     while size < 256 and 2 * size * per_row <= budget:
         size *= 2

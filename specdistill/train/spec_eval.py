@@ -49,9 +49,12 @@ def run_spec_eval(c, epoch: int, step: int, name: str | None = None) -> dict:
             _warned.add("sharded")
         return {}
     name = name or f"epoch-{epoch}"
-    mine = _evaluate_share(c, step, name)  # (result or None, the prompts' indices in the whole set)
+    # A target sharded over the processes (target.shard=fsdp) runs collective forwards: then every process decodes
+    # every prompt in step, and rank 0 reports its own result.
+    sharing = 1 if c.cfg.target.shard == "fsdp" else acc.num_processes
+    mine = _evaluate_share(c, step, name, sharing)  # (result or None, the prompts' indices in the whole set)
     every = [mine]
-    if acc.num_processes > 1:
+    if sharing > 1:
         from accelerate.utils import gather_object
 
         every = gather_object([mine])
@@ -65,9 +68,9 @@ def run_spec_eval(c, epoch: int, step: int, name: str | None = None) -> dict:
     return metrics
 
 
-def _evaluate_share(c, step: int, name: str):
-    """This process's share of the evaluation: (EvalResult of its prompt batches or None when it has none, their
-    indices in the whole prompt set)."""
+def _evaluate_share(c, step: int, name: str, sharing: int):
+    """This process's share of the evaluation among `sharing` processes: (EvalResult of its prompt batches or None
+    when it has none, their indices in the whole prompt set)."""
     from specdistill.decoding.kv import max_positions
     from specdistill.data.prompts import load_prompts
     from specdistill.eval.evaluator import evaluate, for_training
@@ -82,11 +85,11 @@ def _evaluate_share(c, step: int, name: str):
     prompts = load_prompts(cfg.prompts, tokenizer, num_prompts=cfg.num_prompts, max_new_tokens=cfg.max_new_tokens,
                            context=max_positions(target), max_prompt_tokens=cfg.max_prompt_tokens,
                            split=cfg.prompts_split, heldout=getattr(c.data, "heldout_messages", None))
-    index = shares(len(prompts), cfg.batch_size, acc.num_processes)[acc.process_index]
+    index = shares(len(prompts), cfg.batch_size, sharing)[acc.process_index if sharing > 1 else 0]
     if not index:
         return None, index
     spec = draft if cfg.drafter == "draft" else cfg.drafter
-    split = f", {acc.num_processes} processes sharing them" if acc.num_processes > 1 else ""
+    split = f", {sharing} processes sharing them" if sharing > 1 else ""
     acc.print(f"[spec-eval] {name} step {step}: speculative decoding of {len(prompts)} prompts x up to "
               f"{cfg.max_new_tokens} tokens, then the target alone (eval.num_prompts, eval.max_new_tokens){split}")
     was_training = draft.training

@@ -49,7 +49,7 @@ def main() -> None:
     check_regeneration(acc, c.models.target.model, c.models.tokenizer)
     check_spec_eval(acc, c)
     if "--no-shard" not in sys.argv:
-        check_sharded_target(acc, cfg)
+        check_sharded_target(acc, cfg, c.models.tokenizer)
     acc.wait_for_everyone()
     print(f"[worker] rank {rank}: all checks passed", flush=True)
 
@@ -127,24 +127,38 @@ def check_spec_eval(acc, c) -> None:
     print(f"[worker] rank {acc.process_index}: evaluation shared", flush=True)
 
 
-def check_sharded_target(acc, cfg) -> None:
-    """target.shard=fsdp: every process holds part of the target; outputs equal the whole target's."""
-    from specdistill.build import build_target
-    from specdistill.models.target import shard_target
+def check_sharded_target(acc, cfg, tok) -> None:
+    """target.shard=fsdp: every process holds part of the target's layers; outputs equal the whole target's, and a
+    regeneration with it (every process decoding every part, in step) writes the same store."""
+    from specdistill.build import build_target, place_target
+    from specdistill.config import RegenerateConfig
+    from specdistill.data.regenerated import RegeneratedStore
+    from specdistill.pipeline.regenerate import regenerate_store
+    from specdistill.ranks import in_step
 
     cfg.target.aux_layer_ids = AUX
+    cfg.target.shard = "fsdp"
     whole = build_target(cfg)
     sharded = build_target(cfg)
-    shard_target(sharded, "fsdp")
+    place_target(cfg, sharded, acc)
+    place_target(cfg, sharded, acc)  # placing it again changes nothing
     held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in sharded.model.parameters())
     total = sum(p.numel() for p in whole.model.parameters())
-    assert held < 0.75 * total, f"rank {acc.process_index} holds {held} of {total} target parameters"
+    assert held < 0.8 * total, f"rank {acc.process_index} holds {held} of {total} target parameters"
     g = torch.Generator().manual_seed(acc.process_index)  # each process its own batch: the shards still serve it
     ids = torch.randint(3, whole.config.vocab_size, (2, 9), generator=g)
     mask = torch.ones_like(ids)
     a, b = whole(ids, mask), sharded(ids, mask)
     torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(b.aux_hidden, a.aux_hidden, atol=1e-5, rtol=1e-5)
+
+    rcfg = RegenerateConfig(enabled=True, prompts=str(DATA), max_prompts=20, max_new_tokens=6, batch_size=4,
+                            store_dir=str(WORK / "sharded_target"))
+    root, parts = regenerate_store(rcfg, sharded.model, tok, str(TARGET), AUX, log=lambda *_: None, progress=False,
+                                   share=in_step(acc))
+    ref = RegeneratedStore(next((WORK / "shared").iterdir()), parts)
+    got = RegeneratedStore(root, parts)
+    assert [got[i]["input_ids"] for i in range(len(got))] == [ref[i]["input_ids"] for i in range(len(ref))]
     print(f"[worker] rank {acc.process_index}: sharded target holds {held} of {total} parameters, same outputs",
           flush=True)
 

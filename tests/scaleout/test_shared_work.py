@@ -13,8 +13,9 @@ pytestmark = pytest.mark.slow  # a real multi-process launch (deselect with -m "
 def test_two_processes_share_regeneration_and_evaluation_and_shard_the_target(tiny_target_dir, tiny_data_file,
                                                                                tmp_path):
     proc = run_cmd([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2",
-                    "tests/scaleout/shared_work_worker.py", str(tiny_target_dir), str(tiny_data_file), str(tmp_path), "--no-shard"],
+                    "tests/scaleout/shared_work_worker.py", str(tiny_target_dir), str(tiny_data_file), str(tmp_path)],
                    env=subprocess_env(SPECDISTILL_CACHE=str(tmp_path / "specdistill_cache")))
     log = proc.stdout + proc.stderr
     for rank in (0, 1):
-        assert f"[worker] rank {rank}: all checks passed" in log
+        for check in ("regeneration shared", "evaluation shared", "sharded target holds", "all checks passed"):
+            assert f"[worker] rank {rank}: {check}" in log
