@@ -153,10 +153,12 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
     kind = kind_for_init(draft_cfg.init)
     objective.check_draft_kind(kind)  # e.g. draft-only rollouts of a draft that cannot decode alone: before loading
     from specdistill.models.target import load_target_config
+    from specdistill.ranks import caches_filled_once
 
-    target_config = load_target_config(cfg.target.path)  # config.json only: the draft's settings against it
+    with caches_filled_once(accelerator):  # an embedded target is converted here, once per cache folder
+        target_config = load_target_config(cfg.target.path)  # config.json only: the draft's settings against it
     kind.check_config(draft_cfg, target_config)
-    with accelerator.main_process_first():  # rank 0 converts/caches the embedded target and the data first
+    with caches_filled_once(accelerator):  # the converted target and the tokenized data: one writer per cache folder
         target = build_target(cfg)
         tokenizer = build_tokenizer(cfg)
         if not regen:

@@ -5,6 +5,7 @@ evaluation (train/spec_eval.py) splits prompts.
 """
 from __future__ import annotations
 
+import contextlib
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,6 +18,15 @@ def process_group_timeout(cfg) -> timedelta:
     stretch one rank works while the others wait (a rank's share of the regeneration, the final evaluation, a
     checkpoint), not torch's 10 or 30 minutes."""
     return timedelta(seconds=float(cfg.trainer.process_group_timeout_s))
+
+
+@contextlib.contextmanager
+def caches_filled_once(acc):
+    """Run the block on rank 0 first (it fills a cache every process sees), then on the first process of each node
+    (it fills a node-local cache, the default ~/.cache/specdistill), then on the others (they read): a cache is
+    written by one process per folder, whether the folder is shared or node-local."""
+    with acc.main_process_first(), acc.local_main_process_first():
+        yield
 
 
 def _nothing() -> None:
