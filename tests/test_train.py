@@ -11,6 +11,7 @@ from specdistill.pipeline.run import build_components
 from specdistill.train.checkpoint import list_checkpoints
 from specdistill.train.loop import fit
 from tests.conftest import compose, make_tiny_lm, make_tokenizer, tiny_overrides
+from tests.test_recorded_losses import check_recorded
 
 # moe_* recipes need an MoE target: tests/moe/ trains them on tiny Mixtral and Qwen3-MoE targets.
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml") if not p.stem.startswith("moe"))
@@ -33,6 +34,7 @@ def test_every_recipe_trains_and_writes_a_checkpoint(recipe, tiny_target_dir, ti
     assert c.phases.main.steps == 3 and res.step == c.phases.total_steps  # draft_opd: its warm-up first
     losses = [h["train/loss"] for h in res.history]
     assert all(torch.isfinite(torch.tensor(losses)))
+    check_recorded(recipe, losses)  # the same run, against its recorded losses (tests/test_recorded_losses.py)
     ck = res.final_checkpoint
     assert (ck / "draft" / "model.safetensors").exists() and (ck / "draft" / "config.json").exists()
     assert (ck / "draft" / "tokenizer.json").exists() and (ck / "config.yaml").exists()

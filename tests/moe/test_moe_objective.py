@@ -13,6 +13,7 @@ from specdistill.objectives.moe_kd import MoEKDObjective
 from specdistill.train.loop import fit
 from tests.conftest import compose, tiny_overrides
 from tests.moe.conftest import random_batch
+from tests.test_recorded_losses import check_recorded
 
 
 def _draft(target, kind):
@@ -84,6 +85,7 @@ def test_moe_kd_recipe_trains_on_a_tiny_moe_target(kind, draft, tiny_moe_dirs, t
     assert meta["source_layers"] == [0, 1] and all(len(e) == 2 for e in meta["experts"])
     res = fit(c)
     assert res.step == 3
+    check_recorded(f"moe_kd[{kind}-{draft}]", [x["train/loss"] for x in res.history])  # tests/test_recorded_losses.py
     h = res.history[-1]
     assert all(torch.isfinite(torch.tensor(x["train/loss"])) for x in res.history)
     assert "train/expert" in h and "train/kd" in h and 0 < h["train/kept_routing_share"] <= 1
@@ -135,6 +137,7 @@ def test_moe_opd_recipe_trains_on_a_tiny_moe_target(tiny_moe_dirs, tiny_data_fil
     c = build(cfg)
     res = fit(c)
     assert res.step == 2
+    check_recorded("moe_opd", [x["train/loss"] for x in res.history])  # tests/test_recorded_losses.py
     h = res.history[-1]
     assert torch.isfinite(torch.tensor(h["train/loss"])) and h["train/expert"] >= 0
     assert "train/onpolicy_loss" in h and 0 < h["train/kept_routing_share"] <= 1
