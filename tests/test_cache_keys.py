@@ -165,3 +165,20 @@ def test_the_converted_model_is_converted_again_when_its_gguf_changes(tmp_path, 
     gguf.write_bytes(b"gguf-2")  # a new package version under the same name
     assets.resolve_model_path("embedded:smollm2-135m-instruct")
     assert len(converted) == 2 and converted[0] != converted[1]
+
+
+def test_offline_features_are_checked_against_the_targets_files(setup):
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from specdistill.build import feature_meta
+
+    _, tok, target, _ = setup
+    cfg = OmegaConf.create({"target": {"path": str(target), "dtype": "float32"}})
+    data = SimpleNamespace(fingerprint="f")
+    before = feature_meta(cfg, [1], data)
+    assert feature_meta(cfg, [1], data) == before
+    make_tiny_lm(len(tok), layers=3, hidden=32, seed=2).save_pretrained(target)  # new weights, same folder
+    after = feature_meta(cfg, [1], data)
+    assert after["target_files"] != before["target_files"] and after["target"] == before["target"]
