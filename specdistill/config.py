@@ -107,7 +107,8 @@ class DraftConfig:
 
 @dataclass
 class RegenerateConfig:
-    """data.regenerate (specdistill/pipeline/regenerate.py): build the training set by letting the target answer real prompts (greedy by default)."""
+    """data.regenerate (specdistill/pipeline/regenerate.py): build the training set by letting the target answer
+    real prompts (greedy by default)."""
     enabled: bool = False
     prompts: str = "embedded:sharegpt"  # first user turns of: embedded:sharegpt | a .json/.jsonl/.parquet file | hub id
     # prompts answered (from the start of the source; the evaluator's ShareGPT set is its end)
@@ -215,11 +216,13 @@ class EvalConfig:
     max_new_tokens: int = bounded(64, ">= 1")
     temperature: float = bounded(0.0, ">= 0")
     top_p: float = bounded(1.0, "(0, 1]")
-    draft_policy: str = "greedy"  # temperature > 0: greedy (argmax drafts, one-hot verification: vLLM / SGLang) | sample
+    # temperature > 0: greedy (argmax drafts, one-hot verification: vLLM / SGLang) | sample
+    draft_policy: str = "greedy"
     ignore_eos: bool = False  # generate exactly max_new_tokens per prompt (fixed-length benchmarking)
     seed: int = 0  # sampling at temperature > 0
     drafter: str = one_of("draft", DRAFTERS)  # draft | ngram | target (the target as its own draft: an upper bound)
-    draft_path: Optional[str] = None  # a trained draft folder (.../checkpoints/step-N/draft); null: build the draft group
+    # a trained draft folder (.../checkpoints/step-N/draft); null: build the draft group
+    draft_path: Optional[str] = None
     ngram_max: int = bounded(3, ">= 1")  # n-gram prompt lookup: longest and shortest n-gram matched
     ngram_min: int = bounded(1, ">= 1")
     dynamic_gamma: bool = False

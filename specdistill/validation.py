@@ -168,8 +168,8 @@ def draft_shape_errors(cfg: DictConfig) -> list[str]:
     _, layers = _get(cfg, "draft.num_layers")
     if layers_needed is not None and layers != layers_needed:
         errors.append(f"draft.num_layers={layers}: a draft.init={init} draft has exactly {layers_needed} decoder "
-                      "layer (the EAGLE-3 layout vLLM and SGLang load); set draft.num_layers=1 (draft=eagle3 does), and "
-                      "give it capacity with draft.intermediate_size")
+                      "layer (the EAGLE-3 layout vLLM and SGLang load); set draft.num_layers=1 (draft=eagle3 does), "
+                      "and give it capacity with draft.intermediate_size")
     for k in SIZE_KEYS:
         v = _get(cfg, f"draft.{k}")[1]
         if v is not None and k not in used:

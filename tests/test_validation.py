@@ -174,7 +174,8 @@ def _numeric_fields(cls, prefix=""):
 
 
 def test_every_numeric_setting_carries_a_constraint():
-    """A new int or float setting needs a range on its field: `bounded(default, ">= 1")` (specdistill/constraints.py)."""
+    """A new int or float setting needs a range on its field: `bounded(default, ">= 1")`
+    (specdistill/constraints.py)."""
     from specdistill.config import Config
     from specdistill.constraints import rules
 
@@ -202,7 +203,8 @@ def test_an_objective_checks_its_fields_by_the_same_rules():
         DraftOPDObjective(gamma=0, replay_ratio=1.5, weighting="x", replay_max_age=None)
     said = str(e.value)
     assert "objective.gamma=0 must be >= 1 (the default is objective.gamma=4)" in said
-    assert "objective.replay_ratio=1.5 must be >= 0 and <= 1" in said and "objective.weighting='x' must be one of" in said
+    assert "objective.replay_ratio=1.5 must be >= 0 and <= 1" in said
+    assert "objective.weighting='x' must be one of" in said
     assert "replay_max_age" not in said  # Optional: null is legal
 
 

@@ -33,8 +33,8 @@ class StepBatches:
         self.steps_per_epoch = per_rank // (self.micro_batch_size * self.grad_accum)
         if self.steps_per_epoch == 0:
             raise ValueError(f"{len(self.dataset)} training examples are too few for one optimizer step of "
-                             f"{self.world_size} ranks x {self.grad_accum} x {self.micro_batch_size}: add data or lower "
-                             "trainer.micro_batch_size / trainer.grad_accum")
+                             f"{self.world_size} ranks x {self.grad_accum} x {self.micro_batch_size}: add data or "
+                             "lower trainer.micro_batch_size / trainer.grad_accum")
         self._epoch, self._order = None, None
 
     def _rank_order(self, epoch: int) -> list[int]:

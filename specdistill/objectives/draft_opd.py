@@ -184,7 +184,8 @@ class DraftOPDObjective(Objective):
     replay_capacity: int = bounded(2048, ">= 1")  # positions kept
     # rollout refreshes an item may age before it is dropped (null = no limit)
     replay_max_age: Optional[int] = bounded(50, ">= 0")
-    replay_weight: float = bounded(0.25, ">= 0")  # loss weight of a replayed position (1.0 measured worse: docs/results.md)
+    # loss weight of a replayed position (1.0 measured worse: docs/results.md)
+    replay_weight: float = bounded(0.25, ">= 0")
     # off-policy mix: + kd_weight x divergence on the data batch's loss tokens (heads: eagle3's loss)
     kd_weight: float = bounded(0.0, ">= 0")
     seed: int = 0                       # rollout sampling

@@ -41,7 +41,8 @@ class FitResult:
     history: list[dict] = field(default_factory=list)  # every logged metrics dict
     heldout_before: Optional[dict] = None
     heldout_after: Optional[dict] = None
-    preempted: Optional[str] = None  # "SIGTERM" / "SIGINT" when a signal stopped the run (a resumable checkpoint exists)
+    # "SIGTERM" / "SIGINT" when a signal stopped the run (a resumable checkpoint exists)
+    preempted: Optional[str] = None
     nothing_to_do: bool = False  # resumed at max_steps: no file was written (train/results.py)
 
 
@@ -200,9 +201,9 @@ def _resume_point(c: Components, config_yaml: str) -> Optional[Path]:
     acc, t, out_dir = c.accelerator, c.cfg.trainer, c.output_dir
     resume_from = select_resume(t.resume, out_dir, acc, log=acc.print)  # verified; corrupt ones moved aside
     if resume_from is None and list_checkpoints(out_dir):
-        raise FileExistsError(f"{out_dir} already holds checkpoints of an earlier run ({list_checkpoints(out_dir)[-1].name})"
-                              ": continue it with trainer.resume=auto, or start fresh in another trainer.output_dir "
-                              "(nothing is overwritten)")
+        raise FileExistsError(f"{out_dir} already holds checkpoints of an earlier run "
+                              f"({list_checkpoints(out_dir)[-1].name}): continue it with trainer.resume=auto, or start "
+                              "fresh in another trainer.output_dir (nothing is overwritten)")
     if resume_from is not None:
         check_resume_config(resume_from, config_yaml, t.resume_allow_drift, log=acc.print)
         check_resume_phases(json.loads((resume_from / "trainer_state.json").read_text()).get("phases"), c.phases,
