@@ -103,6 +103,20 @@ def test_a_head_for_another_target_is_refused_by_name_before_decoding(which, eag
                    **QUIET)
 
 
+def test_a_dflash_draft_for_another_target_is_refused_by_name_before_decoding(tiny_target_dir, tmp_path):
+    from specdistill.drafts.dflash.model import build_dflash
+    from specdistill.eval.run import load_draft
+
+    ck = tmp_path / "ck"
+    build_dflash(_target(tiny_target_dir), num_layers=1, block_size=4, target_layer_ids=None,
+                 mask_token_id=0).save_pretrained(ck / "draft")
+    (ck / "config.yaml").write_text(f"target:\n  path: {tiny_target_dir}\n")
+    deeper = make_tiny_lm(len(make_tokenizer()), layers=6)
+    with pytest.raises(ValueError, match=rf"does not fit.*4-layer target.*has 6 layers.*trained for {tiny_target_dir}"):
+        load_draft(_eval_cfg(tiny_target_dir, tmp_path, f"eval.draft_path={ck / 'draft'}"), deeper,
+                   make_tokenizer(), **QUIET)
+
+
 def test_an_lm_draft_for_another_vocabulary_names_the_target_it_was_trained_for(tiny_target_dir, tmp_path):
     from specdistill.eval.run import load_draft
 

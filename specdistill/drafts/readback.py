@@ -91,7 +91,15 @@ def _eagle3_fits(draft, path, target_model, target_name: str, log) -> None:
     fill_eagle3_embeddings(draft, path, target_model, target_name, log)
 
 
-FITS: dict[str, Callable] = {"eagle3": _eagle3_fits}  # kind -> its checks beyond check_target (drafts/base.py)
+def _dflash_fits(draft, path, target_model, target_name: str, log) -> None:
+    from specdistill.drafts.dflash.export import check_target  # the layers, width and vocabulary it reads
+
+    problems = check_target(draft.config, target_model.config.get_text_config().to_dict())
+    if problems:
+        raise _unfit(path, target_name, "; ".join(problems))
+
+
+FITS: dict[str, Callable] = {"eagle3": _eagle3_fits, "dflash": _dflash_fits}  # kind -> checks beyond check_target
 
 
 def read_back(draft, path, target_model, target_name: str = "the target", log=print) -> None:
