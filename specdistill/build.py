@@ -126,7 +126,7 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
     from specdistill.data.dataset import build_data
     from specdistill.decoding import CacheMode
     from specdistill.drafts import kind_for_init, reads_draft_path
-    from specdistill.models.draft import check_tokenizers_match
+    from specdistill.drafts.readback import check_draft_tokenizer
     from specdistill.objectives import Models
 
     from specdistill.validation import validate_config
@@ -161,6 +161,10 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
     with caches_filled_once(accelerator):  # the converted target and the tokenized data: one writer per cache folder
         target = build_target(cfg)
         tokenizer = build_tokenizer(cfg)
+        if regen or cfg.data.offline_dir:  # the target's files hashed for the cache keys: once per cache folder
+            from specdistill.assets import model_digest
+
+            model_digest(str(cfg.target.path))
         if not regen:
             data = build_data(OmegaConf.to_object(cfg.data) if isinstance(cfg.data, DictConfig) else cfg.data,
                               tokenizer, log=log)
@@ -176,7 +180,7 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
         data = make_data(cfg, target, tokenizer, log=log, share=share)
     draft = kind.build(draft_cfg, target, data)
     if draft_cfg.init == "pretrained":
-        check_tokenizers_match(draft_cfg.path, tokenizer)
+        check_draft_tokenizer(draft_cfg.path, tokenizer, log)  # or says that it is skipped
     if cfg.data.offline_dir:
         data.train = with_offline_features(cfg, target, data)
     place_target(cfg, target, accelerator)

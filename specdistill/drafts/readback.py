@@ -102,6 +102,21 @@ def _dflash_fits(draft, path, target_model, target_name: str, log) -> None:
 FITS: dict[str, Callable] = {"eagle3": _eagle3_fits, "dflash": _dflash_fits}  # kind -> checks beyond check_target
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def check_draft_tokenizer(path, target_tokenizer, log=print) -> None:
+    """A saved draft's own tokenizer must map every token as the target's does; a folder without one is said to skip
+    the check (only the vocabulary size is compared then)."""
+    from specdistill.models.draft import check_tokenizers_match
+
+    if any((Path(path).expanduser() / f).exists() for f in TOKENIZER_FILES):
+        check_tokenizers_match(str(path), target_tokenizer)
+    else:
+        log(f"[draft] {path} ships no tokenizer: the tokenizer check is skipped (only the vocabulary size is "
+            "compared); a draft trained with another tokenizer would run on the wrong token ids")
+
+
 def read_back(draft, path, target_model, target_name: str = "the target", log=print) -> None:
     """Check a draft loaded from `path` against the target it will run with, before decoding (every kind), and give
     an EAGLE-3 head its embeddings. Raises ValueError naming the folder, the problem and the target it was trained

@@ -11,7 +11,6 @@ from specdistill.data.prompts import load_prompts
 from specdistill.eval.report import write_report
 from specdistill.files import check_writable, folder_lock, named_writes
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 RESULT_FILES = ("results.json", "results.md", "outputs.jsonl")  # what an evaluation writes (eval/report.py)
 
 
@@ -24,8 +23,7 @@ def resolve_device(name: str) -> torch.device:
 def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
     """eval.draft_path (a trained HF draft folder) if set, else a draft built from the `draft` group (untrained)."""
     from specdistill.drafts import kind_for_init, load_trained_draft
-    from specdistill.drafts.readback import read_back
-    from specdistill.models.draft import check_tokenizers_match
+    from specdistill.drafts.readback import check_draft_tokenizer, read_back
     from specdistill.models.target import Target
 
     path = cfg.eval.draft_path
@@ -38,11 +36,7 @@ def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
         check_draft_folder(path, what="eval.draft_path draft")  # sizes, checksums, safetensors headers
         draft = load_trained_draft(path)  # a standalone LM or an EAGLE-3 head
         read_back(draft, path, target_model, target_name=str(cfg.target.path), log=log)  # shapes, embeddings
-        if any((Path(path).expanduser() / f).exists() for f in TOKENIZER_FILES):
-            check_tokenizers_match(path, tokenizer)
-        else:
-            log(f"[eval] {path} ships no tokenizer: the tokenizer check is skipped (only the vocabulary size was "
-                "compared); a draft trained with another tokenizer would decode with the wrong ids")
+        check_draft_tokenizer(path, tokenizer, log)  # or says that it is skipped
         log(f"[eval] draft from {path}")
     else:
         draft_cfg = OmegaConf.to_object(cfg.draft)
