@@ -12,6 +12,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 CACHE_ROOT = Path(os.environ.get("SPECDISTILL_CACHE", "~/.cache/specdistill")).expanduser()
 
@@ -47,8 +48,11 @@ def file_digest(path) -> str:
     except OSError:
         digest = ""
     if len(digest) != 64:
+        h = hashlib.sha256()
         with p.open("rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+        digest = h.hexdigest()
         _remember(record, digest)
     _memo[key] = digest
     return digest
@@ -66,7 +70,7 @@ def folder_digest(folder) -> str:
     return h.hexdigest()
 
 
-def path_digest(path) -> str:
+def path_digest(path) -> Optional[str]:
     """A file's or a folder's content digest, or None when nothing is at `path`."""
     p = Path(str(path)).expanduser()
     if p.is_file():

@@ -76,13 +76,16 @@ def folder_share(acc) -> Callable[[Path], WorkShare]:
         from accelerate.utils import broadcast_object_list, gather_object
 
         token = broadcast_object_list([uuid.uuid4().hex if acc.is_main_process else None])[0]
-        probe = Path(folder) / f".share-probe-{token}-{{}}"
-        Path(str(probe).format(acc.process_index)).touch()
+
+        def probe(rank: int) -> Path:
+            return Path(folder) / f".share-probe-{token}-{rank}"
+
+        probe(acc.process_index).touch()
         acc.wait_for_everyone()
-        mine = {r for r in range(acc.num_processes) if Path(str(probe).format(r)).exists()}
+        mine = {r for r in range(acc.num_processes) if probe(r).exists()}
         seen = gather_object([mine])  # by rank: the ranks whose probe it sees
         acc.wait_for_everyone()
-        Path(str(probe).format(acc.process_index)).unlink()
+        probe(acc.process_index).unlink()
         group = sharing_group(seen, acc.process_index)
         return WorkShare(group.index(acc.process_index), len(group), acc.wait_for_everyone)
 

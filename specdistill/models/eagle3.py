@@ -421,12 +421,15 @@ class Eagle3Head(nn.Module):
     # ------------------------------------------------------------------ inference: one call per draft step
     def step(self, token_ids: torch.Tensor, g: torch.Tensor, position_ids: torch.Tensor,
              past: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-             key_mask: Optional[torch.Tensor] = None, readout_slot: Optional[torch.Tensor] = None) -> Eagle3StepOutput:
+             key_mask: Optional[torch.Tensor] = None, readout_slot: Optional[torch.Tensor] = None,
+             query_mask: Optional[torch.Tensor] = None) -> Eagle3StepOutput:
         """Append n slots to a cache. token_ids (B, n), g (B, n, H) (fc-fused target features or the head's own
         previous output), position_ids (B, n); past keys/values (B, nh, S, hd); key_mask (B, S + n) bool marks
         usable cache slots. New slots attend causally among themselves and to every usable past slot.
         readout_slot (B,): logits only at that slot of each row, (B, 1, Vd) (a drafter needs one slot per row; the
-        lm_head over every slot of a prompt-long block is most of a drafting round's work). Default: every slot."""
+        lm_head over every slot of a prompt-long block is most of a drafting round's work). Default: every slot.
+        query_mask (B, n, S + n) bool: the keys each new slot attends to, in place of the causal rule and key_mask
+        (token trees: a drafted node sees the usable cache, its ancestors and itself, not its siblings)."""
         scale = 1.0 / math.sqrt(self.config.head_dim)
         store = {}
 
@@ -439,6 +442,8 @@ class Eagle3Head(nn.Module):
             allow = allow[None, None]
             if key_mask is not None:
                 allow = allow & key_mask[:, None, None, :].bool()
+            if query_mask is not None:
+                allow = query_mask[:, None].bool()                              # (B, 1, n, S + n)
             s = (q @ K.transpose(-1, -2)) * scale
             s = s.masked_fill(~allow, torch.finfo(s.dtype).min)
             store["k"], store["v"] = K, Vv
