@@ -277,6 +277,9 @@ class WarmupConfig:
     trainer.epochs are the length of the phase after the warm-up (`objective`)."""
     mode: str = "never"  # never | auto (run it unless draft.path holds a trained draft) | always
     objective: Any = None  # the warm-up's objective, as `objective` (e.g. {name: eagle3, steps: 4, decay: 0.8})
+    # The warm-up objective of a draft kind that `objective` cannot train, keyed by the objective that trains the kind
+    # on data (drafts/: DraftAdapter.data_objective), e.g. {dflash: {name: dflash}}: recipe=draft_opd draft=dflash
+    kind_objectives: Any = None
     steps: Optional[int] = bounded(None, ">= 1")  # its length: optimizer steps, or ...
     epochs: Optional[int] = bounded(None, ">= 1")  # ... epochs over the training data (exactly one of the two)
     lr: Optional[float] = bounded(None, "> 0")  # null = trainer.lr

@@ -165,8 +165,12 @@ def check_warmup(cfg: DictConfig) -> Optional[Any]:
         raise ValueError("warmup.objective is not set: give the warm-up's objective, e.g. warmup.objective={name: "
                          "eagle3, steps: 4, decay: 0.8} (recipe=draft_opd sets it)")
     raw = OmegaConf.to_container(w.objective, resolve=True) if isinstance(w.objective, DictConfig) else w.objective
-    objective = make_objective(raw, "warmup.objective")
     trains_kind = kind_for_init(cfg.draft.init).data_objective  # the objective that trains this draft kind on data
+    per_kind = w.get("kind_objectives") or {}
+    if isinstance(raw, dict) and raw.get("name") != trains_kind and trains_kind in per_kind:
+        v = per_kind[trains_kind]  # e.g. a DFlash draft's block loss
+        raw = OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) else dict(v)
+    objective = make_objective(raw, "warmup.objective")
     if objective.name != trains_kind:
         raise ValueError(f"warmup.objective.name={objective.name!r} cannot train draft.init={cfg.draft.init!r}: its "
                          f"kind trains on data with objective {trains_kind!r} (an EAGLE-3 head: eagle3; a standalone "

@@ -109,7 +109,10 @@ class DFlashObjective(Objective):
         return prepared.num_tokens
 
     def loss(self, prepared: _Prepared, models: Models) -> StepOutput:
-        batch, anchors, sel = prepared.batch, prepared.anchors, prepared.sel
+        return self.block_terms(prepared.batch, models, prepared.anchors, prepared.sel)
+
+    def block_terms(self, batch: dict, models: Models, anchors: torch.Tensor, sel: torch.Tensor) -> StepOutput:
+        """The loss at the block positions `sel` (R, n, B-1) of the blocks anchored at `anchors` (R, n)."""
         draft = unwrap(models.draft)
         B = draft.block_size
         ids = batch["input_ids"]
@@ -131,6 +134,18 @@ class DFlashObjective(Objective):
                 metrics[f"acc_pos{j + 1}_sum"] = (hit * (k == j)).sum()
                 metrics[f"acc_pos{j + 1}_count"] = (k == j).sum().float()
         return StepOutput(loss, weight, metrics)
+
+    def tiled(self, batch: dict, models: Models) -> StepOutput:
+        """The same loss with blocks tiling every row instead of random anchors (anchors 1, B, 2B-1, ...): each loss
+        position t >= 1 is one block position exactly once, so there are loss_mask[:, 1:].sum() terms (Draft-OPD's
+        kd_weight term on the data batch, whose count is needed before the loss)."""
+        B = unwrap(models.draft).block_size
+        lm = batch["loss_mask"].bool()
+        R, T = lm.shape
+        starts = torch.arange(1, max(T, 2), B - 1, device=lm.device)                         # (n,)
+        anchors = starts.expand(R, -1).contiguous()
+        sel = self._positions(lm, anchors, torch.ones_like(anchors, dtype=torch.bool), B)
+        return self.block_terms(batch, models, anchors, sel)
 
     def state_dict(self) -> dict:
         return {"calls": self.calls}

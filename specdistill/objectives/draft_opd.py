@@ -489,3 +489,14 @@ OFF_POLICY = {
     "kd": _OffPolicy(_kd_loss, lambda obj, lm: int(lm.sum())),
     "eagle3": _OffPolicy(_ttt_loss, lambda obj, lm: sum(int(lm[:, 1 + j:].sum()) for j in range(obj.gamma))),
 }
+
+
+def _block_loss(obj: "DraftOPDObjective", batch: dict, models: Models) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DFlash draft: recipe dflash_serve's loss with blocks tiling each row (every loss token t >= 1 once)."""
+    from specdistill.objectives.dflash import DFlashObjective
+
+    off = DFlashObjective().tiled(batch, models)
+    return off.loss, off.weight * obj.kd_weight                                            # (N,) each
+
+
+OFF_POLICY["dflash"] = _OffPolicy(_block_loss, lambda obj, lm: int(lm[:, 1:].sum()))

@@ -103,7 +103,7 @@ def stage_names(cfg: DictConfig) -> list[str]:
     """The stages that follow training, in order: eval/final (eval.spec_eval_at=end), export/<format> per
     trainer.export_formats, and hub/push (hub.push: the final checkpoint's push, done by fit's checkpoint hook)."""
     names = ["eval/final"] if cfg.eval.spec_eval and cfg.eval.spec_eval_at == "end" else []
-    names += [f"export/{fmt}" for fmt in cfg.trainer.export_formats or []]
+    names += [f"export/{fmt}" for fmt in served_formats(cfg)]
     return names + ([HUB_STAGE] if cfg.hub.push else [])
 
 
@@ -168,7 +168,7 @@ def export_final(cfg: DictConfig, checkpoint, output_dir, formats: Optional[list
     <output_dir>/export/."""
     kind = kind_for_init(cfg.draft.init)
     written = []
-    for fmt in (cfg.trainer.export_formats or []) if formats is None else formats:
+    for fmt in served_formats(cfg) if formats is None else formats:
         out = Path(output_dir) / "export" / fmt
         with named_writes(out.parent, "trainer.output_dir", f"the checkpoint {checkpoint} is complete; export it "
                           f"again with scripts/export.py or trainer.resume=auto"):
@@ -177,6 +177,13 @@ def export_final(cfg: DictConfig, checkpoint, output_dir, formats: Optional[list
         log(f"[export] {fmt}: {res.out_dir}")
         written.append(res.out_dir)
     return written
+
+
+def served_formats(cfg: DictConfig) -> list[str]:
+    """trainer.export_formats that the draft kind has a layout for (a DFlash draft: vllm only); the others are skipped
+    with a note at the start (check_export_config), so one recipe serves every kind it trains."""
+    kind = kind_for_init(cfg.draft.init)
+    return [f for f in cfg.trainer.export_formats or [] if f in kind.serving_formats]
 
 
 def check_export_config(cfg: DictConfig) -> None:
@@ -189,5 +196,9 @@ def check_export_config(cfg: DictConfig) -> None:
     if formats and not kind_for_init(cfg.draft.init).serving_formats:
         raise ValueError(f"trainer.export_formats={formats} exports EAGLE-3 heads; draft.init={cfg.draft.init!r} is a "
                          "standalone LM (serve its checkpoint folder as is): set trainer.export_formats=[]")
+    skipped = [f for f in formats if f not in served_formats(cfg)]
+    if skipped and kind_for_init(cfg.draft.init).serving_formats:
+        print(f"[export] trainer.export_formats {skipped} skipped: a draft.init={cfg.draft.init} draft exports to "
+              f"{list(kind_for_init(cfg.draft.init).serving_formats)} only")
     if cfg.eval.spec_eval_at not in ("every_epoch", "end"):
         raise ValueError(f"eval.spec_eval_at={cfg.eval.spec_eval_at!r}: choose every_epoch or end")
