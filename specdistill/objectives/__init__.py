@@ -5,7 +5,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdistill.objectives.base import Models, StepOutput
 from specdistill.objectives.dflash import DFlashObjective
-from specdistill.objectives.dflash import DFlashObjective
 from specdistill.objectives.draft_opd import DraftOPDObjective
 from specdistill.objectives.eagle3 import Eagle3Objective
 from specdistill.objectives.kd import KDObjective
@@ -17,7 +16,6 @@ OBJECTIVES = {"sft": SFTObjective, "kd": KDObjective, "eagle3": Eagle3Objective}
 OBJECTIVES["draft_opd"] = DraftOPDObjective
 OBJECTIVES["moe_kd"] = MoEKDObjective
 OBJECTIVES["moe_opd"] = MoEOPDObjective
-OBJECTIVES["dflash"] = DFlashObjective
 OBJECTIVES["dflash"] = DFlashObjective
 
 
