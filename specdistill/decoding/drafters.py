@@ -163,7 +163,7 @@ class LMDrafter(Drafter):
         depth1 = self.kv.length                                              # (B,) position of the root's children
         pending_seen = torch.ones(B, shape.topk, P, dtype=torch.bool, device=root.device)  # padding masks itself
 
-        def feed(tokens, visible, d):
+        def feed(tokens, visible, d, parent):
             positions = (depth1 + d - 1)[:, None].expand_as(tokens)
             return self.kv.step(tokens, positions=positions,
                                 tail_visible=torch.cat([pending_seen, visible], dim=2)).logits  # (B, k, V)

@@ -18,12 +18,14 @@ fewer than the widest row leaves masked holes, as in kv.BatchKV (keys carry thei
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from specdistill.models.eagle3 import Eagle3Head
 
 from .drafters import Drafter, Proposal, check_confidence, unsure
 from .kv import BatchKV
 from .sampling import Sampler
+from .tree import Tree, TreeShape, grow
 
 
 class Eagle3Drafter(Drafter):
@@ -87,23 +89,30 @@ class Eagle3Drafter(Drafter):
         g = self._features(target_hidden)[:, -(T - 1):] * keep[..., None]   # (B, T-1, H) zero where not real
         self._set_pending(input_ids[:, 1:], g, keep, last)
 
-    @torch.no_grad()
-    def propose(self, k: int, sampler: Sampler) -> Proposal:
-        head = self.head
+    def _pending_step(self):
+        """Feed the pending block: cacheable slots, and per row the drafting slot (step 0 of the TTT unroll).
+        Returns the drafting slot's logits (B, Vd), its output h (B, 1, H), its position (B,) and the usable keys
+        (B, S+P) so far."""
         tokens_p, keep = self.pending_tokens, self.pending_keep            # (B, P)
         B, P = tokens_p.shape
         rows = torch.arange(B, device=tokens_p.device)
         is_last = torch.arange(P, device=keep.device) == self.pending_last[:, None]
         positions = (self.length[:, None] + keep.long().cumsum(1) - 1).clamp(min=0)  # (B, P)
-        # 1. The pending block: cacheable slots, and per row the drafting slot (step 0 of the TTT unroll).
         key_mask = torch.cat([self.mask, keep | is_last], dim=1)            # (B, S+P)
-        out = head.step(tokens_p, self.pending_g, positions, (self.keys, self.values), key_mask,
-                        readout_slot=self.pending_last)                     # logits of the drafting slot only
+        out = self.head.step(tokens_p, self.pending_g, positions, (self.keys, self.values), key_mask,
+                             readout_slot=self.pending_last)                # logits of the drafting slot only
         self.tail_keys, self.tail_values = out.keys, out.values            # (B, nh, S+P, hd), dropped/cropped at commit
         h = out.hidden[rows, self.pending_last][:, None]                    # (B, 1, H)
-        logits = out.logits[:, 0]                                           # (B, Vd)
-        pos = positions[rows, self.pending_last]                            # (B,)
-        ones = torch.ones(B, 1, dtype=torch.bool, device=keep.device)
+        return out.logits[:, 0], h, positions[rows, self.pending_last], key_mask
+
+    @torch.no_grad()
+    def propose(self, k: int, sampler: Sampler) -> Proposal:
+        head = self.head
+        tokens_p = self.pending_tokens
+        B = tokens_p.shape[0]
+        # 1. The pending block.
+        logits, h, pos, key_mask = self._pending_step()                     # (B, Vd), (B, 1, H), (B,), (B, S+P)
+        ones = torch.ones(B, 1, dtype=torch.bool, device=key_mask.device)
         # 2. Draft steps: step j feeds d_j with the head's own output, position + j, same slot (TTT step j).
         tokens, probs, step_logits = [], [], []
         for j in range(k):
@@ -161,6 +170,33 @@ class Eagle3Drafter(Drafter):
         col = torch.arange(width, device=device)
         new_keep = (col <= n[:, None]) & active[:, None]                    # (B, width)
         self._set_pending(emitted, g * new_keep[..., None], new_keep, torch.where(active, n, 0))
+
+    # ------------------------------------------------------------------------------------------- token trees
+    @torch.no_grad()
+    def propose_tree(self, shape: TreeShape) -> Tree:
+        """EAGLE-2 expansion (tree.grow) with the head: a depth-d node is fed as TTT step d, its parent's output as g
+        at position (drafting slot's) + d, attending to the usable cache, its ancestors and itself (query_mask)."""
+        logits, h, pos, key_mask = self._pending_step()
+        outputs = [h]                                                       # per fed depth: (B, k, H)
+
+        def feed(tokens, visible, d, parent):
+            B, k = tokens.shape
+            g = outputs[-1].gather(1, parent[..., None].expand(-1, -1, h.shape[-1]))      # (B, k, H)
+            allow = torch.cat([key_mask[:, None, :].expand(-1, k, -1), visible], dim=2)   # (B, k, S+P+F)
+            out = self.head.step(tokens, g, (pos + d)[:, None].expand(-1, k), (self.tail_keys, self.tail_values),
+                                 query_mask=allow)
+            self.tail_keys, self.tail_values = out.keys, out.values
+            outputs.append(out.hidden)
+            return out.logits                                               # (B, k, Vd)
+
+        self.tree = grow(shape, logits, feed, to_target=self.head.draft_to_target)
+        return self.tree
+
+    @torch.no_grad()
+    def commit_path(self, path, num_accepted, next_token, active, target_hidden=None) -> None:
+        """As commit() with the accepted path's tokens as the drafts: no draft-step slot is kept either way."""
+        self.tokens = F.pad(self.tree.tokens, (1, 0)).gather(1, path.to(self.tree.tokens.device))[:, 1:]  # (B, D)
+        self.commit(num_accepted, next_token, active, target_hidden)
 
     def _compact(self, widest: int) -> None:
         """Right-align every row's real cached slots (order kept) and drop the columns that are holes in all rows."""

@@ -139,10 +139,10 @@ class Tree:
         return out[:, : D + 1], depths.gather(1, node[:, None]).squeeze(1)
 
 
-# Feed callback of grow(): the beams of one depth (B, k) target ids, which of the fed beams each sees (B, k, F) over
-# every beam fed so far, these last (the tree attention among drafted nodes), and their depth d >= 1 -> the draft's
-# logits after each beam (B, k, Vd).
-Feed = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+# Feed callback of grow(): the beams of one depth d >= 1 (B, k) target ids; which of the fed beams each sees (B, k, F)
+# over every beam fed so far, these last (the tree attention among drafted nodes); d; and each beam's parent (B, k)
+# among the beams fed at depth d-1 (0 at depth 1: the root) -> the draft's logits after each beam (B, k, Vd).
+Feed = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
 
 
 def _identity(ids: torch.Tensor) -> torch.Tensor:
@@ -168,6 +168,7 @@ def grow(shape: TreeShape, root_logits: torch.Tensor, feed: Feed,
     depth = [torch.ones(B, k, dtype=torch.long, device=device)]
     scores = [score]
     beams = torch.arange(1, k + 1, device=device).expand(B, -1)                         # (B, k) pool ids
+    beam_parent = torch.zeros(B, k, dtype=torch.long, device=device)                    # (B, k) in the last beams
     beam_score = score
     fed_ids: list[torch.Tensor] = []                                                    # pool ids of fed beams
     seen_pool = torch.zeros(B, 1 + shape.scored, 1 + shape.scored, dtype=torch.bool, device=device)
@@ -179,7 +180,8 @@ def grow(shape: TreeShape, root_logits: torch.Tensor, feed: Feed,
         fed_ids.append(beams)
         fed = torch.cat(fed_ids, dim=1)                                                 # (B, F)
         visible = seen_pool[rows[..., None], beams[..., None], fed[:, None, :]]            # (B, k, F)
-        logp = feed(torch.cat(tokens, 1).gather(1, beams - 1), visible, d).float().log_softmax(-1)  # (B, k, Vd)
+        logits = feed(torch.cat(tokens, 1).gather(1, beams - 1), visible, d, beam_parent)           # (B, k, Vd)
+        logp = logits.float().log_softmax(-1)
         # 2. Score every beam's topk children by cumulative log-probability; the topk best become the next beams.
         child_logp, child_ids = logp.topk(k, dim=-1)                                    # (B, k, k)
         child_score = (beam_score[..., None] + child_logp).reshape(B, k * k)            # (B, k^2)
@@ -193,7 +195,7 @@ def grow(shape: TreeShape, root_logits: torch.Tensor, feed: Feed,
         seen_pool[rows, new] = seen_pool[rows, child_parent]
         seen_pool[rows, new, new] = True
         beam_score, best = child_score.topk(k, dim=-1)                                  # (B, k)
-        beams = new.gather(1, best)
+        beams, beam_parent = new.gather(1, best), best // k
         size += k * k
     pool_fed = torch.full((B, 1 + size), -1, dtype=torch.long, device=device)
     if fed_ids:

@@ -78,8 +78,8 @@ def test_grow_keeps_the_best_scored_nodes_as_a_tree(shape):
     B, V = 3, 20
     fed = []
 
-    def feed(tokens, visible, d):
-        fed.append((tokens, visible, d))
+    def feed(tokens, visible, d, parent):
+        fed.append((tokens, visible, d, parent))
         return torch.randn(B, tokens.shape[1], V, generator=g) * 3
 
     tree = grow(shape, torch.randn(B, V, generator=g) * 3, feed)
@@ -97,9 +97,12 @@ def test_grow_keeps_the_best_scored_nodes_as_a_tree(shape):
             assert len(set(tree.tokens[b, kids - 1].tolist())) == len(kids) <= shape.topk
     # Each fed beam sees exactly its fed ancestors and itself.
     ancestors = tree.ancestors()
-    for tokens, visible, d in fed:
-        assert visible.shape == (B, shape.topk, d * shape.topk)
+    k = shape.topk
+    for tokens, visible, d, parent in fed:
+        assert visible.shape == (B, k, d * k)
         assert bool(visible.sum(2).eq(d).all())  # d fed nodes on its path: depths 1..d
+        if d > 1:  # the one beam of depth d-1 it sees is the parent it is told of
+            assert torch.equal(visible[:, :, (d - 2) * k: (d - 1) * k].int().argmax(2), parent)
     assert torch.equal(ancestors.sum(2), tree.depths() + 1)
 
 
@@ -130,7 +133,7 @@ def _tree_step(target, ids, mask, tree: Tree, root: torch.Tensor):
 
 def _random_tree(B: int, V: int, shape: TreeShape, seed: int) -> Tree:
     g = torch.Generator().manual_seed(seed)
-    return grow(shape, torch.randn(B, V, generator=g), lambda t, v, d: torch.randn(B, t.shape[1], V, generator=g))
+    return grow(shape, torch.randn(B, V, generator=g), lambda t, v, d, parent: torch.randn(B, t.shape[1], V, generator=g))
 
 
 def _dense_logits(target, prompt: list[int], continuation: list[int]) -> torch.Tensor:
