@@ -80,6 +80,20 @@ def test_an_export_without_embeddings_reads_back_as_its_checkpoint(eagle3_checkp
     assert any("target's input embeddings" in s and "digest matches" in s for s in said)
 
 
+def test_a_warm_start_from_an_export_takes_the_targets_embeddings(eagle3_checkpoint, tiny_target_dir):
+    from types import SimpleNamespace
+
+    from specdistill.drafts.eagle3 import build_eagle3_draft
+    from specdistill.models.target import Target
+
+    draft_dir, export_dir = eagle3_checkpoint
+    target = _target(tiny_target_dir)
+    head = build_eagle3_draft(SimpleNamespace(path=str(export_dir), intermediate_size=None), Target(target), None)
+    trained = build_eagle3_draft(SimpleNamespace(path=str(draft_dir), intermediate_size=None), Target(target), None)
+    assert torch.equal(head.embed_tokens.weight, target.get_input_embeddings().weight)
+    assert all(torch.equal(v, trained.state_dict()[k]) for k, v in head.state_dict().items())
+
+
 def test_an_export_is_refused_with_another_targets_embeddings(eagle3_checkpoint, tiny_target_dir, tmp_path):
     from specdistill.eval.run import load_draft
 

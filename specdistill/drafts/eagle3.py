@@ -26,7 +26,7 @@ import torch
 from specdistill.decoding import Drafter, Eagle3Drafter, probs_from_logits
 from specdistill.decoding.kv import logits_dim
 from specdistill.drafts.base import DraftAdapter
-from specdistill.drafts.readback import fill_eagle3_embeddings
+from specdistill.drafts.readback import check_eagle3_head
 from specdistill.export import FORMATS, export_eagle3
 from specdistill.models.eagle3 import (ChainQuery, Eagle3Head, build_eagle3, default_aux_layer_ids,
                                        frequent_token_vocab, restrict_to_draft_vocab)
@@ -135,7 +135,7 @@ def build_eagle3_draft(draft_cfg, target, data):
     """An EAGLE-3 head for `target`; sets the target to return the head's aux hidden states from its forward."""
     if draft_cfg.path:
         head = Eagle3Head.from_pretrained(draft_cfg.path)
-        fill_eagle3_embeddings(head, draft_cfg.path, target.model)  # an export has none: the target's, checked
+        check_eagle3_head(head, draft_cfg.path, target.model)  # its shapes; an export's missing embeddings
         check_vocab_compatible(head.config.vocab_size, target.config.vocab_size, "warm-start only from a head "
                                "trained for this target", what=f"EAGLE-3 head at {draft_cfg.path}")
         width = draft_cfg.intermediate_size

@@ -79,7 +79,10 @@ def fill_eagle3_embeddings(head, path, target_model, target_name: str = "the tar
         + (", digest matches the export's record)" if recorded else ", shape checked; no digest recorded)"))
 
 
-def _eagle3_fits(draft, path, target_model, target_name: str, log) -> None:
+def check_eagle3_head(draft, path, target_model, target_name: str = "the target", log=print) -> None:
+    """An EAGLE-3 head loaded from `path` against `target_model`: its feature width and aux layers must be the
+    target's (else ValueError naming the target it was trained for); it gets the target's embeddings when the folder
+    has none (fill_eagle3_embeddings)."""
     c = draft.config
     t = target_model.config.get_text_config()
     if c.target_hidden_size != t.hidden_size:
@@ -99,7 +102,7 @@ def _dflash_fits(draft, path, target_model, target_name: str, log) -> None:
         raise _unfit(path, target_name, "; ".join(problems))
 
 
-FITS: dict[str, Callable] = {"eagle3": _eagle3_fits, "dflash": _dflash_fits}  # kind -> checks beyond check_target
+FITS: dict[str, Callable] = {"eagle3": check_eagle3_head, "dflash": _dflash_fits}  # kind -> checks beyond check_target
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

@@ -30,7 +30,8 @@ STEP_RE = re.compile(r"^step-(\d+)$")
 
 # Config keys (a prefix ending in "." covers everything under it) whose change on resume breaks exactness: the model
 # shapes (the saved weights and optimizer state would not fit, or fit another model), the data order (step s would
-# read other examples) or the objective (its loss, and an on-policy objective's saved rollout state). Resuming with a change here is refused, unless trainer.resume_allow_drift=true.
+# read other examples) or the objective (its loss, and an on-policy objective's saved rollout state). Resuming with a
+# change here is refused, unless trainer.resume_allow_drift=true.
 EXACTNESS_KEYS = ("target.path", "target.aux_layer_ids", "draft.", "data.", "objective.", "warmup.", "trainer.seed",
                   "trainer.micro_batch_size", "trainer.grad_accum")
 # Under those prefixes, keys that change neither: a warm-start path (the weights come from the checkpoint), where
