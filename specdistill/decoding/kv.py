@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -109,8 +110,10 @@ class CacheMode:
 
     static: StaticLayers preallocated to the call's longest possible length (prompt + max_new_tokens + one round),
     keys and values written in place at fixed addresses. compile: the decode forwards (not the prefill) run through
-    torch.compile, with CUDA graphs on CUDA ("reduce-overhead"); it implies static. Both give the eager path's tokens:
-    the extra columns of a static cache are masked."""
+    torch.compile, with CUDA graphs on CUDA ("reduce-overhead"); it implies static. Its caches are sized up to a power
+    of two and reused from call to call (static_caches), so the compiled graphs meet the same shapes and addresses
+    again instead of compiling or recording anew for every prompt length. Both give the eager path's tokens: the
+    extra columns of a static cache are masked."""
 
     static: bool = False
     compile: bool = False
@@ -123,7 +126,31 @@ class CacheMode:
         """model -> a BatchKV of this mode for a call whose rows hold at most max_length columns."""
         if not self.is_static:
             return BatchKV
+        if self.compile:
+            max_length = max(64, 1 << (max_length - 1).bit_length())
         return functools.partial(BatchKV, max_length=max_length, compile=self.compile)
+
+
+# model -> (batch, max_length, dtype, device) -> static caches free for the next compiled BatchKV of that shape
+_FREE_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def static_caches(model: torch.nn.Module, owner: object, batch: int, max_length: int) -> Cache:
+    """A static Cache for `owner` (a BatchKV), reused from an earlier owner of the same shape that is gone (its
+    tensors keep their addresses, so compiled graphs replay on them), else new; it returns to the pool when `owner`
+    is garbage collected. Stale keys and values stay: the write position restarts at 0 and the masks hide the rest."""
+    param = next(model.parameters())
+    free = _FREE_CACHES.setdefault(model, {}).setdefault((batch, max_length, param.dtype, param.device), [])
+    if free:
+        cache = free.pop()
+        for layer in cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.zero_()
+    else:
+        config = model.config.get_text_config(decoder=True)
+        cache = Cache(layers=[StaticLayer(max_cache_len=max_length) for _ in range(config.num_hidden_layers)])
+    weakref.finalize(owner, free.append, cache)
+    return cache
 
 
 def compiled_forward(model: torch.nn.Module) -> Callable:
@@ -216,6 +243,8 @@ class BatchKV:
         self.length = torch.zeros(B, dtype=torch.long, device=device)
         self._committed_length = self.length
         self.committed = 0
+        if self._forward is not self.model:  # compiled: a cache of this shape that earlier calls' graphs know
+            self.cache = static_caches(self.model, self, B, self.max_length)
         if input_ids.shape[1] == 0:
             return None
         out = self.step(input_ids, attention_mask.bool(), eager=True, **self._keep_last_logits, **kwargs)

@@ -1,6 +1,8 @@
 """Static KV caches (CacheMode) decode the growing caches' tokens on every architecture of the tiny matrix, and the
 compile switch routes the decode forwards, never the prefill, through one compiled callable per model."""
 
+import gc
+
 import pytest
 import torch
 
@@ -93,8 +95,32 @@ def test_compile_routes_decode_steps_through_one_compiled_forward_per_model(monk
 
 
 def test_compile_implies_a_static_cache_and_a_growing_cache_cannot_compile():
-    kv = CacheMode(compile=True).factory(40)
-    assert kv.keywords == {"max_length": 40, "compile": True}
+    assert CacheMode(compile=True).factory(40).keywords == {"max_length": 64, "compile": True}  # powers of two
+    assert CacheMode(compile=True).factory(129).keywords["max_length"] == 256
+    assert CacheMode(static=True).factory(40).keywords == {"max_length": 40, "compile": False}
     assert CacheMode().factory(40) is BatchKV
     with pytest.raises(ValueError, match="compile=True.*needs a static cache"):
         BatchKV(tiny_target("llama"), compile=True)
+
+
+@torch.no_grad()
+def test_compiled_caches_are_reused_by_later_calls_of_the_same_shape(monkeypatch):
+    """Compiled graphs replay on the same addresses: a cache returns to the pool when its BatchKV is gone, and a
+    BatchKV alive at the same time gets its own."""
+    monkeypatch.setattr(torch, "compile", _FakeCompile())
+    model = tiny_target("llama")
+    ids, mask = _prompts()
+
+    def filled() -> BatchKV:
+        kv = CacheMode(compile=True).factory(30)(model)
+        kv.prefill(ids, mask)
+        return kv
+
+    first, other = filled(), filled()  # both alive: a cache each
+    caches = [first.cache, other.cache]
+    assert caches[0].layers[0].keys.data_ptr() != caches[1].layers[0].keys.data_ptr()
+    del first, other
+    gc.collect()
+    again = filled()
+    assert any(again.cache is cache for cache in caches)
+    assert int(again.cache.layers[0].cumulative_length) == ids.shape[1]  # its write position restarted at 0
