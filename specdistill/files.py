@@ -200,7 +200,7 @@ def folder_lock(folder, setting: str, log: Callable[[str], None] = print) -> Ite
     lock = folder / LOCK_FILE
     me = {"pid": os.getpid(), "host": socket.gethostname(),
           "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv)[:300]}
-    tmp = folder / f".{LOCK_FILE}.{os.getpid()}.tmp"
+    tmp = folder / f"{LOCK_FILE}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(me))
     owned = False
     try:
@@ -224,7 +224,7 @@ def folder_lock(folder, setting: str, log: Callable[[str], None] = print) -> Ite
                         f"host's, or killed), delete {lock}") from None
                 log(f"[lock] {lock} was held by {_describe(holder)}, which is no longer running: taking it over")
                 try:
-                    os.replace(lock, folder / f".{LOCK_FILE}.stale")
+                    os.replace(lock, folder / f"{LOCK_FILE}.stale")
                 except FileNotFoundError:
                     pass
         else:
