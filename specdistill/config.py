@@ -203,6 +203,17 @@ DRAFTERS = ("draft", "ngram", "target")  # eval.drafter
 
 
 @dataclass
+class TreeEvalConfig:
+    """Token-tree decoding in the evaluator (specdistill/decoding/tree.py): each round grows the draft's topk best
+    children per beam for `depth` steps and keeps the `nodes` best by cumulative probability (null: all of them,
+    topk + (depth-1) * topk^2). SGLang serves the same shape with --speculative-eagle-topk=topk,
+    --speculative-num-steps=depth, --speculative-num-draft-tokens=nodes+1."""
+    topk: int = bounded(0, ">= 0")  # 0: chains of eval.gamma drafts; 1: a chain of `depth`
+    depth: int = bounded(4, ">= 1")
+    nodes: Optional[int] = bounded(None, ">= 1")
+
+
+@dataclass
 class EvalConfig:
     # Simulated acceptance during training (teacher-forced agreement runs; the real evaluator is specdistill.eval).
     gamma: int = bounded(4, ">= 1")  # draft length (dynamic_gamma: its start value)
@@ -230,6 +241,7 @@ class EvalConfig:
     # dynamic draft length (LM and EAGLE-3 drafts): stop a round's drafting once the draft's probability is below
     # it (HF: 0.4)
     draft_confidence: float = bounded(0.0, "[0, 1]")
+    tree: TreeEvalConfig = field(default_factory=TreeEvalConfig)  # token trees instead of chains (tree.topk > 0)
     batch_size: int = bounded(1, ">= 1")
     # the batch-size sweep of scripts/evaluate.py
     batch_sizes: list[int] = bounded(range=">= 1", default_factory=lambda: [1])
