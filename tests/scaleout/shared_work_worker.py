@@ -3,7 +3,8 @@
 argv: TARGET_DIR DATA_FILE WORK_DIR. Checks, each with an assert naming what broke:
   1. trainer.process_group_timeout_s reaches torch.distributed.init_process_group;
   2. regeneration into one folder both processes see: disjoint halves of the parts, a complete store equal to one
-     process's; into node-local folders (one per process): each process fills its own folder whole;
+     process's; into node-local folders (one per process): each process fills its own folder whole; build() of a
+     regenerating recipe shares it the same way;
   3. the final speculative evaluation split across the 2 processes gives the counts of one process on all prompts;
   4. target.shard=fsdp: the target's logits and aux hidden states equal the unsharded target's.
 """
@@ -47,6 +48,7 @@ def main() -> None:
 
     c = build(cfg, accelerator=acc)
     check_regeneration(acc, c.models.target.model, c.models.tokenizer)
+    check_build_shares_regeneration(acc)
     check_spec_eval(acc, c)
     if "--no-shard" not in sys.argv:
         check_sharded_target(acc, cfg, c.models.tokenizer)
@@ -93,6 +95,26 @@ def check_regeneration(acc, model, tok) -> None:
     acc.wait_for_everyone()
     regen._write_part = real_write
     print(f"[worker] rank {acc.process_index}: regeneration shared", flush=True)
+
+
+def check_build_shares_regeneration(acc) -> None:
+    """build() of a regenerating recipe hands the launch's share to the regeneration: each process decodes its own
+    parts of the store (3 parts of 8 prompts: rank 0 parts 0 and 2, rank 1 part 1)."""
+    from accelerate.utils import gather_object
+
+    from specdistill.build import build
+    from specdistill.pipeline import regenerate as regen
+
+    written = []
+    real_write = regen._write_part
+    regen._write_part = lambda path, rows: (written.append(path.name), real_write(path, rows))[1]
+    over = tiny_overrides(TARGET, DATA, WORK / "serve", WORK / "serve_cache") + ["trainer.epochs=null"]
+    c = build(compose("eagle3_serve", over), accelerator=acc, make_data=regen.build_regenerated_data)
+    regen._write_part = real_write
+    every = gather_object([sorted(written)])
+    assert every == [["part-00000.safetensors", "part-00002.safetensors"], ["part-00001.safetensors"]], every
+    assert len(c.data.train) + len(c.data.heldout) == 24
+    print(f"[worker] rank {acc.process_index}: build shared the regeneration", flush=True)
 
 
 COUNTS = ("num_prompts", "new_tokens", "target_only_new_tokens", "target_forwards", "mean_accept_len",

@@ -17,5 +17,6 @@ def test_two_processes_share_regeneration_and_evaluation_and_shard_the_target(ti
                    env=subprocess_env(SPECDISTILL_CACHE=str(tmp_path / "specdistill_cache")))
     log = proc.stdout + proc.stderr
     for rank in (0, 1):
-        for check in ("regeneration shared", "evaluation shared", "sharded target holds", "all checks passed"):
+        for check in ("regeneration shared", "build shared the regeneration", "evaluation shared",
+                      "sharded target holds", "all checks passed"):
             assert f"[worker] rank {rank}: {check}" in log
