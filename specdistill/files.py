@@ -223,10 +223,12 @@ def folder_lock(folder, setting: str, log: Callable[[str], None] = print) -> Ite
                         f"or write elsewhere with {setting}=<another folder>. If that process is gone (another "
                         f"host's, or killed), delete {lock}") from None
                 log(f"[lock] {lock} was held by {_describe(holder)}, which is no longer running: taking it over")
+                stale_copy = folder / f"{LOCK_FILE}.{os.getpid()}.stale"
                 try:
-                    os.replace(lock, folder / f"{LOCK_FILE}.stale")
+                    os.replace(lock, stale_copy)  # a rename: of two takers, one moves it and both retry the link
                 except FileNotFoundError:
                     pass
+                stale_copy.unlink(missing_ok=True)
         else:
             raise FolderBusy(f"{folder}: could not take {lock} (other processes keep taking it); set {setting} to "
                              "another folder")

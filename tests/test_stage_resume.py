@@ -74,9 +74,13 @@ def test_a_run_killed_after_training_finishes_its_stages_on_resume(stage, whole,
     assert set(pipeline.read_stages(out)) == {"eval/final", "export/vllm", "export/sglang"}
 
 
-def test_a_finished_run_with_every_stage_recorded_rewrites_nothing(whole, tiny_target_dir, tiny_data_file,
+@pytest.mark.parametrize("recorded", [True, False])
+def test_a_finished_run_with_every_stage_complete_rewrites_nothing(recorded, whole, tiny_target_dir, tiny_data_file,
                                                                    monkeypatch):
+    """Whether stages.json records the stages or (a folder written before it existed) their folders are complete."""
     out = whole
+    if not recorded:
+        (out / "stages.json").unlink()
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
 
     def must_not_run(*a, **k):

@@ -116,10 +116,35 @@ def read_stages(output_dir) -> dict:
 
 
 def pending_stages(cfg: DictConfig, output_dir, step: int) -> list[str]:
-    """The stages not recorded complete for the checkpoint at `step` (or whose folder is gone)."""
-    done = read_stages(output_dir)
+    """The stages not recorded complete for the checkpoint at `step` (or whose folder is gone). A run folder written
+    before stages were recorded (no stages.json) keeps the stage folders that are complete by construction: exports
+    (renamed into place whole) and an eval/final holding every report file."""
+    out = Path(output_dir)
+    if not (out / STAGES_FILE).exists():
+        return [n for n in stage_names(cfg) if not _complete_without_record(out, n)]
+    done = read_stages(out)
     return [n for n in stage_names(cfg)
-            if done.get(n, {}).get("step") != step or (n != HUB_STAGE and not (Path(output_dir) / n).exists())]
+            if done.get(n, {}).get("step") != step or (n != HUB_STAGE and not (out / n).exists())]
+
+
+def _complete_without_record(output_dir: Path, name: str) -> bool:
+    from specdistill.eval.report import PLOTS
+
+    folder = output_dir / name
+    if name.startswith("export/"):
+        return (folder / "config.json").exists()
+    if name == "eval/final":  # the report writes its plots last
+        return all((folder / f).exists() for f in ("results.json", "results.md", "outputs.jsonl", *PLOTS))
+    log = output_dir / "hub" / "push_log.jsonl"  # HUB_STAGE: the push log says whether the final push went through
+    lines = log.read_text().splitlines() if log.exists() else []
+    return any(r.get("final") and r.get("ok") for r in map(_json_or_empty, lines))
+
+
+def _json_or_empty(line: str) -> dict:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return {}
 
 
 def record_stage(output_dir, name: str, step: int, checkpoint) -> None:
