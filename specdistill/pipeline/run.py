@@ -166,7 +166,9 @@ def final_stages(cfg: DictConfig, c, checkpoint: Path, step: int) -> None:
             shutil.rmtree(folder)  # an interrupted stage's partial files
         acc.wait_for_everyone()
         if name == "eval/final":
-            final_spec_eval(c, epoch=-1, step=step)  # eval.spec_eval_at=end: the full benchmark, once
+            with named_writes(folder.parent, "trainer.output_dir", f"the checkpoint {checkpoint} is complete; "
+                              "trainer.resume=auto runs the evaluation again"):
+                final_spec_eval(c, epoch=-1, step=step)  # eval.spec_eval_at=end: the full benchmark, once
         elif acc.is_main_process:
             export_final(cfg, checkpoint, c.output_dir, formats=[name.split("/", 1)[1]], log=acc.print)
         if acc.is_main_process:
