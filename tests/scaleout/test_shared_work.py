@@ -1,4 +1,4 @@
-"""The processes of one launch share the work that rank 0 used to do alone while the others waited: regeneration
+"""The processes of one launch share the work rather than leave it to rank 0 while the others wait: regeneration
 (parts split among the processes that see the store folder, per node when it is node-local), the final speculative
 evaluation (prompt batches split, counts merged into one process's result), with the process-group timeout from
 trainer.process_group_timeout_s; and a target sharded over the processes (target.shard=fsdp) gives the same outputs.
