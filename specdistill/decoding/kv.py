@@ -154,14 +154,15 @@ def static_caches(model: torch.nn.Module, owner: object, batch: int, max_length:
 
 
 def compiled_forward(model: torch.nn.Module) -> Callable:
-    """model's forward through torch.compile, made once per model (transformers keeps it on the model): static shapes,
-    CUDA graphs on CUDA. Its first calls at each new input shape compile (seconds to a minute)."""
+    """model's forward through torch.compile, made once per model (transformers keeps it on the model), with CUDA
+    graphs on CUDA. The first call compiles (seconds to a minute); a second input shape (a verify width, a batch
+    size) recompiles once with dynamic shapes, and CUDA graphs then record one graph per shape."""
     mode = "reduce-overhead" if device_of(model).type == "cuda" else "default"
     if hasattr(model, "get_compiled_call"):
         from transformers import CompileConfig
 
-        return model.get_compiled_call(CompileConfig(mode=mode, dynamic=False))
-    return torch.compile(model, mode=mode, dynamic=False)
+        return model.get_compiled_call(CompileConfig(mode=mode))
+    return torch.compile(model, mode=mode)
 
 
 def window_by_position(positions: torch.Tensor, window: int) -> Callable:
