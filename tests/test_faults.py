@@ -359,3 +359,14 @@ def test_a_truncated_regenerated_part_is_named_and_made_again(tiny_data_file, tm
     assert (root2, parts2) == (root, parts)
     assert any(f"{part} is damaged (truncated" in s and "made again" in s for s in said), said
     assert part.read_bytes() == whole and len(RegeneratedStore(root, parts)) == 8
+
+
+def test_replacement_characters_in_evaluation_prompts_are_counted(tmp_path):
+    from specdistill.data.prompts import load_prompts
+
+    rows = [json.dumps({"prompt": "what is the cat"}).encode() for _ in range(3)]
+    rows[1] = rows[1].replace(b"cat", b"c\xffat")
+    f = tmp_path / "prompts.jsonl"
+    f.write_bytes(b"\n".join(rows))
+    ps = load_prompts(str(f), make_tokenizer(), num_prompts=None, max_new_tokens=4)
+    assert len(ps) == 3 and ps.replacement_chars == 1

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from specdistill.data.conversations import SHAREGPT_ROLES, load_rows
+from specdistill.data.conversations import REPLACEMENT, SHAREGPT_ROLES, load_rows
 
 PROMPT_FIELDS = ("messages", "conversations", "prompt", "turns")
 
@@ -43,6 +43,11 @@ class PromptSet:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    @property
+    def replacement_chars(self) -> int:
+        """U+FFFD in the prompts' text: bytes of the source that were not valid UTF-8 (or already in the text)."""
+        return sum(str(m.get("content", "")).count(REPLACEMENT) for p in self.prompts for m in p.messages)
 
     @property
     def ids(self) -> list[list[int]]:

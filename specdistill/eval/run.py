@@ -106,6 +106,9 @@ def _evaluate(cfg: DictConfig, ecfg, out: Path, log) -> tuple[EvalResult, dict[s
     prompts = load_prompts(ecfg.prompts, tokenizer, num_prompts=ecfg.num_prompts, max_new_tokens=ecfg.max_new_tokens,
                            context=max_positions(target), max_prompt_tokens=ecfg.max_prompt_tokens,
                            split=ecfg.prompts_split)
+    if prompts.replacement_chars:
+        log(f"[eval] {prompts.replacement_chars} replacement characters (U+FFFD: bytes that were not valid UTF-8) in "
+            f"the prompts of {ecfg.prompts}: they are evaluated as they are (results.json: prompt_replacement_chars)")
     if prompts.skipped_too_long:
         log(f"[eval] {prompts.skipped_too_long} prompts longer than eval.max_prompt_tokens={ecfg.max_prompt_tokens} "
             "skipped")
@@ -115,7 +118,8 @@ def _evaluate(cfg: DictConfig, ecfg, out: Path, log) -> tuple[EvalResult, dict[s
         f"T={ecfg.temperature} draft_policy={ecfg.draft_policy} max_new_tokens={ecfg.max_new_tokens} batch={ecfg.batch_size}")
     result = evaluate(target, tokenizer, spec, prompts, ecfg, log=log)
     extra = {"target_path": cfg.target.path, "draft_path": ecfg.draft_path,
-             "prompts_skipped_too_long": prompts.skipped_too_long, "threads": threads.to_dict(),
+             "prompts_skipped_too_long": prompts.skipped_too_long,
+             "prompt_replacement_chars": prompts.replacement_chars, "threads": threads.to_dict(),
              "config": OmegaConf.to_container(cfg.eval, resolve=True)}
     with named_writes(out, "eval.output_dir", "no result file is complete; the evaluation must run again"):
         paths = write_report(result, out, extra=extra)
