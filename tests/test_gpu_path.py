@@ -9,7 +9,7 @@ import torch
 
 from specdistill.drafts import draft_adapter
 from specdistill.drafts.base import decoding_precision
-from specdistill.models.eagle3 import _ttt_attend, build_eagle3
+from specdistill.models.eagle3 import TTTMask, _ttt_attend, build_eagle3
 from specdistill.models.target import Target
 from specdistill.objectives import Models
 from specdistill.objectives.draft_opd import DraftOPDObjective
@@ -73,9 +73,9 @@ def test_fused_ttt_attention_equals_the_naive_one_values_and_grads(j):
     allow = allow.clone()
     allow[0, 0, 2] = False  # a query barred from every step-0 key
     outs, grads = [], []
-    for attend in (naive_ttt_attend, _ttt_attend):
+    for attend, mask in ((naive_ttt_attend, allow), (_ttt_attend, TTTMask(allow, j))):
         xs = [x.clone().requires_grad_(True) for x in leaves]
-        out = attend(xs[0], xs[1], xs[2], allow, xs[3: 3 + j], xs[3 + j:], 1 / math.sqrt(hd))
+        out = attend(xs[0], xs[1], xs[2], mask, xs[3: 3 + j], xs[3 + j:], 1 / math.sqrt(hd))
         (out * torch.linspace(-1, 1, hd)).sum().backward()
         outs.append(out.detach())
         grads.append([x.grad for x in xs])

@@ -236,10 +236,34 @@ class ChainQuery:
         return self.tokens.shape[-1] + 1
 
 
-def _ttt_attend(q, k0, v0, allow, diag_k, diag_v, scale: float) -> torch.Tensor:
+class TTTMask:
+    """The attention mask of one TTT unroll as an additive bias, built once and viewed at every step (the steps share
+    its memory): over the T step-0 keys, 0 where `allow` permits and the dtype's minimum elsewhere, then 0 on each
+    diagonal column. Adding the minimum is the fill it stands for: a query barred from every step-0 key attends to
+    its diagonals only, or uniformly to every step-0 key when it has none (written out by _ttt_attend: a fused
+    kernel's log-sum-exp cannot hold a row of minima exactly).
+    allow (B|1, 1, n, T) bool; max_diagonals: the most diagonals a step of the unroll adds (steps - 1)."""
+
+    def __init__(self, allow: torch.Tensor, max_diagonals: int):
+        self.allow, self.max_diagonals = allow, max_diagonals
+        self.barred = ~allow.any(-1, keepdim=True)  # (B|1, 1, n, 1): queries allowed no step-0 key (padding rows)
+        self._bias: Optional[torch.Tensor] = None
+
+    def bias(self, diagonals: int, dtype: torch.dtype) -> torch.Tensor:
+        """(B|1, 1, n, T + diagonals) in `dtype`, a view of the one buffer."""
+        T = self.allow.shape[-1]
+        if self._bias is None or self._bias.dtype != dtype:
+            width = -(-(T + self.max_diagonals) // 16) * 16  # rows 16-aligned: CUDA's kernels take the views uncopied
+            bias = torch.zeros(*self.allow.shape[:-1], width, dtype=dtype, device=self.allow.device)
+            bias[..., :T].masked_fill_(~self.allow, torch.finfo(dtype).min)
+            self._bias = bias
+        return self._bias[..., : T + diagonals]
+
+
+def _ttt_attend(q, k0, v0, mask: TTTMask, diag_k, diag_v, scale: float) -> torch.Tensor:
     """Training-time-test attention: queries q (B, nh, n, hd) over the step-0 keys/values k0, v0 (B, nh, T, hd) where
-    `allow` (bool, broadcast to (B, 1, n, T)) permits, plus one diagonal per later step (diag_k / diag_v: j x
-    (B, nh, n, hd), each query's own slot at steps 1..j). One softmax over both. -> (B, nh, n, hd), in v0's dtype.
+    `mask` permits, plus one diagonal per later step (diag_k / diag_v: j x (B, nh, n, hd), each query's own slot at
+    steps 1..j). One softmax over both. -> (B, nh, n, hd), in v0's dtype.
 
     One fused scaled_dot_product_attention call, so no (n, T) score tensor is kept for backward. The j diagonals enter
     as j extra key columns whose scores the queries carry, in m >= j extra coordinates (a multiple of 8, the fused
@@ -247,24 +271,22 @@ def _ttt_attend(q, k0, v0, allow, diag_k, diag_v, scale: float) -> torch.Tensor:
         q' = [q | d_1 .. d_j | 0]   d_i = q . k_i, per query (the diagonal's raw score)
         k' = [k0 | 0] on the T step-0 keys, [0 | e_i] on column i (e_i: one-hot)      v' = the same with v0
     so q'.k' is q.k0 on the step-0 keys and d_i on column i, and the output's extra coordinate i is the diagonal's
-    softmax weight p_i: out = out'[:hd] + sum_i p_i v_i. A query that `allow` bars from every step-0 key (a row of
-    padding only) attends as a fill of the dtype's minimum makes it: to its diagonals only, or, without any,
-    uniformly to every step-0 key."""
+    softmax weight p_i: out = out'[:hd] + sum_i p_i v_i."""
     dtype = v0.dtype  # under autocast q, k (RoPE in fp32) and v (a linear's output) can differ: one dtype for all
     q, k0 = q.to(dtype), k0.to(dtype)
     j = len(diag_k)
+    bias = mask.bias(j, dtype)                                                         # (B|1, 1, n, T + j)
     if j == 0:
-        barred = ~allow.any(-1, keepdim=True)  # (B|1, 1, n, 1): a zero query over every key is uniform
-        return F.scaled_dot_product_attention(q.masked_fill(barred, 0), k0, v0, attn_mask=allow | barred, scale=scale)
+        out = F.scaled_dot_product_attention(q, k0, v0, attn_mask=bias, scale=scale)   # (B, nh, n, hd)
+        return torch.where(mask.barred, v0.mean(2, keepdim=True), out)  # barred queries: uniform over the keys
     B, nh, n, hd = q.shape
-    T, m = k0.shape[2], -(-j // 8) * 8
+    m = -(-j // 8) * 8
     d = torch.cat([(q * kk.to(dtype)).sum(-1, keepdim=True) for kk in diag_k], dim=-1)  # (B, nh, n, j) raw scores
     q_ext = torch.cat([q, d, q.new_zeros(B, nh, n, m - j)], dim=-1)                   # (B, nh, n, hd + m)
     onehot = F.pad(torch.eye(j, m, dtype=dtype, device=q.device), (hd, 0)).expand(B, nh, j, hd + m)
     k_ext = torch.cat([F.pad(k0, (0, m)), onehot], dim=2)                              # (B, nh, T + j, hd + m)
     v_ext = torch.cat([F.pad(v0, (0, m)), onehot], dim=2)
-    mask = torch.cat([allow.expand(B, 1, n, T), allow.new_ones(B, 1, n, j)], dim=-1)   # (B, 1, n, T + j)
-    o = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, attn_mask=mask, scale=scale)  # (B, nh, n, hd + m)
+    o = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, attn_mask=bias, scale=scale)  # (B, nh, n, hd + m)
     out = o[..., :hd]
     for i, vv in enumerate(diag_v):
         out = out + o[..., hd + i: hd + i + 1] * vv.to(dtype)
@@ -362,12 +384,13 @@ class Eagle3Head(nn.Module):
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, T)
         valid = attention_mask.bool()
         causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None, None] & valid[:, None, None, :]
+        mask = TTTMask(causal, steps - 1)
         g = self.features(aux_hidden)  # (B, T, H)
         keys, values, logits = [], [], []
 
         def attend(q, k, v):  # q (B, nh, T, hd): step-0 block (causal) + one diagonal per earlier step
             keys.append(k), values.append(v)
-            return _ttt_attend(q, keys[0], values[0], causal, keys[1:], values[1:], scale)
+            return _ttt_attend(q, keys[0], values[0], mask, keys[1:], values[1:], scale)
 
         for j in range(steps):
             tokens = torch.roll(input_ids, -(1 + j), dims=1)  # token t+1+j at slot t (wrapped slots are masked out)
@@ -397,7 +420,7 @@ class Eagle3Head(nn.Module):
 
         def attend0(q, k, v):  # step 0: causal over the row, as `forward`
             step0["k"], step0["v"] = k, v
-            return _ttt_attend(q, k, v, causal, [], [], scale)
+            return _ttt_attend(q, k, v, TTTMask(causal, 0), [], [], scale)
 
         g1, _, _ = self._layer(torch.roll(input_ids, -1, dims=1), self.features(aux_hidden), position_ids, attend0)
         H = g1.shape[-1]
@@ -407,11 +430,12 @@ class Eagle3Head(nn.Module):
             return out
         chain_pos = position_ids.gather(1, slot)                                # (B, C)
         key_ok = (torch.arange(T, device=slot.device)[None, None] <= slot[..., None]) & valid[:, None, :]  # (B, C, T)
+        chain_mask = TTTMask(key_ok[:, None], steps - 1)
         diag_k, diag_v = [], []
 
         def attend(q, k, v):  # q (B, nh, C, hd): step-0 keys at slots <= the chain's, then one diagonal per step
             diag_k.append(k), diag_v.append(v)
-            return _ttt_attend(q, step0["k"], step0["v"], key_ok[:, None], diag_k, diag_v, scale)
+            return _ttt_attend(q, step0["k"], step0["v"], chain_mask, diag_k, diag_v, scale)
 
         for j in range(1, steps):
             h, _, _ = self._layer(tokens[:, :, j - 1], h, chain_pos + j, attend)
