@@ -62,3 +62,13 @@ def test_group_yaml_options_all_compose(group):
         assert range_errors(cfg) == [], path  # the shipped option's values satisfy the schema's ranges
         if group == "objective":
             validate_objective(cfg)
+
+
+@pytest.mark.parametrize("group", ["trainer", "eval", "hub"])
+def test_a_groups_default_yaml_mirrors_its_dataclass(group):
+    """conf/<group>/default.yaml lists every field of its dataclass with the dataclass's default, and nothing else."""
+    from specdistill.config import EvalConfig, HubConfig, TrainerConfig
+
+    cls = {"trainer": TrainerConfig, "eval": EvalConfig, "hub": HubConfig}[group]
+    yaml = OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / "default.yaml"))
+    assert yaml == OmegaConf.to_container(OmegaConf.structured(cls))
