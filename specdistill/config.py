@@ -246,6 +246,9 @@ class EvalConfig:
     # the batch-size sweep of scripts/evaluate.py
     batch_sizes: list[int] = bounded(range=">= 1", default_factory=lambda: [1])
     sweep_prompts: int = bounded(16, ">= 1")  # prompts per sweep point (the first ones of the set)
+    # block drafters (draft=dflash): also evaluate at each of these block sizes B (gamma = B - 1) and name the fastest
+    # (eval/block_sweep.py: tau, per-position acceptance, draft cost per round, verify cost); [] = no sweep
+    block_sizes: list[int] = bounded(range=">= 2", default_factory=list)
     warmup_prompts: int = bounded(1, ">= 0")  # run once before timing, not counted
     measure_cost: bool = True  # time one draft token vs one target forward (c of the predicted speedup)
     position_bucket: int = bounded(16, ">= 1")  # acceptance against output position, in buckets of this many tokens

@@ -89,6 +89,12 @@ class DraftAdapter:
         """The decoding engine's proposer for this draft (decoding/)."""
         raise NotImplementedError
 
+    def at_block_size(self, block_size: int) -> torch.nn.Module:
+        """The draft proposing block_size - 1 tokens per forward (block drafters; the block size sweep of
+        eval.block_sizes). Default: refused, this kind drafts token by token."""
+        raise ValueError(f"eval.block_sizes: a {self.kind} draft has no block size (it drafts token by token); the "
+                         "sweep applies to block drafters (draft=dflash)")
+
     def check_target(self, target_model: torch.nn.Module, why: str) -> None:
         """Raise a ValueError saying `why` unless the draft scores the target's token ids."""
         raise NotImplementedError

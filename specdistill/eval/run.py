@@ -116,6 +116,13 @@ def _evaluate(cfg: DictConfig, ecfg, out: Path, log) -> tuple[EvalResult, dict[s
     log(f"[eval] target {cfg.target.path} on {device}; {len(prompts)} prompts from {ecfg.prompts}; "
         f"drafter={ecfg.drafter} gamma={ecfg.gamma}{' (dynamic)' if ecfg.dynamic_gamma else ''} "
         f"T={ecfg.temperature} draft_policy={ecfg.draft_policy} max_new_tokens={ecfg.max_new_tokens} batch={ecfg.batch_size}")
+    if ecfg.block_sizes:  # before the main evaluation: a drafter without a block size is refused now
+        if not isinstance(spec, torch.nn.Module):
+            raise ValueError(f"eval.block_sizes={list(ecfg.block_sizes)} sweeps a block drafter's block size; "
+                             f"eval.drafter={ecfg.drafter} has none: set eval.drafter=draft with a DFlash draft")
+        from specdistill.drafts import draft_adapter
+
+        draft_adapter(spec).at_block_size(ecfg.block_sizes[0])
     result = evaluate(target, tokenizer, spec, prompts, ecfg, log=log)
     extra = {"target_path": cfg.target.path, "draft_path": ecfg.draft_path,
              "prompts_skipped_too_long": prompts.skipped_too_long,
@@ -125,6 +132,14 @@ def _evaluate(cfg: DictConfig, ecfg, out: Path, log) -> tuple[EvalResult, dict[s
         paths = write_report(result, out, extra=extra)
     log(summary_line(result))
     log(f"[eval] wrote {', '.join(sorted(p.name for p in paths.values()))} to {ecfg.output_dir}")
+    if ecfg.block_sizes:  # a block drafter at several block sizes: the measured cost model, the fastest named
+        from specdistill.eval.block_sweep import block_size_sweep
+
+        sweep = block_size_sweep(target, tokenizer, spec, prompts, ecfg, list(ecfg.block_sizes), log=log)
+        with named_writes(out, "eval.output_dir", "the block size sweep must run again"):
+            written = sweep.write(out)
+        log(sweep.markdown())
+        log(f"[eval] wrote {', '.join(sorted(p.name for p in written.values()))} to {ecfg.output_dir}")
     return result, paths
 
 

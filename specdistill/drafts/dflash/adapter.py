@@ -23,7 +23,7 @@ from specdistill.tensors import unwrap
 from specdistill.tokens import check_vocab_compatible
 
 from .drafter import DFlashDrafter
-from .model import ARCHITECTURE, DFlashDraft, build_dflash, check_settings
+from .model import ARCHITECTURE, DFlashDraft, build_dflash, check_settings, with_block_size
 
 
 class DFlashDraftKind(DraftAdapter):
@@ -96,6 +96,9 @@ class DFlashDraftKind(DraftAdapter):
     # ------------------------------------------------------------------------------------------- decoding
     def drafter(self, confidence: float = 0.0) -> Drafter:
         return DFlashDrafter(self.module, confidence=confidence)
+
+    def at_block_size(self, block_size: int) -> torch.nn.Module:
+        return with_block_size(self.module, block_size)
 
     def check_target(self, target_model, why: str) -> None:
         check_vocab_compatible(self.module.config.vocab_size, logits_dim(target_model), why, what="DFlash draft")

@@ -37,9 +37,10 @@ frozen embedding and LM head, which vLLM takes from the target:
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -355,6 +356,15 @@ class DFlashDraft(nn.Module):
                              f"{unexpected} (an exported folder lacks the target's embedding and LM head: load the "
                              "training checkpoint's draft folder)")
         return model
+
+
+def with_block_size(model: DFlashDraft, block_size: int) -> DFlashDraft:
+    """The same draft (shared parameters) proposing block_size - 1 tokens per forward: a view with another block size,
+    for measuring block sizes (a draft trained at one block size runs off its training distribution at another)."""
+    check_settings(block_size, None, None, None, None)
+    view = copy.copy(model)  # a shallow copy: the same parameter and buffer objects
+    view.config = replace(model.config, block_size=block_size)
+    return view
 
 
 def build_dflash(target_model, num_layers: int, block_size: int, target_layer_ids: Optional[list[int]],
