@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdistill.drafts import draft_adapter
-from specdistill.drafts.base import decoding_precision
+from specdistill.drafts.base import cast_for_decoding, decoding_precision
 from specdistill.models.eagle3 import TTTMask, _ttt_attend, build_eagle3
 from specdistill.models.target import Target
 from specdistill.objectives import Models
@@ -190,14 +190,16 @@ def test_draft_opd_reports_the_same_metric_keys_whatever_the_ranks_data(target):
 # ----------------------------------------------------------------------------------------------- decoding precision
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_drafts_decode_in_the_targets_dtype(target, dtype):
-    """A draft decodes in its target's precision (autocast, so a training draft keeps fp32 weights); an fp32 target
-    leaves it alone."""
+    """A draft decodes in its target's precision: a training draft through autocast (its weights stay fp32), a draft
+    loaded to evaluate cast to the target's dtype; an fp32 target leaves both alone."""
     head = _head(target)
     aux, ids, am = _batch()
     with torch.no_grad(), decoding_precision(target.to(dtype)):
         logits = head(aux, ids, am, steps=1)[0]
-    target.float()
     assert logits.dtype == dtype and head.fc.weight.dtype == torch.float32
+    loaded = cast_for_decoding(_head(target), target)  # a draft loaded to evaluate: cast once, for good
+    target.float()
+    assert loaded.fc.weight.dtype == dtype and loaded.rope_inv_freq.dtype == torch.float32
 
 
 # ----------------------------------------------------------------------------------------------- every recipe in bf16

@@ -163,6 +163,13 @@ def decoding_precision(target_model: torch.nn.Module):
     return torch.autocast(p.device.type, dtype=p.dtype, enabled=p.dtype in (torch.bfloat16, torch.float16))
 
 
+def cast_for_decoding(draft: torch.nn.Module, target_model: torch.nn.Module) -> torch.nn.Module:
+    """A draft loaded only to decode (evaluation) in its target's floating dtype: beside a bf16 target, a bf16 draft
+    (half the memory, the target's matmul speed). Verification stays fp32 (decoding/ casts the probabilities)."""
+    dtype = next(target_model.parameters()).dtype
+    return draft.to(dtype) if dtype.is_floating_point else draft
+
+
 def chain_counts(match: torch.Tensor, valid: torch.Tensor, gamma: int) -> torch.Tensor:
     """match, valid: (B, T) bool. Returns reached (gamma+1,): reached[k] = #starts whose next k positions all
     agree (reached[0] = #valid starts). Summed counts, so ratios can be taken after reducing over batches/ranks."""

@@ -23,6 +23,7 @@ def resolve_device(name: str) -> torch.device:
 def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
     """eval.draft_path (a trained HF draft folder) if set, else a draft built from the `draft` group (untrained)."""
     from specdistill.drafts import kind_for_init, load_trained_draft
+    from specdistill.drafts.base import cast_for_decoding
     from specdistill.drafts.readback import check_draft_tokenizer, read_back
     from specdistill.models.target import Target
 
@@ -47,7 +48,7 @@ def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
         draft = kind.build(draft_cfg, Target(target_model), None)
         log(f"[eval] no eval.draft_path: an UNTRAINED draft built from the draft group (init={draft_cfg.init}, "
             f"num_layers={draft_cfg.num_layers}); pass eval.draft_path=.../checkpoints/step-N/draft for a trained one")
-    return draft.requires_grad_(False).eval()
+    return cast_for_decoding(draft, target_model).requires_grad_(False).eval()  # the target's dtype
 
 
 def run(cfg: DictConfig, log=print) -> tuple[EvalResult, dict[str, Path]]:
