@@ -188,6 +188,19 @@ def _describe(holder: dict) -> str:
             f"({holder.get('command', '?')})")
 
 
+def _create_whole(src: Path, dst: Path) -> None:
+    """Create `dst` with `src`'s content, or raise FileExistsError: a hard link where the file system has them (the
+    content appears at once), else an exclusive create followed by the write."""
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        raise
+    except OSError:  # no hard links here (some network and FUSE file systems)
+        fd = os.open(dst, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(src.read_text())
+
+
 @contextmanager
 def folder_lock(folder, setting: str, log: Callable[[str], None] = print) -> Iterator[Path]:
     """Hold `folder`/.specdistill.lock (pid, host, start time, command line) while this process writes into the
@@ -206,7 +219,7 @@ def folder_lock(folder, setting: str, log: Callable[[str], None] = print) -> Ite
     try:
         for _ in range(3):  # a race with another taker: retry a few times, then report the holder
             try:
-                os.link(tmp, lock)
+                _create_whole(tmp, lock)
                 owned = True
                 break
             except FileExistsError:
@@ -227,7 +240,9 @@ def folder_lock(folder, setting: str, log: Callable[[str], None] = print) -> Ite
                 try:
                     os.replace(lock, stale_copy)  # a rename: of two takers, one moves it and both retry the link
                 except FileNotFoundError:
-                    pass
+                    continue
+                if (_read_holder(stale_copy) or {}).get("pid") != holder.get("pid"):
+                    os.replace(stale_copy, lock)  # another taker's fresh lock moved by mistake: put it back
                 stale_copy.unlink(missing_ok=True)
         else:
             raise FolderBusy(f"{folder}: could not take {lock} (other processes keep taking it); set {setting} to "
