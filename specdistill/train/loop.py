@@ -4,6 +4,11 @@ It never branches on the objective: an objective turns a batch into per-token lo
 else (normalisation, accumulation, clipping, schedule, logging, eval cadence, checkpoints, resume) lives here. Which
 objective, micro-batches and learning rate a step has comes from the run's phase plan (specdistill/phases.py: one
 phase, or recipe=draft_opd's warm-up then on-policy); a phase's end is logged, evaluated and checkpointed.
+
+fit reads as its steps: the resume point, the run's folder, the start state (a RunState: everything carried from one
+step to the next), then per optimizer step _enter_phase, _stopped (signal or wall-clock budget), _train_step and
+_after_step (log, evaluate, epoch-end hooks, checkpoint), and _finish. A background thread (data/loader.py:
+Prefetcher) loads and collates the next steps' micro-batches meanwhile.
 """
 from __future__ import annotations
 
@@ -189,7 +194,7 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
             if _stopped(c, s, stop):
                 break
             taken = _train_step(c, s, batches)
-            _after_step(c, s, taken, batches, epoch_end_hooks, checkpoint_hooks)
+            _after_step(c, s, taken, epoch_end_hooks, checkpoint_hooks)
     if s.bar is not None:
         s.bar.close()
     return _finish(c, s)
@@ -321,8 +326,8 @@ def _train_step(c: Components, s: RunState, batches: Prefetcher) -> StepTaken:
     return StepTaken(lr, grad_norm)
 
 
-def _after_step(c: Components, s: RunState, taken: StepTaken, batches: Prefetcher,
-                epoch_end_hooks: tuple, checkpoint_hooks: tuple) -> None:
+def _after_step(c: Components, s: RunState, taken: StepTaken, epoch_end_hooks: tuple,
+                checkpoint_hooks: tuple) -> None:
     """Log, evaluate, run the epoch-end hooks and checkpoint, each at its cadence; their time is kept out of the
     log window (tokens/s and s/step measure training alone)."""
     t, phase = c.cfg.trainer, s.phase
