@@ -37,6 +37,8 @@ from specdistill.constraints import check_fields
 from specdistill.decoding import (CacheMode, Drafter, DynamicGamma, FixedGamma, LMDrafter, NGramDrafter, Sampler,
                                   check_draft_policy, speculative_generate, target_generate)
 from specdistill.decoding.kv import device_of, max_positions
+from specdistill.decoding.tree import TreeShape
+from specdistill.decoding.tree_generate import tree_generate
 from specdistill.drafts import draft_adapter
 from specdistill.eval.batches import PromptBatch, make_batches
 from specdistill.eval.hf_baseline import HF_MODES, hf_generate, hf_runners, hf_summary  # noqa: F401  (re-exported)
@@ -44,6 +46,7 @@ from specdistill.eval.metrics import (SpecCounts, category_summary, leviathan_sp
                                      weighted_percentiles)
 from specdistill.eval.results import CostRatio, EvalResult, SweepPoint  # noqa: F401  (re-exported)
 from specdistill.eval.timing import Run, Runner, Throughput, measure_cost, run_pass, timed  # noqa: F401
+from specdistill.eval import tree_cost
 from specdistill.tokens import eos_ids, pad_id as pad_id_of
 
 
@@ -68,8 +71,22 @@ def check_eval_config(cfg: EvalConfig) -> None:
     if cfg.dynamic_gamma and cfg.max_gamma < cfg.gamma:
         raise ValueError(f"eval.max_gamma={cfg.max_gamma} must be >= eval.gamma={cfg.gamma} with dynamic_gamma")
     check_draft_policy(cfg.draft_policy, "eval.draft_policy")
+    if tree_shape(cfg) is not None and (cfg.dynamic_gamma or (cfg.draft_policy == "sample" and cfg.temperature > 0)):
+        raise ValueError("eval.tree decodes token trees of top-k children: unset eval.dynamic_gamma and use "
+                         "eval.draft_policy=greedy (or eval.tree.topk=0 for chains)")
     if cfg.compare_hf and cfg.temperature != 0:
         raise ValueError("eval.compare_hf compares outputs token for token: it needs eval.temperature=0")
+
+
+def tree_shape(cfg: EvalConfig) -> Optional[TreeShape]:
+    """The token-tree shape eval.tree asks for; None: chains of eval.gamma (eval.tree.topk=0)."""
+    t = cfg.tree
+    if t.topk == 0:
+        return None
+    try:
+        return TreeShape(t.topk, t.depth, t.nodes)
+    except ValueError as e:
+        raise ValueError(f"eval.tree: {e}") from None
 
 
 @dataclass
@@ -121,6 +138,8 @@ class _Decoders:
 
     def policy(self):
         cfg = self.cfg
+        if tree_shape(cfg) is not None:  # the counters of a tree are by depth
+            return FixedGamma(tree_shape(cfg).max_depth)
         if cfg.dynamic_gamma:
             return DynamicGamma(min_gamma=1, max_gamma=cfg.max_gamma, init=cfg.gamma)
         return FixedGamma(cfg.gamma)
@@ -139,9 +158,21 @@ class _Decoders:
         return run
 
     def spec(self, max_new: int, policy) -> Runner:
+        if tree_shape(self.cfg) is not None:
+            return self.tree(max_new, tree_shape(self.cfg))
+
         def run(b: PromptBatch) -> Run:
             r, t = timed(self.device, lambda: speculative_generate(
                 self.target_model, self.drafter, b.input_ids, b.attention_mask, gamma=policy, max_new_tokens=max_new,
+                generator=self.generator(), draft_policy=self.cfg.draft_policy, cache=self.cache(),
+                **self._sampling()))
+            return Run([r.tokens(i) for i in range(len(b.index))], t, r)
+        return run
+
+    def tree(self, max_new: int, shape: TreeShape) -> Runner:
+        def run(b: PromptBatch) -> Run:
+            r, t = timed(self.device, lambda: tree_generate(
+                self.target_model, self.drafter, b.input_ids, b.attention_mask, tree=shape, max_new_tokens=max_new,
                 generator=self.generator(), draft_policy=self.cfg.draft_policy, cache=self.cache(),
                 **self._sampling()))
             return Run([r.tokens(i) for i in range(len(b.index))], t, r)
@@ -200,9 +231,22 @@ def _warm_up(dec: _Decoders, prompt_ids: list[list[int]], hf_warm: dict[str, Run
     run_pass(warm, runners, "warm-up", False)
 
 
-def _cost(dec: _Decoders, batch: PromptBatch) -> Optional[CostRatio]:
-    """The cost model's c and v, timed on the first batch (None when switched off or without drafts)."""
+def _tree_cost(dec: _Decoders, batch: PromptBatch) -> Optional[tree_cost.TreeCost]:
+    """A token tree's draft cost per round and verify cost, timed on the first batch (None for chains)."""
+    shape = tree_shape(dec.cfg)
+    if shape is None or not dec.cfg.measure_cost:
+        return None
+    return tree_cost.measure_tree_cost(dec.target_model, dec.drafter, batch, shape, cache=dec.cache())
+
+
+def _cost(dec: _Decoders, batch: PromptBatch, tree: Optional[tree_cost.TreeCost]) -> Optional[CostRatio]:
+    """The cost model's c and v, timed on the first batch (None when switched off or without drafts). A tree's c is
+    its draft cost per round over its depth (so gamma c is the round's), v its verify forward's."""
     cfg = dec.cfg
+    if tree is not None:
+        depth = tree_shape(cfg).max_depth
+        return CostRatio(tree.target_step_ms, tree.verify_ms, tree.draft_round_ms / depth, tree.d / depth, tree.v,
+                         int(batch.attention_mask.sum(1).max()), draft_prefill_ms=tree.draft_prefill_ms)
     if not cfg.measure_cost or cfg.gamma <= 0:
         return None
     return measure_cost(dec.target_model, dec.drafter, batch, cfg.gamma,
@@ -365,7 +409,8 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
     # 1. Warm-up (not counted); 2. the cost model's c and v on the first batch.
     _warm_up(dec, prompt_ids, hf_warm)
     batches = dec.batches(prompt_ids, cfg.batch_size)
-    cost = _cost(dec, batches[0])
+    tcost = _tree_cost(dec, batches[0])
+    cost = _cost(dec, batches[0], tcost)
 
     # 3. The measured pass: target-only and speculative (and HF at batch 1) interleaved per batch.
     policy = dec.policy()
@@ -381,8 +426,25 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
     hf_result = _hf_side_by_side(dec, prompt_ids, runs, hf, drafter_name, progress) if hf else None
     main_point = tot.point(cfg.batch_size, len(prompt_ids), len(mismatches) if greedy else None)
     sweep = _batch_sweep(dec, prompt_ids, main_point, progress)
-    return _assemble(cfg, drafter_name, source, len(prompt_ids), tot, cost, mismatches, sweep, hf_result,
-                     _environment(dec, load_before), samples)
+    result = _assemble(cfg, drafter_name, source, len(prompt_ids), tot, cost, mismatches, sweep, hf_result,
+                       _environment(dec, load_before), samples)
+    return _with_cost_model(dec, batches[0], result, tcost)
+
+
+def _with_cost_model(dec: _Decoders, batch: PromptBatch, result: EvalResult,
+                     tcost: Optional[tree_cost.TreeCost]) -> EvalResult:
+    """Add the tree's report and the cost model: v(k) for k up to 32 and the predicted speedup of each setting that
+    the measured acceptance predicts (every chain length up to gamma, or the tree as run), naming the best."""
+    shape = tree_shape(dec.cfg)
+    if shape is not None:
+        result.tree = tree_cost.tree_report(shape, tcost)
+    if result.cost is None:
+        return result
+    curve = tree_cost.verify_curve(dec.target_model, batch, cache=dec.cache())
+    settings = (tree_cost.chain_settings(result.accept_rate_per_pos, result.cost.c, curve) if shape is None
+                else [tree_cost.tree_setting(shape, result.mean_accept_len, tcost)])
+    result.cost_model = tree_cost.cost_model_report(curve, settings)
+    return result
 
 
 def for_training(cfg: EvalConfig) -> EvalConfig:

@@ -79,7 +79,12 @@ class EvalResult:
     # extras
     batch_sweep: list[SweepPoint] = field(default_factory=list)
     hf: Optional[dict] = None
+    # token trees (eval.tree): shape, SGLang flags, draft cost per round and verify cost (eval/tree_cost.py)
+    tree: Optional[dict] = None
+    # v(k) for k = 1..32 and the chain length or tree shape with the highest predicted speedup (eval/tree_cost.py)
+    cost_model: Optional[dict] = None
     env: dict = field(default_factory=dict)
+    proposed_per_pos: list[int] = field(default_factory=list)  # drafts proposed per position: reach_rate's denominator
     samples: list[dict] = field(default_factory=list)  # decoded outputs (written to outputs.jsonl, not results.json)
 
     def to_dict(self, samples: bool = False) -> dict:

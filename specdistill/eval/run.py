@@ -87,7 +87,7 @@ def default_folder(cfg: DictConfig) -> str:
         draft = "-".join(parts[-2:]) or "draft"
     else:
         draft = e.drafter
-    prompts = str(e.prompts).split(":")[-1].replace("/", "-").rsplit(".", 1)[0]
+    prompts = Path(str(e.prompts).split(":")[-1]).stem  # embedded:mt_bench -> mt_bench, /data/p.jsonl -> p
     name = f"eval_{draft}_{prompts}_g{e.gamma}{'dyn' if e.dynamic_gamma else ''}_t{e.temperature:g}"
     return "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in name)
 

@@ -1,0 +1,188 @@
+"""The cost model for chains and token trees: the target's verify cost v(k) of k tokens in one forward, the draft's cost
+per round, and the setting (chain length or tree shape) with the highest predicted speed.
+
+Units are target steps (one KV-cached forward of 1 token per row). A setting whose rounds emit tau tokens, cost the
+draft d steps and verify k tokens runs at
+    predicted speedup = tau / (d + v(k))          (target-only decoding makes 1 token per step)
+a chain of gamma: d = gamma * c, k = gamma + 1; a tree of N nodes: d = its propose_tree time, k = N + 1.
+Chains' tau for every gamma up to the measured one follows from the measured acceptance rates a_k:
+tau(gamma) = 1 + sum_{k <= gamma} prod_{i <= k} a_i (every round drafting gamma, no row stopping mid-round).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+from specdistill.decoding import Drafter
+from specdistill.decoding.kv import BatchKV, CacheMode, device_of
+from specdistill.decoding.tree import TreeShape
+from specdistill.eval.batches import PromptBatch
+from specdistill.eval.timing import median_ms, timed
+
+
+@dataclass
+class VerifyCurve:
+    """v(k) for k = 1 .. len(ms): one target forward of k tokens per row (a token tree's mask) / one of 1 token."""
+    step_ms: float        # one 1-token forward, KV-cached
+    ms: list[float]       # ms[k-1]: one forward of k tokens
+    context_tokens: int   # the prompt length it was timed at
+
+    def v(self, k: int) -> float:
+        if not 1 <= k <= len(self.ms):
+            raise ValueError(f"v({k}) was not measured: the curve covers 1..{len(self.ms)} tokens")
+        return self.ms[k - 1] / self.step_ms
+
+    @property
+    def ratios(self) -> list[float]:
+        return [m / self.step_ms for m in self.ms]
+
+
+@dataclass
+class Setting:
+    """One decoding setting's measured or predicted tau and its costs in target steps."""
+    name: str             # chain4, tree4x3n15 ...
+    tau: float            # tokens per round
+    draft: float          # draft cost per round / one target step
+    width: int            # tokens verified per round (gamma + 1, or nodes + 1)
+    verify: float         # v(width)
+    flags: dict = field(default_factory=dict)  # SGLang's flags for a tree
+
+    @property
+    def predicted_speedup(self) -> float:
+        return self.tau / (self.draft + self.verify)
+
+
+def chain_taus(accept_rate_per_pos: list[float]) -> list[float]:
+    """tau(gamma) for gamma = 0 .. len(a): 1 + sum_{k <= gamma} prod_{i <= k} a_i."""
+    taus, reach = [1.0], 1.0
+    for a in accept_rate_per_pos:
+        reach *= a
+        taus.append(taus[-1] + reach)
+    return taus
+
+
+def chain_settings(accept_rate_per_pos: list[float], c: float, curve: VerifyCurve) -> list[Setting]:
+    """Every chain length 1 .. len(a) (within the curve), tau predicted from the measured a_k."""
+    taus = chain_taus(accept_rate_per_pos)
+    top = min(len(accept_rate_per_pos), len(curve.ms) - 1)
+    return [Setting(f"chain{g}", taus[g], g * c, g + 1, curve.v(g + 1)) for g in range(1, top + 1)]
+
+
+def best(settings: list[Setting]) -> Setting:
+    if not settings:
+        raise ValueError("no setting to choose from")
+    return max(settings, key=lambda s: s.predicted_speedup)
+
+
+# ------------------------------------------------------------------------------------------------ measurements
+@torch.no_grad()
+def verify_curve(target_model, batch: PromptBatch, max_width: int = 32, reps: int = 5,
+                 cache: CacheMode = CacheMode()) -> VerifyCurve:
+    """Time one target forward of k = 1 .. max_width tokens per row at the batch's context, through the tree path
+    (positions and a 4D mask as tree verification feeds them), rolled back after each. Medians of `reps`."""
+    device = device_of(target_model)
+    ids, mask = batch.input_ids, batch.attention_mask
+    B = ids.shape[0]
+    kv = cache.factory(ids.shape[1] + max_width + 1)(target_model)
+    kv.prefill(ids[:, :-1], mask[:, :-1])
+    pending = ids[:, -1:]
+
+    def forward(k: int):
+        visible = torch.ones(k, k, dtype=torch.bool, device=device).tril().expand(B, -1, -1)  # a chain-shaped tree
+        kv.step(pending.expand(B, k), positions=kv.length[:, None] + torch.arange(k, device=device),
+                tail_visible=visible)
+        kv.commit(torch.zeros(B, k, dtype=torch.bool, device=device))
+
+    step_ms = median_ms(device, lambda: _one_step(kv, pending), reps)
+    ms = [median_ms(device, lambda k=k: forward(k), reps) for k in range(1, max_width + 1)]
+    return VerifyCurve(step_ms, ms, int(mask.sum(1).max()))
+
+
+def _one_step(kv: BatchKV, tokens: torch.Tensor) -> None:
+    """One 1-token forward per row, rolled back."""
+    kv.step(tokens)
+    kv.commit(torch.zeros_like(tokens, dtype=torch.bool))
+
+
+@dataclass
+class TreeCost:
+    shape: str
+    nodes: int            # drafted nodes per round; the target verifies nodes + 1
+    target_step_ms: float
+    draft_round_ms: float  # propose_tree() in the steady state (after a committed round)
+    draft_prefill_ms: float  # the first propose_tree() after start()
+    verify_ms: float      # one forward of nodes + 1 tokens with the tree's mask
+    d: float              # draft_round_ms / target_step_ms
+    v: float              # verify_ms / target_step_ms
+
+
+@torch.no_grad()
+def measure_tree_cost(target_model, drafter: Drafter, batch: PromptBatch, shape: TreeShape, reps: int = 5,
+                      cache: CacheMode = CacheMode()) -> TreeCost:
+    """Time the drafter's propose_tree(shape) in the steady state and the target's verify forward of its tree, at the
+    batch's context. Between timed rounds the target verifies the tree and every node is rejected (both caches keep
+    the root only), as any later round of a generation follows a committed one."""
+    device = device_of(target_model)
+    ids, mask = batch.input_ids, batch.attention_mask
+    B = ids.shape[0]
+    new_kv = cache.factory(ids.shape[1] + (reps + 3) * (shape.size + 2))
+    kv: BatchKV = new_kv(target_model)
+    hidden = {"output_hidden_states": True} if drafter.needs_hidden_states else {}
+    prefill = kv.prefill(ids[:, :-1], mask[:, :-1], **hidden)
+    drafter.start(ids, mask, target_hidden=getattr(prefill, "hidden_states", None), new_kv=new_kv)
+    tree, first = timed(device, lambda: drafter.propose_tree(shape))
+    pending = ids[:, -1]                                                     # (B,)
+    none = torch.zeros(B, dtype=torch.long, device=device)
+    going = torch.ones(B, dtype=torch.bool, device=device)
+
+    def verify(tree):
+        out = kv.step(torch.cat([pending[:, None], tree.tokens.to(device)], 1),
+                      positions=kv.length[:, None] + tree.depths().to(device), tail_visible=tree.ancestors().to(device),
+                      **hidden)
+        return out
+
+    draft_times, verify_times = [], []
+    for i in range(reps + 1):
+        out, t_verify = timed(device, lambda: verify(tree))
+        root_only = torch.zeros(B, tree.max_depth + 1, dtype=torch.long, device=device)  # the path of no node
+        kv.commit_path(root_only, none + 1)                                  # keep the root: the round's pending token
+        pending = out.logits[:, 0].argmax(-1)
+        root_hidden = None if not hidden else tuple(h[:, :1] for h in out.hidden_states)
+        drafter.commit_path(root_only, none, pending, going, target_hidden=root_hidden)
+        tree, t_draft = timed(device, lambda: drafter.propose_tree(shape))
+        if i:  # the first steady round is a warm-up
+            draft_times.append(t_draft)
+            verify_times.append(t_verify)
+    step_ms = median_ms(device, lambda: _one_step(kv, pending[:, None]), reps)
+    draft_ms, verify_ms = 1000 * statistics.median(draft_times), 1000 * statistics.median(verify_times)
+    return TreeCost(shape.name, shape.size, step_ms, draft_ms, 1000 * first, verify_ms, draft_ms / step_ms,
+                    verify_ms / step_ms)
+
+
+def tree_setting(shape: TreeShape, tau: float, cost: TreeCost) -> Setting:
+    return Setting(shape.name, tau, cost.d, shape.size + 1, cost.v, flags=shape.sglang_flags())
+
+
+# ------------------------------------------------------------------------------------------------ the report
+def cost_model_report(curve: VerifyCurve, settings: list[Setting]) -> dict:
+    """The evaluator's cost_model entry: v(k) for k = 1 .. len(curve), each setting's predicted speedup, and the
+    recommended (highest predicted) one."""
+    rec = best(settings)
+    return {"target_step_ms": curve.step_ms, "context_tokens": curve.context_tokens,
+            "v_curve": curve.ratios, "v_curve_ms": curve.ms,
+            "settings": [{"name": s.name, "tau": s.tau, "draft": s.draft, "width": s.width, "verify": s.verify,
+                          "predicted_speedup": s.predicted_speedup, **({"sglang": s.flags} if s.flags else {})}
+                         for s in settings],
+            "recommended": rec.name, "recommended_predicted_speedup": rec.predicted_speedup}
+
+
+def tree_report(shape: TreeShape, cost: TreeCost | None) -> dict:
+    """The evaluator's tree entry: the shape, SGLang's flags for it, and its measured costs."""
+    out = {"topk": shape.topk, "depth": shape.depth, "nodes": shape.size, "name": shape.name,
+           "sglang": shape.sglang_flags()}
+    if cost is not None:
+        out |= {"draft_round_ms": cost.draft_round_ms, "draft_prefill_ms": cost.draft_prefill_ms,
+                "verify_ms": cost.verify_ms, "target_step_ms": cost.target_step_ms, "d": cost.d, "v": cost.v}
+    return out
