@@ -2,15 +2,18 @@
 
 Counts are summed and every ratio is taken again over the sums, so the acceptance figures (tau, a_k, alpha, the
 accept-length histogram, greedy mismatches, per-category figures) equal those of one process decoding the same
-batches. Two ratios keep only the process's ratio, not its counts, in an EvalResult: reach_rate_per_pos (a process
-with no accepted draft at k gives its proposals there from its mean gamma) and the per-output-position accept rate
-(weighted by rounds). Speeds are summed tokens over summed seconds, the per-process throughput; latency percentiles
-are the token-weighted mean of the processes' percentiles; the cost model is the first process's.
+batches; so do reach_rate_per_pos (from proposed_per_pos) and mean gamma. The per-output-position accept rate keeps
+only each process's ratio, so it is weighted by rounds. Speeds are summed tokens over summed seconds, the per-process
+throughput; latency percentiles are the token-weighted mean of the processes' percentiles; the cost model is the
+first process's. At temperature > 0 each process draws from its own seed stream, so the merged counts are another
+sample than one process's, not the same one.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import replace
+
+import torch
 
 from specdistill.eval.metrics import category_summary, leviathan_speedup
 from specdistill.eval.results import EvalResult, SweepPoint
@@ -23,15 +26,6 @@ def _sum_lists(lists: list[list[float]]) -> list[float]:
 
 def _per_pos(samples: list[dict], key: str) -> list[int]:
     return _sum_lists([s[f"{key}_per_pos"] for s in samples])
-
-
-def _proposed(r: EvalResult, accepted: list[int]) -> list[float]:
-    """Drafts proposed at each position by one process: accepted / reach rate where it accepted any; the positions
-    where it accepted none share what its mean gamma says it proposed beyond the others."""
-    known = [a / rate if a > 0 and rate > 0 else None for a, rate in zip(accepted, r.reach_rate_per_pos)]
-    unknown = [k for k, v in enumerate(known) if v is None]
-    rest = max(r.mean_gamma * r.target_forwards - sum(v for v in known if v is not None), 0.0)
-    return [v if v is not None else rest / len(unknown) for v in known]
 
 
 def _weighted(values: list[float], weights: list[float]) -> float:
@@ -52,8 +46,7 @@ def merge_results(parts: list[EvalResult], prompt_index: list[list[int]]) -> Eva
     target_tokens = sum(r.target_only_new_tokens for r in parts)
     counted = sum(round(r.mean_accept_len * r.target_forwards) for r in parts)  # tau = tokens / forwards
     reached, accepted = _per_pos(samples, "reached"), _per_pos(samples, "accepted")
-    per_rank_acc = [_per_pos(r.samples, "accepted") for r in parts]
-    proposed = _sum_lists([_proposed(r, a) for r, a in zip(parts, per_rank_acc)])
+    proposed = _sum_lists([r.proposed_per_pos for r in parts])
     alpha_reached = _sum_lists([[a * n for a, n in zip(r.alpha_per_pos, _per_pos(r.samples, "reached"))]
                                 for r in parts])
     mean_gamma = sum(r.mean_gamma * r.target_forwards for r in parts) / max(forwards, 1)
@@ -84,8 +77,9 @@ def merge_results(parts: list[EvalResult], prompt_index: list[list[int]]) -> Eva
     return replace(
         first, num_prompts=num_prompts, new_tokens=new_tokens, target_only_new_tokens=target_tokens,
         target_forwards=forwards, mean_gamma=mean_gamma, mean_accept_len=tau,
-        accept_rate_per_pos=[a / max(n, 1) for a, n in zip(accepted, reached)],
-        reach_rate_per_pos=[a / p if p > 0 else 0.0 for a, p in zip(accepted, proposed)],
+        accept_rate_per_pos=(torch.tensor(accepted) / torch.tensor(reached).clamp(min=1)).tolist(),  # as SpecCounts
+        reach_rate_per_pos=(torch.tensor(accepted) / torch.tensor(proposed).clamp(min=1)).tolist(),
+        proposed_per_pos=[int(x) for x in proposed],
         alpha=alpha, alpha_per_pos=[a / max(n, 1) for a, n in zip(alpha_reached, reached)],
         accept_len_hist=[int(x) for x in _sum_lists([r.accept_len_hist for r in parts])],
         accept_by_output_position=_merge_positions([r.accept_by_output_position for r in parts]),
