@@ -29,3 +29,13 @@ def test_a_directly_built_draft_refuses_them_too(kw, key):
     args = dict(block_size=4, target_layer_ids=None, mask_token_id=None) | kw
     with pytest.raises(ValueError, match=key):
         build_dflash(tiny_target(), 1, args["block_size"], args["target_layer_ids"], args["mask_token_id"])
+
+
+def test_a_saved_draft_refuses_a_target_it_was_not_trained_for():
+    from specdistill.drafts import draft_adapter
+    from tests.dflash.conftest import tiny_dflash
+
+    adapter = draft_adapter(tiny_dflash(tiny_target(), 4))
+    adapter.check_target(tiny_target(), "same target")
+    with pytest.raises(ValueError, match="layers"):
+        adapter.check_target(tiny_target(layers=6), "a deeper target")

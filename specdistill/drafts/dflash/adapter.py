@@ -101,7 +101,13 @@ class DFlashDraftKind(DraftAdapter):
         return with_block_size(self.module, block_size)
 
     def check_target(self, target_model, why: str) -> None:
-        check_vocab_compatible(self.module.config.vocab_size, logits_dim(target_model), why, what="DFlash draft")
+        c = self.module.config
+        check_vocab_compatible(c.vocab_size, logits_dim(target_model), why, what="DFlash draft")
+        t = target_model.config.get_text_config()
+        if t.num_hidden_layers != c.num_target_layers or t.hidden_size != c.target_hidden_size:
+            raise ValueError(f"the DFlash draft reads layers {c.target_layer_ids} of a {c.num_target_layers}-layer "
+                             f"target of width {c.target_hidden_size}; this target has {t.num_hidden_layers} layers "
+                             f"of width {t.hidden_size}: use the target it was trained for")
 
     def max_positions(self) -> Optional[int]:
         return self.module.config.max_position_embeddings

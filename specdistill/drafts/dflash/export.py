@@ -115,9 +115,14 @@ def export_dflash(draft_dir, out_dir, fmt: str = "vllm", target_path: Optional[s
     config = vllm_config(c)
     if dtype is not None:
         config["torch_dtype"] = dtype
+    warnings = []
+    if c.sliding_window is not None:
+        warnings.append(f"sliding window {c.sliding_window}: here a block sees the {c.sliding_window} context positions "
+                        "before its anchor; an engine that windows per query position shifts that edge by up to "
+                        f"{c.block_size - 1} positions for the later block positions (compare acceptance once served)")
     _write_atomic(out_dir, config, sd, include_embeddings)
     tensors = {k: (list(v.shape), str(v.dtype).replace("torch.", "")) for k, v in sd.items()}
-    return ExportResult(out_dir, fmt, tensors, [], config)
+    return ExportResult(out_dir, fmt, tensors, warnings, config)
 
 
 def validate_dflash_export(path, include_embeddings: bool = False) -> DFlashConfig:
