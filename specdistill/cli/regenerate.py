@@ -72,10 +72,11 @@ def check_out_settings(out: Path, settings: dict) -> None:
 
 
 def regenerate_batch(model, tokenizer, convs: list[list[dict]], max_new_tokens: int, temperature: float,
-                     max_context: int, generator=None) -> list[list[dict]]:
-    """Replace every assistant turn of each conversation, turn by turn, batching rows at the same turn index."""
+                     max_context: int, generator=None, cache=None) -> list[list[dict]]:
+    """Replace every assistant turn of each conversation, turn by turn, batching rows at the same turn index.
+    cache: the decoding's KV caches (decoding.CacheMode; None: growing)."""
     from specdistill.data.chat import prompt_ids, set_chat_template
-    from specdistill.decoding import target_generate
+    from specdistill.decoding import CacheMode, target_generate
     from specdistill.tensors import pad_rows
     from specdistill.tokens import pad_id
 
@@ -98,7 +99,8 @@ def regenerate_batch(model, tokenizer, convs: list[list[dict]], max_new_tokens: 
         input_ids, mask = pad_rows(prompts, pad_id(tokenizer), side="left")  # (B, L) each
         dev = next(model.parameters()).device
         roll = target_generate(model, input_ids.to(dev), mask.to(dev), max_new_tokens=max_new_tokens,
-                               temperature=temperature, eos_token_id=tokenizer.eos_token_id, generator=generator)
+                               temperature=temperature, eos_token_id=tokenizer.eos_token_id, generator=generator,
+                               cache=cache or CacheMode())
         for b, r in enumerate(rows):
             toks = [t for t in roll.tokens(b) if t != tokenizer.eos_token_id]
             out[r].append({"role": "assistant", "content": tokenizer.decode(toks, skip_special_tokens=True).strip()})
@@ -123,6 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chat-template", default=None,
                     help="a template file or inline Jinja replacing the target's (as data.chat_template in training)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: physical cores)")
+    ap.add_argument("--static-cache", action="store_true", help="KV caches preallocated per batch (eval.static_cache)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the decode forwards, CUDA graphs on CUDA (eval.compile); implies static")
     args = ap.parse_args(argv)
 
     import torch
@@ -134,8 +139,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from specdistill.data.chat import prompt_ids, set_chat_template
     from specdistill.data.conversations import load_rows, normalize
-    from specdistill.models.target import load_causal_lm, load_tokenizer
+    from specdistill.decoding import CacheMode
     from specdistill.decoding.kv import max_positions
+    from specdistill.models.target import load_causal_lm, load_tokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_causal_lm(args.target, args.dtype).to(device).eval()
@@ -167,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     with out.open("a") as f, tqdm(total=len(todo), desc="regenerate", unit="conv") as bar:
         for s in range(0, len(todo), args.batch_size):
             chunk = todo[s: s + args.batch_size]
-            new = regenerate_batch(model, tok, [m for _, m in chunk], args.max_new_tokens, args.temperature, ctx, gen)
+            new = regenerate_batch(model, tok, [m for _, m in chunk], args.max_new_tokens, args.temperature, ctx, gen,
+                                   cache=CacheMode(static=args.static_cache, compile=args.compile))
             for (cid, _), msgs in zip(chunk, new):
                 if any(m["role"] == "assistant" for m in msgs):
                     f.write(json.dumps({"id": cid, "messages": msgs}) + "\n")
