@@ -7,6 +7,9 @@ from .generate import (DynamicGamma, FixedGamma, GammaPolicy, RoundRecord, Rollo
 from .kv import CacheMode
 from .sampling import (DEFAULT_DRAFT_POLICY, DRAFT_POLICIES, Sampler, check_draft_policy, draft_temperature,
                        probs_from_logits, sample)
+from .tree import Tree, TreeShape
+from .tree_generate import tree_generate
+from .tree_verify import TreeVerdict, verify_tree_greedy, verify_tree_sampling
 from .verify import Verdict, verify_greedy, verify_sampling
 
 __all__ = [
@@ -16,4 +19,5 @@ __all__ = [
     "DEFAULT_DRAFT_POLICY", "DRAFT_POLICIES", "Sampler", "check_draft_policy", "draft_temperature",
     "probs_from_logits", "sample",
     "Verdict", "verify_greedy", "verify_sampling",
+    "Tree", "TreeShape", "TreeVerdict", "tree_generate", "verify_tree_greedy", "verify_tree_sampling",
 ]

@@ -8,7 +8,7 @@ are often the target's first: trees accept branches other than the first, which 
 import pytest
 import torch
 
-from specdistill.decoding import LMDrafter, NGramDrafter, speculative_generate, target_generate
+from specdistill.decoding import CacheMode, LMDrafter, NGramDrafter, speculative_generate, target_generate
 from specdistill.decoding.kv import BatchKV
 from specdistill.decoding.tree import Tree, TreeShape, grow
 from specdistill.decoding.tree_generate import tree_generate
@@ -205,6 +205,20 @@ def test_greedy_tree_decoding_is_token_identical_to_target_only(arch):
         assert r.accept_hist.sum() == r.target_forwards.sum() == sum(int(rnd.active.sum()) for rnd in r.rounds)
     assert accepted > 20 and later > 3 and rejected > 10, f"{arch}: {accepted} accepted, {later} on later branches, " \
                                                           f"{rejected} rejections"
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_static_caches_decode_the_same_trees(arch):
+    target = tiny_target(arch)
+    ids, mask = _prompts()
+    draft = _perturbed(target, NOISE.get(arch, 0.1))
+    shape = TreeShape(3, 3, nodes=8)
+    growing = tree_generate(target, LMDrafter(draft), ids, mask, tree=shape, max_new_tokens=40)
+    static = tree_generate(target, LMDrafter(draft), ids, mask, tree=shape, max_new_tokens=40,
+                           cache=CacheMode(static=True))
+    assert torch.equal(static.sequences, growing.sequences)
+    assert torch.equal(static.position_accepted, growing.position_accepted)
 
 
 @torch.no_grad()
