@@ -277,7 +277,8 @@ def _free(folder: Path) -> str:
         return "free space unknown"
 
 
-def disk_fault(exc: BaseException, folder: Path, setting: str, kept: str) -> Optional[WriteFailed]:
+def disk_fault(exc: BaseException, folder: Path, setting: str,
+               kept: "str | Callable[[], str]") -> Optional[WriteFailed]:
     """A WriteFailed saying what went wrong when `exc` is a space or permission fault (an OSError with such an errno,
     or torch's zip writer's "unexpected pos" / "PytorchStreamWriter failed" on a full disk), else None."""
     code = getattr(exc, "errno", None)
@@ -288,14 +289,16 @@ def disk_fault(exc: BaseException, folder: Path, setting: str, kept: str) -> Opt
     else:
         return None
     fix = "free some space there" if code in (errno.ENOSPC, errno.EDQUOT, errno.EIO) else "make it writable"
+    kept = kept() if callable(kept) else kept
     return WriteFailed(code, f"could not write to {folder}: {why} ({_free(folder)}; {type(exc).__name__}: "
                              f"{str(exc)[:200]}). {kept}. Fix: {fix}, or move it with {setting}=<another folder>")
 
 
 @contextmanager
-def named_writes(folder, setting: str, kept: str) -> Iterator[None]:
+def named_writes(folder, setting: str, kept: "str | Callable[[], str]") -> Iterator[None]:
     """Turn a space or permission fault raised inside the block into a WriteFailed naming `folder`, `setting` (the
-    config key or variable that moves it) and `kept` (what is still on disk and usable)."""
+    config key or variable that moves it) and `kept` (what is still on disk and usable; a callable is asked at the
+    failure)."""
     try:
         yield
     except (OSError, RuntimeError) as e:

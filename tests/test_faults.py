@@ -370,3 +370,24 @@ def test_replacement_characters_in_evaluation_prompts_are_counted(tmp_path):
     f.write_bytes(b"\n".join(rows))
     ps = load_prompts(str(f), make_tokenizer(), num_prompts=None, max_new_tokens=4)
     assert len(ps) == 3 and ps.replacement_chars == 1
+
+
+def test_a_full_disk_while_logging_names_the_output_folder_and_the_kept_checkpoint(tiny_target_dir, tiny_data_file,
+                                                                                   tmp_path, monkeypatch):
+    import specdistill.pipeline.run as pipeline
+    import specdistill.train.loop as loop
+
+    real_log, calls = loop._log, []
+
+    def log_until_full(acc, metrics, step, path):
+        calls.append(step)
+        if step == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real_log(acc, metrics, step, path)
+
+    monkeypatch.setattr(loop, "_log", log_until_full)
+    out = tmp_path / "out"
+    cfg = compose("kd", tiny_overrides(tiny_target_dir, tiny_data_file, out, tmp_path / "cache")
+                  + ["trainer.max_steps=4", "trainer.save_every=2"])
+    with pytest.raises(WriteFailed, match=rf"{out}: no space left.*step-0000002 is kept.*trainer.output_dir="):
+        pipeline.run(cfg)

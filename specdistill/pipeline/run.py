@@ -46,7 +46,8 @@ def run(cfg: DictConfig) -> FitResult:
             check_hub_access(cfg.hub, log=acc.print)  # before training: a push that cannot happen fails now
         c = build_components(cfg, accelerator=acc)
         pusher = HubPusher(cfg, c.output_dir, is_main=acc.is_main_process, log=acc.print)
-        result = fit(c, epoch_end_hooks=(spec_eval_hook,), checkpoint_hooks=(pusher,) if cfg.hub.push else ())
+        with named_writes(c.output_dir, "trainer.output_dir", lambda: kept_checkpoint(c.output_dir)):
+            result = fit(c, epoch_end_hooks=(spec_eval_hook,), checkpoint_hooks=(pusher,) if cfg.hub.push else ())
         if result.nothing_to_do:  # training is done: only stages that are missing or incomplete run
             todo = pending_stages(cfg, c.output_dir, result.step)
             if not todo:
@@ -83,6 +84,15 @@ def build_components(cfg: DictConfig, accelerator=None):
     """build.build with the pipeline's first stage: data.regenerate.enabled regenerates the data with the target."""
     return build(cfg, accelerator=accelerator,
                  make_data=build_regenerated_data if cfg.data.regenerate.enabled else None)
+
+
+def kept_checkpoint(output_dir) -> str:
+    """What a run that failed to write still has: its newest complete checkpoint, if any."""
+    from specdistill.train.checkpoint import list_checkpoints
+
+    done = list_checkpoints(output_dir)
+    return (f"The newest complete checkpoint {done[-1]} is kept: continue from it with trainer.resume=auto" if done
+            else "No checkpoint was complete yet")
 
 
 def check_writable_folders(cfg: DictConfig) -> None:
