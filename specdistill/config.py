@@ -240,7 +240,7 @@ class EvalConfig:
     max_gamma: int = bounded(8, ">= 1")  # dynamic_gamma: gamma moves within [1, max_gamma]
     # dynamic draft length (LM and EAGLE-3 drafts): stop a round's drafting once the draft's probability is below
     # it (HF: 0.4)
-    draft_confidence: float = bounded(0.0, "[0, 1]")
+    draft_confidence: float = bounded(0.0, "[0, 1)")
     tree: TreeEvalConfig = field(default_factory=TreeEvalConfig)  # token trees instead of chains (tree.topk > 0)
     batch_size: int = bounded(1, ">= 1")
     # the batch-size sweep of scripts/evaluate.py
