@@ -67,3 +67,26 @@ def test_target_shard_settings_a_launch_accepts(shard, recipe, processes, error,
     else:
         with pytest.raises(ValueError, match=error):
             check_target_shard(cfg, objectives, processes)
+
+
+def test_device_map_loads_the_target_through_accelerate_placement(tiny_target_dir, tiny_data_file, tmp_path,
+                                                                  monkeypatch):
+    """target.shard=device_map: from_pretrained is asked to place the layers itself (device_map="auto"; here all on
+    the CPU, the only device), and place_target leaves them where they are."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specdistill.build import build_target, place_target
+    from tests.conftest import tiny_overrides
+
+    asked = {}
+    real = AutoModelForCausalLM.from_pretrained.__func__
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: asked.update(k) or real(cls, *a, **k)))
+    cfg = compose("kd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path, tmp_path) + ["target.shard=device_map"])
+    target = build_target(cfg)
+    assert asked.get("device_map") == "auto"
+    place_target(cfg, target, SimpleNamespace(device=torch.device("meta")))  # would move it if it were not left alone
+    assert all(p.device.type == "cpu" for p in target.model.parameters())
