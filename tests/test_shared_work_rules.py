@@ -85,7 +85,8 @@ def test_device_map_loads_the_target_through_accelerate_placement(tiny_target_di
     real = AutoModelForCausalLM.from_pretrained.__func__
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
                         classmethod(lambda cls, *a, **k: asked.update(k) or real(cls, *a, **k)))
-    cfg = compose("kd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path, tmp_path) + ["target.shard=device_map"])
+    over = tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path, tmp_path) + ["target.shard=device_map"]
+    cfg = compose("kd", over)
     target = build_target(cfg)
     assert asked.get("device_map") == "auto"
     place_target(cfg, target, SimpleNamespace(device=torch.device("meta")))  # would move it if it were not left alone

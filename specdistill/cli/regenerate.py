@@ -75,7 +75,7 @@ def regenerate_batch(model, tokenizer, convs: list[list[dict]], max_new_tokens: 
                      max_context: int, generator=None, cache=None) -> list[list[dict]]:
     """Replace every assistant turn of each conversation, turn by turn, batching rows at the same turn index.
     cache: the decoding's KV caches (decoding.CacheMode; None: growing)."""
-    from specdistill.data.chat import prompt_ids, set_chat_template
+    from specdistill.data.chat import prompt_ids
     from specdistill.decoding import CacheMode, target_generate
     from specdistill.tensors import pad_rows
     from specdistill.tokens import pad_id

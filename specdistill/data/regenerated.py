@@ -81,7 +81,8 @@ def input_differences(recorded: dict, wanted: dict) -> list[str]:
         return out
 
     a, b = flat(recorded), flat(wanted)
-    return [f"{k}: {a.get(k)!r} (stored) vs {b.get(k)!r} (now)" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return [f"{k}: {a.get(k)!r} (stored) vs {b.get(k)!r} (now)" for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k)]
 
 
 def split_rows(prompts: list[list[int]], sequences: torch.Tensor, num_new: torch.Tensor, hidden: torch.Tensor,
@@ -157,7 +158,8 @@ class RegeneratedStore:
 
     def subset(self, rows: list[int]) -> "RegeneratedStore":
         out = RegeneratedStore.__new__(RegeneratedStore)
-        out.root, out._parts, out._index, out.greedy = self.root, self._parts, [self._index[i] for i in rows], self.greedy
+        out.root, out._parts, out.greedy = self.root, self._parts, self.greedy
+        out._index = [self._index[i] for i in rows]
         return out
 
     def __len__(self) -> int:
