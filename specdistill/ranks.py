@@ -1,7 +1,7 @@
 """The processes of one launch: how long they wait for each other, and how they split work between them.
 
-Knows nothing about models or data: regeneration (pipeline/regenerate.py) splits store parts with it, the final
-evaluation (train/spec_eval.py) splits prompts.
+Knows nothing about models or data: build.py fills the caches under caches_filled_once and hands regeneration
+(pipeline/regenerate.py) a share of the store's parts; the final evaluation splits its prompts with eval/merge.shares.
 """
 from __future__ import annotations
 
