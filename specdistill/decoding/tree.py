@@ -19,6 +19,7 @@ SGLang serves the same expansion with --speculative-eagle-topk=topk, --speculati
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -96,8 +97,9 @@ class Tree:
     def num_nodes(self) -> int:
         return self.tokens.shape[1]
 
-    @property
+    @functools.cached_property
     def max_depth(self) -> int:
+        """The deepest node's depth (one host sync, then cached: the tree is not changed after grow())."""
         return int(self.depth.max()) if self.num_nodes else 0
 
     def depths(self) -> torch.Tensor:

@@ -429,22 +429,35 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
     sweep = _batch_sweep(dec, prompt_ids, main_point, progress)
     result = _assemble(cfg, drafter_name, source, len(prompt_ids), tot, cost, mismatches, sweep, hf_result,
                        _environment(dec, load_before), samples)
-    return _with_cost_model(dec, batches[0], result, tcost)
+    return _with_cost_model(dec, batches, result, tcost, progress)
 
 
-def _with_cost_model(dec: _Decoders, batch: PromptBatch, result: EvalResult,
-                     tcost: Optional[tree_cost.TreeCost]) -> EvalResult:
+def _with_cost_model(dec: _Decoders, batches: list[PromptBatch], result: EvalResult,
+                     tcost: Optional[tree_cost.TreeCost], progress: bool) -> EvalResult:
     """Add the tree's report and the cost model: v(k) for k up to 32 and the predicted speedup of each setting that
-    the measured acceptance predicts (every chain length up to gamma, or the tree as run), naming the best."""
+    the measured acceptance predicts (every chain length up to gamma, or the tree as run), naming the best;
+    eval.measure_recommended decodes the prompts again with a recommended chain length other than gamma."""
     shape = tree_shape(dec.cfg)
     if shape is not None:
         result.tree = tree_cost.tree_report(shape, tcost)
     if result.cost is None:
         return result
-    curve = tree_cost.verify_curve(dec.target_model, batch, cache=dec.cache())
+    curve = tree_cost.verify_curve(dec.target_model, batches[0], cache=dec.cache())
     settings = (tree_cost.chain_settings(result.accept_rate_per_pos, result.cost.c, curve) if shape is None
                 else [tree_cost.tree_setting(shape, result.mean_accept_len, tcost)])
     result.cost_model = tree_cost.cost_model_report(curve, settings)
+    rec = tree_cost.best(settings)
+    if dec.cfg.measure_recommended:
+        measured = {"name": rec.name, "speedup": result.speedup, "mean_accept_len": result.mean_accept_len,
+                    "mean_gamma": result.mean_gamma}
+        if rec.gamma is not None and (rec.gamma != dec.cfg.gamma or dec.cfg.dynamic_gamma):
+            again = replace(dec, cfg=replace(dec.cfg, gamma=rec.gamma, dynamic_gamma=False))
+            policy = again.policy()
+            runs = run_pass(batches, again.pair(dec.cfg.max_new_tokens, policy), f"eval {rec.name}", progress)
+            tot = _totals(runs, policy.max_gamma, dec.cfg.position_bucket)
+            measured |= {"speedup": tot.speedup(), "mean_accept_len": tot.counts.tau(),
+                         "mean_gamma": tot.counts.mean_gamma()}
+        result.cost_model["measured"] = measured
     return result
 
 

@@ -48,6 +48,7 @@ class Setting:
     width: int            # tokens verified per round (gamma + 1, or nodes + 1)
     verify: float         # v(width)
     flags: dict = field(default_factory=dict)  # SGLang's flags for a tree
+    gamma: int | None = None  # a chain's length (None: a tree)
 
     @property
     def predicted_speedup(self) -> float:
@@ -67,7 +68,7 @@ def chain_settings(accept_rate_per_pos: list[float], c: float, curve: VerifyCurv
     """Every chain length 1 .. len(a) (within the curve), tau predicted from the measured a_k."""
     taus = chain_taus(accept_rate_per_pos)
     top = min(len(accept_rate_per_pos), len(curve.ms) - 1)
-    return [Setting(f"chain{g}", taus[g], g * c, g + 1, curve.v(g + 1)) for g in range(1, top + 1)]
+    return [Setting(f"chain{g}", taus[g], g * c, g + 1, curve.v(g + 1), gamma=g) for g in range(1, top + 1)]
 
 
 def best(settings: list[Setting]) -> Setting:

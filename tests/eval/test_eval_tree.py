@@ -62,3 +62,13 @@ def test_the_cost_model_picks_the_highest_predicted_speed():
     assert best(settings + [Setting("tree2x2", 3.0, 0.3, 5, 1.0)]).name == "tree2x2"
     with pytest.raises(ValueError, match=r"v\(9\) was not measured"):
         curve.v(9)
+
+
+def test_the_recommended_chain_length_is_measured(target, draft, tok, prompts):
+    r = evaluate(target, tok, draft, prompts[:2], _cfg(measure_cost=True, gamma=4, measure_recommended=True),
+                 progress=False)
+    measured = r.cost_model["measured"]
+    assert measured["name"] == r.cost_model["recommended"] and measured["speedup"] > 0
+    gamma = next(s for s in r.cost_model["settings"] if s["name"] == measured["name"])["width"] - 1
+    assert 0 < measured["mean_gamma"] <= gamma  # decoded at the recommended gamma (budget cuts shorten some rounds)
+    assert gamma == 4 or measured["mean_gamma"] < r.mean_gamma
