@@ -39,7 +39,8 @@ def test_draft_opd_with_an_eagle3_head_under_ddp_hands_over_and_syncs(tiny_targe
                     "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                     "train.py", "recipe=draft_opd", *over], env=subprocess_env(ACCELERATE_USE_CPU="1"))
     _one_job(proc.stdout + proc.stderr, "MULTI_CPU")
-    assert json.loads((out / "summary.json").read_text())["step"] == 4
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_processes"] == 2 and summary["step"] == 4
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     main = [r for r in rows if r.get("phase") == "main" and "train/loss" in r]
     assert [r.get("phase") for r in rows if "train/loss" in r][:2] == ["warmup", "warmup"] and len(main) == 2
