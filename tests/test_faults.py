@@ -94,6 +94,17 @@ def test_a_warm_start_from_an_export_takes_the_targets_embeddings(eagle3_checkpo
     assert all(torch.equal(v, trained.state_dict()[k]) for k, v in head.state_dict().items())
 
 
+def test_a_speculators_export_is_refused_by_name(eagle3_checkpoint, tiny_target_dir, tmp_path):
+    from specdistill.eval.run import load_draft
+    from specdistill.export import export_eagle3
+
+    out = tmp_path / "speculators"
+    export_eagle3(eagle3_checkpoint[0], out, fmt="speculators", target_path=str(tiny_target_dir))
+    with pytest.raises(ValueError, match="speculators-format export.*--format vllm"):
+        load_draft(_eval_cfg(tiny_target_dir, tmp_path, f"eval.draft_path={out}"), _target(tiny_target_dir),
+                   make_tokenizer(), **QUIET)
+
+
 def test_an_export_is_refused_with_another_targets_embeddings(eagle3_checkpoint, tiny_target_dir, tmp_path):
     from specdistill.eval.run import load_draft
 

@@ -105,6 +105,21 @@ def _dflash_fits(draft, path, target_model, target_name: str, log) -> None:
 FITS: dict[str, Callable] = {"eagle3": check_eagle3_head, "dflash": _dflash_fits}  # kind -> checks beyond check_target
 
 
+def check_readable(path) -> None:
+    """Refuse, by name, a folder that no draft kind reads back: a speculators-format export (vLLM serves it; the
+    speculators library loads it), which would otherwise be opened as a plain causal LM and fail in transformers."""
+    from specdistill.export import SPECULATORS_ARCH
+
+    try:
+        raw = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # the loaders say what is missing
+    if SPECULATORS_ARCH in (raw.get("architectures") or []):
+        raise ValueError(f"{path} is a speculators-format export ({SPECULATORS_ARCH}), which specdistill does not "
+                         "load: evaluate the checkpoint's draft/ folder it was exported from, or an export made with "
+                         "--format vllm")
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 

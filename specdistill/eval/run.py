@@ -24,7 +24,7 @@ def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
     """eval.draft_path (a trained HF draft folder) if set, else a draft built from the `draft` group (untrained)."""
     from specdistill.drafts import kind_for_init, load_trained_draft
     from specdistill.drafts.base import cast_for_decoding
-    from specdistill.drafts.readback import check_draft_tokenizer, read_back
+    from specdistill.drafts.readback import check_draft_tokenizer, check_readable, read_back
     from specdistill.models.target import Target
 
     path = cfg.eval.draft_path
@@ -35,6 +35,7 @@ def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
         from specdistill.files import check_draft_folder
 
         check_draft_folder(path, what="eval.draft_path draft")  # sizes, checksums, safetensors headers
+        check_readable(path)  # a speculators-format export is refused by name
         draft = load_trained_draft(path)  # a standalone LM or an EAGLE-3 head
         read_back(draft, path, target_model, target_name=str(cfg.target.path), log=log)  # shapes, embeddings
         check_draft_tokenizer(path, tokenizer, log)  # or says that it is skipped
