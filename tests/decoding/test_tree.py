@@ -253,3 +253,25 @@ def test_tree_sampling_follows_the_target_on_a_left_padded_batch(chi_square_pval
         for i, p in enumerate(first_three_marginals(target, prompt, V)):
             counts = torch.bincount(rows[:, i], minlength=V)
             assert chi_square_pvalue(counts, p) > 1e-3, f"prompt of {len(prompt)} tokens, token {i}"
+
+
+@torch.no_grad()
+def test_long_tree_decoding_crosses_front_crops_and_compactions(monkeypatch):
+    """Gemma-3 (sliding and full layers, growing caches), 100 tokens with EOS: the sliding layers drop columns from
+    their front and the caches compact while paths are committed; the output stays the target's."""
+    calls = {"_crop_front": 0, "compact": 0}
+    for name in calls:
+        original = getattr(BatchKV, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(BatchKV, name, counted)
+    target = tiny_target("gemma3")
+    ids, mask = _prompts()
+    reference = target_generate(target, ids, mask, max_new_tokens=100, eos_token_id=2)
+    r = tree_generate(target, LMDrafter(_perturbed(target, 0.3)), ids, mask, tree=TreeShape(4, 4, nodes=12),
+                      max_new_tokens=100, eos_token_id=2)
+    assert torch.equal(r.sequences, reference.sequences)
+    assert calls["_crop_front"] > 0 and calls["compact"] > 0
