@@ -8,7 +8,8 @@ position a+k-1 (logits there predict the next token), counted iff loss_mask[a+k-
   ce  cross-entropy on the target's greedy token (regenerated greedy data: the token it emitted).
 Position k weighs exp(-(k-1) / decay_length): early positions decide acceptance, since a round accepts a prefix.
 Both the draft's and the target's LM head run at the selected block positions only (N of them), never over the
-whole (B, T) grid. Anchors come from a generator seeded by (seed, call count): a resumed run draws the same ones.
+whole (B, T) grid, and over the draft's vocabulary only (draft.draft_vocab_size: the target's LM-head rows of the
+most frequent answer tokens; p restricted and renormalised, positions whose target token lies outside it masked). Anchors come from a generator seeded by (seed, call count): a resumed run draws the same ones.
 """
 from __future__ import annotations
 
@@ -120,16 +121,18 @@ class DFlashObjective(Objective):
         at = (anchors[..., None] + torch.arange(B - 1, device=ids.device)).clamp(max=T - 1)  # (R, n, B-1) dist. pos.
         rows = torch.arange(R, device=ids.device)[:, None, None].expand_as(at)[sel]          # (N,)
         cols = at[sel]                                                                         # (N,)
-        features, p_logits, labels = self._target(batch, models, rows, cols)
+        features, p_logits, labels, in_vocab = self._target(batch, models, rows, cols, draft.t2d)
         hidden = models.draft(features, batch["attention_mask"].bool(), ids.gather(1, anchors), anchors)  # (R,n,B,H)
-        q_logits = draft.logits(hidden[:, :, 1:][sel])                                         # (N, V)
-        loss = block_loss(q_logits, p_logits, labels)                                          # (N,)
+        q_logits = draft.logits(hidden[:, :, 1:][sel])                                         # (N, Vd)
+        # over a reduced draft vocabulary p is restricted and renormalised, and positions whose target token lies
+        # outside it are masked (as the eagle3 objective does)
+        loss = block_loss(q_logits, p_logits, labels) * in_vocab                               # (N,)
         k = torch.arange(B - 1, device=ids.device).expand_as(at)[sel]                         # (N,) position k - 1
         weight = position_weights(B, self.decay_length, ids.device)[k]
         metrics = {"loss_sum": (loss * weight).detach().sum()}
         with torch.no_grad():
             greedy = labels if labels is not None else p_logits.argmax(-1)
-            hit = (q_logits.argmax(-1) == greedy).float()
+            hit = ((q_logits.argmax(-1) == greedy) & in_vocab).float()
             for j in range(B - 1):  # keys independent of the data: every block position, every micro-batch
                 metrics[f"acc_pos{j + 1}_sum"] = (hit * (k == j)).sum()
                 metrics[f"acc_pos{j + 1}_count"] = (k == j).sum().float()
@@ -164,22 +167,36 @@ class DFlashObjective(Objective):
         hit = lm[torch.arange(R, device=lm.device)[:, None, None], at.clamp(max=T - 1)] & inside
         return hit & valid[..., None]
 
-    def _target(self, batch: dict, models: Models, rows: torch.Tensor, cols: torch.Tensor):
-        """Features (R, T, D) the draft reads, and at the N selected positions the target's logits (N, V) (kd) or
-        greedy tokens (N,) (ce)."""
+    def _target(self, batch: dict, models: Models, rows: torch.Tensor, cols: torch.Tensor, t2d: torch.Tensor):
+        """Features (R, T, D) the draft reads and, at the N selected positions over the draft vocabulary t2d (V,) bool:
+        the target's logits restricted to it (N, Vd) (kd) or its greedy token as a draft id (N,) (ce), and whether the
+        target's greedy token lies in it (N,) bool (always, for the full vocabulary)."""
         from specdistill.models.target import output_logits
 
         target = models.target
+        full = bool(t2d.all())
         if "aux_hidden" in batch and "final_hidden" in batch:   # stored features (regenerated data, dump_features)
             features = batch["aux_hidden"]
-            if self.target == "ce" and "target_argmax" in batch:
-                return features, None, batch["target_argmax"][rows, cols]
             with torch.no_grad():
-                p = output_logits(target.model, batch["final_hidden"][rows, cols])                # (N, V)
+                h = batch["final_hidden"][rows, cols]                                              # (N, Ht)
+                greedy = batch["target_argmax"][rows, cols] if "target_argmax" in batch else None   # (N,) | None
+                if self.target == "ce" and greedy is not None:
+                    p = None
+                elif full or greedy is not None:
+                    p = output_logits(target.model, h, rows=None if full else t2d)                 # (N, Vd): kept rows
+                else:
+                    p_all = output_logits(target.model, h)                                          # (N, V)
+                    p, greedy = p_all[:, t2d], p_all.argmax(-1)
+                if greedy is None:
+                    greedy = p.argmax(-1)                                                            # full vocabulary
         else:
             out = target(batch["input_ids"], batch["attention_mask"])
             if out.aux_hidden is None:
                 raise ValueError("the dflash objective needs the target's hidden states: build it with draft=dflash")
-            features, p = out.aux_hidden, out.logits[rows, cols]
-        return (features, None, p.argmax(-1)) if self.target == "ce" else (features, p, None)
-
+            features, p_all = out.aux_hidden, out.logits[rows, cols]                                # (N, V)
+            p, greedy = p_all[:, t2d], p_all.argmax(-1)
+        in_vocab = t2d[greedy]                                                                      # (N,)
+        if self.target == "ce":
+            to_draft = t2d.long().cumsum(0) - 1                                                     # (V,) draft id
+            return features, None, to_draft[greedy].clamp(min=0), in_vocab
+        return features, p, None, in_vocab

@@ -44,16 +44,16 @@ def _check_rounds(target, draft, ids, mask, rollout, trace) -> int:
                 continue
             a = int(pos[b])
             assert int(seq[0, a]) == int(anchor[b])
-            ref = draft.logits(draft(feats, valid, anchor[b].view(1, 1), pos[b].view(1, 1))[0, 0, 1:])  # (B-1, V)
+            ref = draft.logits(draft(feats, valid, anchor[b].view(1, 1), pos[b].view(1, 1))[0, 0, 1:])  # (B-1, Vd)
             torch.testing.assert_close(logits[b], ref[: logits.shape[1]], atol=1e-4, rtol=1e-4)
             checked += 1
     return checked
 
 
-@pytest.mark.parametrize("block_size", [2, 4, 8])
-def test_greedy_equals_target_for_every_block_size(block_size):
+@pytest.mark.parametrize("block_size, vd", [(2, None), (4, None), (8, None), (4, 30)])
+def test_greedy_equals_target_for_every_block_size(block_size, vd):
     target = tiny_target()
-    draft = tiny_dflash(target, block_size)
+    draft = tiny_dflash(target, block_size, vocab=None if vd is None else torch.arange(3, 3 + vd))
     ids, mask = prompts([9, 5, 2, 7, 4, 8, 3, 6], seed=1)
     drafter = Traced(draft)
     r = speculative_generate(target, drafter, ids, mask, gamma=block_size - 1, max_new_tokens=24, record=True)
@@ -62,6 +62,7 @@ def test_greedy_equals_target_for_every_block_size(block_size):
     assert int(r.accept_hist[:-1].sum()) > 0, "some rounds rejected a draft"
     assert int(r.position_accepted.sum()) > 0, "some drafts were accepted"
     assert all(rnd.gamma <= block_size - 1 for rnd in r.rounds)
+    assert all(bool(draft.t2d[rnd.draft_tokens].all()) for rnd in r.rounds)  # drafts inside the draft vocabulary
     assert _check_rounds(target, draft, ids, mask, r, drafter.trace) >= len(r.rounds)
 
 
@@ -85,12 +86,13 @@ def test_a_block_wider_than_gamma_proposes_gamma():
     assert torch.equal(r.sequences, target_generate(target, ids, mask, max_new_tokens=12).sequences)
 
 
-def test_sampled_verification_keeps_the_target_distribution(chi_square_pvalue):
+@pytest.mark.parametrize("vd", [None, 36])
+def test_sampled_verification_keeps_the_target_distribution(vd, chi_square_pvalue):
     """Drafts sampled from the block's q_k (draft_policy=sample) and verified with it: the first three tokens are
     distributed as the target's (exact marginals over all V^2 continuations)."""
     N = 3000
     target = tiny_target(sharpen=2.0)
-    draft = tiny_dflash(target, 4)
+    draft = tiny_dflash(target, 4, vocab=None if vd is None else torch.arange(V - vd, V))
     prompt = torch.tensor([[3, 9, 4, 9, 4]])
     n = prompt.shape[1]
     x1, x2 = torch.meshgrid(torch.arange(V), torch.arange(V), indexing="ij")

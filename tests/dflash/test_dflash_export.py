@@ -66,27 +66,36 @@ def _vllm_layout_logits(folder, target, hidden_states, anchor: int, anchor_pos: 
         g, u = gate_up.chunk(2, -1)
         x = (F.silu(g) * u) @ w[p + "mlp.down_proj.weight"].T
     h = _rms(x + residual, w["norm.weight"], eps)
-    return (h @ target.get_output_embeddings().weight.T)[1:]
+    if "d2t" not in w:  # the target's LM head
+        return (h @ target.get_output_embeddings().weight.T)[1:]
+    # compute_logits with a draft vocabulary: its own LM head rows, placed at base + d2t, -inf elsewhere
+    logits = torch.full((B, cfg["vocab_size"]), float("-inf"))
+    logits[:, torch.arange(cfg["draft_vocab_size"]) + w["d2t"]] = h @ w["lm_head.weight"].T
+    return logits[1:]
 
 
-def test_export_round_trip_to_vllms_layout(tmp_path):
+@pytest.mark.parametrize("vd", [None, 20])
+def test_export_round_trip_to_vllms_layout(vd, tmp_path):
     target = tiny_target()
     target.save_pretrained(tmp_path / "target")
-    draft = tiny_dflash(target, 4, num_layers=2)
+    draft = tiny_dflash(target, 4, num_layers=2, vocab=None if vd is None else torch.arange(5, 45, 2))
     draft.save_pretrained(tmp_path / "draft")
     res = export_dflash(tmp_path / "draft", tmp_path / "out", target_path=str(tmp_path / "target"))
     names = set(load_file(str(tmp_path / "out" / "model.safetensors")))
-    assert names == set(expected_tensors(draft.config)) and "lm_head.weight" not in names
+    assert names == set(expected_tensors(draft.config)) and ("lm_head.weight" in names) == (vd is not None)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 4 and res.config == cfg
+    assert cfg["draft_vocab_size"] == (vd or 48)
     assert set(cfg["dflash_config"]) == {"mask_token_id", "target_layer_ids"}
     ids = torch.randint(3, 48, (1, 14), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         hs = target(ids, output_hidden_states=True).hidden_states
         feats = torch.cat([hs[k] for k in draft.config.aux_layer_ids], -1)
         for a in (1, 7, 13):
-            ours = draft.logits(draft(feats, torch.ones(1, 14, dtype=torch.bool), ids[:, a: a + 1],
-                                      torch.tensor([[a]]))[0, 0, 1:])
+            q = draft.logits(draft(feats, torch.ones(1, 14, dtype=torch.bool), ids[:, a: a + 1],
+                                   torch.tensor([[a]]))[0, 0, 1:])                  # (B-1, Vd)
+            ours = torch.full((3, 48), float("-inf"))
+            ours[:, draft.draft_to_target(torch.arange(q.shape[-1]))] = q
             torch.testing.assert_close(_vllm_layout_logits(tmp_path / "out", target, hs, int(ids[0, a]), a), ours,
                                        atol=1e-5, rtol=1e-5)
 

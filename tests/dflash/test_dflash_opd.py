@@ -22,10 +22,10 @@ from tests.conftest import compose, tiny_overrides
 from tests.dflash.conftest import prompts, tiny_dflash, tiny_target
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_loss_forward_is_the_drafters_block_at_every_position(temperature):
+@pytest.mark.parametrize("temperature, vd", [(0.0, None), (1.0, None), (1.0, 30)])
+def test_loss_forward_is_the_drafters_block_at_every_position(temperature, vd):
     target = tiny_target()
-    draft = tiny_dflash(target, 4)
+    draft = tiny_dflash(target, 4, vocab=None if vd is None else torch.arange(48 - vd, 48))
     ids, mask = prompts([7, 4, 6], seed=3)
     gen = torch.Generator().manual_seed(0) if temperature else None
     pos = collect_rollout(target, draft, ids, mask, gamma=3, max_new_tokens=14, temperature=temperature,
@@ -34,7 +34,7 @@ def test_loss_forward_is_the_drafters_block_at_every_position(temperature):
     with torch.no_grad():
         q = dflash_logits_at(draft, pos.rows, pos.aux, pos.row, pos.context_len, pos.index, pos.source)  # (P, V)
     # greedy drafting: every drafted token, after a rejection too, is the block's argmax at its position
-    assert torch.equal(q.argmax(-1), pos.token)
+    assert torch.equal(draft.draft_to_target(q.argmax(-1)), pos.token)
     alpha = draft_adapter(draft).alpha(pos.target.dense(), q, temperature, 0.0)
     torch.testing.assert_close(alpha, pos.alpha, atol=1e-4, rtol=0)
 

@@ -24,10 +24,12 @@ def _batch(R=3, T=20, seed=0):
     return {"input_ids": ids * am, "attention_mask": am, "loss_mask": lm}
 
 
-@pytest.mark.parametrize("target_kind, decay", [("kd", 3.0), ("ce", None)])
-def test_loss_equals_a_naive_loop_over_blocks(target_kind, decay):
+@pytest.mark.parametrize("target_kind, decay, vd", [("kd", 3.0, None), ("ce", None, None), ("kd", 3.0, 24),
+                                                     ("ce", 3.0, 24)])
+def test_loss_equals_a_naive_loop_over_blocks(target_kind, decay, vd):
     model = tiny_target()
-    draft = tiny_dflash(model, 4).train()
+    kept = None if vd is None else torch.arange(0, 2 * vd, 2)  # every other id: the target's argmax often outside
+    draft = tiny_dflash(model, 4, vocab=kept).train()
     target = Target(model, draft.config.aux_layer_ids)
     models = Models(draft, target)
     obj = make_objective({"name": "dflash", "blocks_per_row": 3, "target": target_kind, "decay_length": decay})
@@ -39,7 +41,7 @@ def test_loss_equals_a_naive_loop_over_blocks(target_kind, decay):
     # naive: one block at a time, its row's features, soft CE / CE at each block position with a loss
     with torch.no_grad():
         t_out = target(batch["input_ids"], batch["attention_mask"])
-    want, count = 0.0, 0
+    want, count, outside = 0.0, 0, 0
     for r in range(3):
         feats = t_out.aux_hidden[r: r + 1]
         valid = batch["attention_mask"][r: r + 1].bool()
@@ -52,12 +54,20 @@ def test_loss_equals_a_naive_loop_over_blocks(target_kind, decay):
                 t = a + k - 1
                 if t >= 20 or not batch["loss_mask"][r, t]:
                     continue
-                q = F.log_softmax(draft.logits(h[k]), -1)
-                p = t_out.logits[r, t]
-                loss = -(p.softmax(-1) * q).sum() if target_kind == "kd" else -q[p.argmax()]
-                want = want + loss * (1.0 if decay is None else math.exp(-(k - 1) / decay))
+                q = F.log_softmax(draft.logits(h[k]), -1)                     # (Vd,)
+                p = t_out.logits[r, t]                                        # (V,)
                 count += 1
+                if kept is not None:
+                    if int(p.argmax()) not in kept.tolist():  # the target's token outside the draft vocabulary
+                        outside += 1
+                        continue
+                    p_kept = p[kept]
+                    loss = -(p_kept.softmax(-1) * q).sum() if target_kind == "kd" else -q[p_kept.argmax()]
+                else:
+                    loss = -(p.softmax(-1) * q).sum() if target_kind == "kd" else -q[p.argmax()]
+                want = want + loss * (1.0 if decay is None else math.exp(-(k - 1) / decay))
     assert count == int(prep.num_tokens) == out.loss.numel() > 10
+    assert (outside > 0) == (vd is not None)
     torch.testing.assert_close(total, want, atol=1e-5, rtol=1e-5)
     total.backward()
     assert draft.fc.weight.grad is not None and draft.embed_tokens.weight.grad is None  # the shared parts stay frozen

@@ -6,7 +6,9 @@ a = context_len[p] - index[p] - 1: its logits depend on the row's target feature
 only, never on the drafts before it. So a branch row (a rejected draft in place, DraftedPositions) gives the same
 logits as its trajectory at the same anchor, and every (trajectory, anchor) runs one block, whatever row asked.
 The target features of the rows are those the rollout's verify forwards computed anyway
-(decoding.speculative_generate(capture_layers=...)): no second target pass. q is over the target's full vocabulary.
+(decoding.speculative_generate(capture_layers=...)): no second target pass. q is over the draft vocabulary (the
+target's unless draft.draft_vocab_size reduces it: then the loss compares q with p restricted to it, as the dflash
+objective does, and acceptance uses the full p against q placed on its target ids, as verification).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from specdistill.decoding import Drafter
+from specdistill.decoding import Drafter, probs_from_logits
 from specdistill.decoding.kv import logits_dim
 from specdistill.drafts.base import DraftAdapter, min_sum
 from specdistill.tensors import unwrap
@@ -65,7 +67,7 @@ class DFlashDraftKind(DraftAdapter):
                                  f"draft.dflash.block_size={model.config.block_size}")
         else:
             model = build_dflash(target.model, draft_cfg.num_layers, d.block_size, d.target_layer_ids, d.mask_token_id,
-                                 draft_cfg.intermediate_size, d.sliding_window)
+                                 draft_cfg.intermediate_size, d.sliding_window, draft_vocab(draft_cfg, target, data))
         target.set_aux_layer_ids(model.config.aux_layer_ids)
         return model.train()
 
@@ -119,8 +121,17 @@ class DFlashDraftKind(DraftAdapter):
     def logits_at(self, rows, row, context_len, index, features, pad_id: int, shares=None) -> torch.Tensor:
         return dflash_logits_at(self.model, rows, features, row, context_len, index, shares)
 
+    def restrict(self, p_logits: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        t2d = self.module.t2d
+        return (p_logits, None) if bool(t2d.all()) else (p_logits[..., t2d], t2d[p_logits.argmax(-1)])
+
     def alpha(self, p_logits, q_logits, temperature: float, q_temperature=None) -> torch.Tensor:
-        return min_sum(p_logits, q_logits, temperature, q_temperature)
+        t2d = self.module.t2d
+        if bool(t2d.all()):
+            return min_sum(p_logits, q_logits, temperature, q_temperature)
+        p = probs_from_logits(p_logits, temperature)[:, t2d]                   # (P, Vd): p on the draft's ids
+        q = probs_from_logits(q_logits, temperature if q_temperature is None else q_temperature)  # (P, Vd)
+        return torch.minimum(p, q).sum(-1)
 
     def chain_counts(self, target_out, batch: dict, gamma: int) -> torch.Tensor:
         return dflash_chain_counts(self.model, target_out, batch, gamma)
@@ -147,10 +158,25 @@ vllm serve {target} --speculative-config '{{"method": "dflash", "model": "draft/
 """
 
 
+def draft_vocab(draft_cfg, target, data) -> Optional[torch.Tensor]:
+    """The target ids a reduced draft vocabulary keeps (draft.draft_vocab_size below the target's vocabulary): the
+    training data's most frequent answer tokens, ascending; None for the whole vocabulary."""
+    V, Vd = logits_dim(target.model), draft_cfg.draft_vocab_size
+    if Vd is None or Vd >= V:
+        return None
+    if data is None:
+        raise ValueError(f"draft.draft_vocab_size={Vd} keeps the training data's most frequent tokens, and there is no "
+                         "training data here: set draft.draft_vocab_size=null (the whole vocabulary) or load a trained "
+                         "draft (eval.draft_path)")
+    from specdistill.models.eagle3 import frequent_token_vocab
+
+    return frequent_token_vocab(data.train, V, Vd)
+
+
 def dflash_logits_at(model, rows: list[torch.Tensor], features: torch.Tensor, row: torch.Tensor,
                      context_len: torch.Tensor, index: torch.Tensor,
                      shares: Optional[list[int]] = None) -> torch.Tensor:
-    """(P, V) the draft's logits at each drafted position, WITH grad: block position index[p] + 1 of the block
+    """(P, Vd) the draft's logits at each drafted position, WITH grad: block position index[p] + 1 of the block
     anchored at context_len - index - 1 of its row (module docstring). One block per (base row, anchor), where the
     base row is shares[row] (a branch row's trajectory, whose tokens agree up to the anchor: checked)."""
     device = features.device
@@ -184,7 +210,7 @@ def dflash_logits_at(model, rows: list[torch.Tensor], features: torch.Tensor, ro
     hidden = model(feats, valid, anchors, anchor_pos)                          # (Rb, n, B, H)
     at = torch.tensor([where[block_of[(b, a)]] for b, a in zip(base.tolist(), anchor.tolist())],
                       dtype=torch.long, device=device)                         # (P, 2)
-    return inner.logits(hidden[at[:, 0], at[:, 1], index + 1])                 # (P, V)
+    return inner.logits(hidden[at[:, 0], at[:, 1], index + 1])                 # (P, Vd)
 
 
 def chain_anchors(loss_mask: torch.Tensor, per_row: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,7 +242,7 @@ def dflash_chain_counts(model, target_out, batch: dict, gamma: int, per_row: int
     anchors, valid = chain_anchors(lm, per_row)                                # (B, n)
     hidden = model(target_out.aux_hidden, batch["attention_mask"].bool(), ids.gather(1, anchors), anchors)
     K = min(gamma, inner.block_size - 1)
-    draft_argmax = inner.logits(hidden[:, :, 1: 1 + K]).argmax(-1)             # (B, n, K)
+    draft_argmax = inner.draft_to_target(inner.logits(hidden[:, :, 1: 1 + K]).argmax(-1))  # (B, n, K) target ids
     T = ids.shape[1]
     at = (anchors[..., None] + torch.arange(K, device=ids.device)).clamp(max=T - 1)  # (B, n, K) target positions
     target_argmax = target_out.logits.argmax(-1)                               # (B, T)

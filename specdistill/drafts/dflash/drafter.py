@@ -24,8 +24,9 @@ from .model import ContextKV, DFlashDraft
 
 
 class DFlashDrafter(Drafter):
-    """Proposes up to B-1 target ids per round from a DFlashDraft. After each propose(), `logits` (B, k', V) holds
-    the block's raw logits at the proposed positions. confidence > 0: the proposal stops after the first position
+    """Proposes up to B-1 target ids per round from a DFlashDraft; q is over the target vocabulary (zero outside a
+    reduced draft vocabulary, whose draft ids map to target ids through d2t). After each propose(), `logits`
+    (B, k', Vd) holds the block's raw logits at the proposed positions. confidence > 0: the proposal stops after the first position
     where every row's draft has probability below it (dynamic draft length; the block is still one forward)."""
 
     needs_hidden_states = True
@@ -101,17 +102,22 @@ class DFlashDrafter(Drafter):
         logits = self.model.logits(hidden[:, 0, 1: 1 + k])                   # (B, k, V): block positions 1 .. k
         tokens, probs = [], []
         for i in range(k):
-            token, q = sampler.draw(logits[:, i])                            # (B,), (B, V) | None
-            tokens.append(token)
+            draft_id, q = sampler.draw(logits[:, i])                         # (B,), (B, Vd) | None
+            tokens.append(self.model.draft_to_target(draft_id))              # target ids
             probs.append(q)
-            if unsure(logits[:, i], token, q, self.confidence):
+            if unsure(logits[:, i], draft_id, q, self.confidence):
                 break
         kept = len(tokens)
         self.logits = logits[:, :kept]
         self.tokens = torch.stack(tokens, 1) if kept else self.anchor.new_zeros(B, 0)  # (B, k')
         if sampler.greedy:
             return Proposal(self.tokens, None)
-        q = torch.stack(probs, 1) if kept else logits.new_zeros(B, 0, logits.shape[-1]).float()  # (B, k', V)
+        # q over the target vocabulary: the draft vocabulary's probs at their target ids, zero elsewhere
+        q_draft = torch.stack(probs, 1) if kept else logits.new_zeros(B, 0, logits.shape[-1]).float()  # (B, k', Vd)
+        if q_draft.shape[-1] == self.vocab_size:
+            return Proposal(self.tokens, q_draft)
+        q = q_draft.new_zeros(B, kept, self.vocab_size)
+        q[..., self.model.t2d] = q_draft                                      # t2d's True ids ascend with draft ids
         return Proposal(self.tokens, q)
 
     @torch.no_grad()

@@ -40,8 +40,10 @@ def expected_tensors(c: DFlashConfig, include_embeddings: bool = False) -> dict[
                     p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
                     p + "mlp.down_proj.weight": (H, I),
                     p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)})
+    if c.draft_vocab_size < c.vocab_size:  # a reduced vocabulary: its own LM head rows and the id map
+        out.update({"lm_head.weight": (c.draft_vocab_size, H), "d2t": (c.draft_vocab_size,)})
     if include_embeddings:
-        out.update({"embed_tokens.weight": (c.vocab_size, H), "lm_head.weight": (c.vocab_size, H)})
+        out.update({"embed_tokens.weight": (c.vocab_size, H), "lm_head.weight": (c.draft_vocab_size, H)})
     return out
 
 
@@ -56,6 +58,10 @@ def check_tensors(c: DFlashConfig, sd: dict[str, torch.Tensor], include_embeddin
                 errs.append(f"tensor {k} has shape {list(sd[k].shape)}, expected {list(s)}")
             elif not bool(torch.isfinite(sd[k].float()).all()):
                 errs.append(f"tensor {k} has non-finite values")
+    if "d2t" in sd and tuple(sd["d2t"].shape) == want.get("d2t"):
+        ids = torch.arange(len(sd["d2t"])) + sd["d2t"].long()
+        if sd["d2t"].dtype != torch.int64 or not bool((ids[1:] > ids[:-1]).all()) or int(ids[-1]) >= c.vocab_size:
+            errs.append("d2t must be int64 offsets mapping draft ids to ascending target ids inside the vocabulary")
     return errs
 
 
@@ -104,11 +110,15 @@ def export_dflash(draft_dir, out_dir, fmt: str = "vllm", target_path: Optional[s
         _, target = read_target_config(target_path)
         errs += check_target(c, target)
     sd = load_file(str(draft_dir / WEIGHTS_FILE))
+    sd.pop("t2d", None)  # ours only (vLLM skips it)
+    if c.draft_vocab_size == c.vocab_size:
+        sd.pop("d2t", None)  # all zeros: vLLM reads the full vocabulary without a map
     if not include_embeddings:
-        sd = {k: v for k, v in sd.items() if k not in SHARED}
+        keep = ("lm_head.weight",) if c.draft_vocab_size < c.vocab_size else ()
+        sd = {k: v for k, v in sd.items() if k not in SHARED or k in keep}
     if dtype is not None:
         to = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-        sd = {k: v.to(to) if v.is_floating_point() else v for k, v in sd.items()}
+        sd = {k: v.to(to) if v.is_floating_point() else v for k, v in sd.items()}  # d2t stays int64
     errs += check_tensors(c, sd, include_embeddings)
     if errs:
         raise ValueError(f"cannot export {draft_dir} for vLLM:\n  - " + "\n  - ".join(errs))

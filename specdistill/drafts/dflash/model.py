@@ -19,10 +19,11 @@ W context positions before its anchor (a - W .. a - 1).
 
 Checkpoint layout (config.json + model.safetensors), chosen so the folder is the one vLLM's DFlash model
 (vllm/model_executor/models/qwen3_dflash.py, speculative method "dflash") loads; export.py writes it without the
-frozen embedding and LM head, which vLLM takes from the target:
+frozen embedding and LM head (a reduced vocabulary's LM head rows excepted), which vLLM takes from the target:
   config.json   architectures ["DFlashDraftModel"], model_type "qwen3", the Qwen3 sizes (hidden_size, num_hidden_layers,
                 num_attention_heads, num_key_value_heads, head_dim, intermediate_size, rms_norm_eps, rope_theta,
                 rope_scaling, max_position_embeddings, vocab_size, hidden_act "silu", attention_bias false),
+                draft_vocab_size (Vd: the LM head rows it reads out, V unless a reduced draft vocabulary),
                 block_size (B: vLLM drafts num_speculative_tokens = B - 1 per round), num_target_layers,
                 target_hidden_size, and dflash_config {mask_token_id, target_layer_ids} (the keys vLLM reads for the
                 mask token and for the target layers whose outputs it captures; target_layer_ids count decoder layers
@@ -32,8 +33,10 @@ frozen embedding and LM head, which vLLM takes from the target:
   tensors       fc.weight [H, K*Ht], hidden_norm.weight [H], norm.weight [H],
                 layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight [hd],
                 layers.{i}.mlp.{gate,up,down}_proj.weight, layers.{i}.{input,post_attention}_layernorm.weight,
-                embed_tokens.weight [V, H] and lm_head.weight [V, H] (frozen copies of the target's; only in our
-                checkpoint, not in the export).
+                embed_tokens.weight [V, H] and lm_head.weight [Vd, H] (frozen copies of the target's; the export
+                leaves them to vLLM, which shares the target's, except a reduced vocabulary's lm_head), d2t [Vd] int64
+                (target id = draft id + d2t[draft id], vLLM's draft_id_to_target_id; exported when Vd < V), t2d [V]
+                bool (the target ids kept; ours only).
 """
 from __future__ import annotations
 
@@ -63,6 +66,7 @@ class DFlashConfig:
     rope_theta: float
     max_position_embeddings: int
     vocab_size: int                # V, the target's
+    draft_vocab_size: int          # Vd: the rows of the LM head it reads out (V: all; fewer: the d2t map below)
     target_hidden_size: int        # Ht
     num_target_layers: int         # the target's decoder layers (target_layer_ids are checked against it)
     block_size: int                # B: one forward proposes B - 1 tokens
@@ -91,7 +95,8 @@ class DFlashConfig:
              "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
              "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
              "max_position_embeddings": self.max_position_embeddings, "vocab_size": self.vocab_size,
-             "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+             "draft_vocab_size": self.draft_vocab_size, "hidden_act": "silu", "attention_bias": False,
+             "tie_word_embeddings": False,
              "target_hidden_size": self.target_hidden_size, "num_target_layers": self.num_target_layers,
              "block_size": self.block_size, "dflash_config": dflash,
              "eagle_aux_hidden_state_layer_ids": self.aux_layer_ids, "torch_dtype": "float32"}
@@ -112,6 +117,7 @@ class DFlashConfig:
                    head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
                    rms_norm_eps=d["rms_norm_eps"], rope_theta=d.get("rope_theta", 10000.0),
                    max_position_embeddings=d["max_position_embeddings"], vocab_size=d["vocab_size"],
+                   draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
                    target_hidden_size=d.get("target_hidden_size") or d["hidden_size"],
                    num_target_layers=d["num_target_layers"], block_size=d["block_size"],
                    mask_token_id=dflash["mask_token_id"], target_layer_ids=list(dflash["target_layer_ids"]),
@@ -258,7 +264,12 @@ class DFlashDraft(nn.Module):
         self.layers = nn.ModuleList([DFlashLayer(c) for _ in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size).requires_grad_(False)  # the target's, frozen
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False).requires_grad_(False)  # the target's, frozen
+        # the target's LM head rows of the draft vocabulary, frozen; d2t / t2d map draft ids to target ids (offsets:
+        # target = draft + d2t[draft], as vLLM reads them) and mark the target ids kept
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False).requires_grad_(False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool) if c.draft_vocab_size == c.vocab_size
+                             else torch.zeros(c.vocab_size, dtype=torch.bool))
         inv_freq, self.rope_factor = rope_frequencies(c)
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
 
@@ -321,8 +332,19 @@ class DFlashDraft(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x).view(N, n, B, -1)
 
+    def set_vocab(self, kept: torch.Tensor) -> None:
+        """Read out only the target ids `kept` (Vd,) ascending: d2t offsets and the t2d mask."""
+        kept = kept.to(self.d2t.device)
+        self.d2t.copy_(kept - torch.arange(len(kept), device=kept.device))
+        self.t2d.zero_()
+        self.t2d[kept] = True
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden (..., H) -> (..., V) through the target's LM head (and its soft cap, if any)."""
+        """Final-normed hidden (..., H) -> (..., Vd) through the target's LM head rows of the draft vocabulary (and
+        its soft cap, if any)."""
         out = self.lm_head(hidden.to(self.lm_head.weight.dtype))
         cap = self.config.final_logit_softcapping
         return out if not cap else torch.tanh(out / cap) * cap
@@ -369,8 +391,9 @@ def with_block_size(model: DFlashDraft, block_size: int) -> DFlashDraft:
 
 def build_dflash(target_model, num_layers: int, block_size: int, target_layer_ids: Optional[list[int]],
                  mask_token_id: Optional[int], intermediate_size: Optional[int] = None,
-                 sliding_window: Optional[int] = None) -> DFlashDraft:
-    """A fresh DFlash draft for an HF causal LM target: its sizes, RoPE, frozen embedding and LM head."""
+                 sliding_window: Optional[int] = None, vocab: Optional[torch.Tensor] = None) -> DFlashDraft:
+    """A fresh DFlash draft for an HF causal LM target: its sizes, RoPE, frozen embedding and LM head (only the rows
+    of `vocab`, ascending target ids, when given: a reduced draft vocabulary)."""
     from specdistill.models.target import embedding_scale
 
     t = target_model.config
@@ -386,7 +409,8 @@ def build_dflash(target_model, num_layers: int, block_size: int, target_layer_id
                      num_key_value_heads=t.num_key_value_heads,
                      head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
                      rms_norm_eps=t.rms_norm_eps, rope_theta=theta, max_position_embeddings=t.max_position_embeddings,
-                     vocab_size=V, target_hidden_size=t.hidden_size, num_target_layers=L, block_size=block_size,
+                     vocab_size=V, draft_vocab_size=V if vocab is None else len(vocab),
+                     target_hidden_size=t.hidden_size, num_target_layers=L, block_size=block_size,
                      mask_token_id=V - 1 if mask_token_id is None else mask_token_id, target_layer_ids=ids,
                      sliding_window=sliding_window, rope_scaling=scaling,
                      embed_scale=embedding_scale(target_model),
@@ -394,7 +418,10 @@ def build_dflash(target_model, num_layers: int, block_size: int, target_layer_id
     draft = DFlashDraft(c)
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
-        draft.lm_head.weight.copy_(target_model.get_output_embeddings().weight)
+        rows = target_model.get_output_embeddings().weight
+        draft.lm_head.weight.copy_(rows if vocab is None else rows[vocab])
+    if vocab is not None:
+        draft.set_vocab(vocab)
     if getattr(target_model.get_output_embeddings(), "bias", None) is not None:
         raise ValueError("DFlash drafts share the target's LM head, and this target's has a bias, which vLLM's DFlash "
                          "layout has no place for; use draft=eagle3 or an LM draft for it")
