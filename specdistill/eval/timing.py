@@ -73,7 +73,7 @@ def measure_cost(target_model, drafter: Drafter, batch: PromptBatch, gamma: int,
 
     step_ms = median_ms(device, lambda: target_step(1), reps)
     verify_ms = median_ms(device, lambda: target_step(gamma + 1), reps)
-    draft = steady_propose_ms(kv, drafter, ids, mask, target_hidden, gamma, sampler, reps, new_kv)
+    draft = propose_times(kv, drafter, ids, mask, target_hidden, gamma, sampler, reps, new_kv)
     draft_ms = draft.steady_ms / max(gamma, 1)
     return CostRatio(step_ms, verify_ms, draft_ms, draft_ms / step_ms, verify_ms / step_ms, int(mask.sum(1).max()),
                      draft_prefill_ms=draft.first_ms)
@@ -86,7 +86,7 @@ class ProposeTimes:
 
 
 @torch.no_grad()
-def steady_propose_ms(kv: BatchKV, drafter: Drafter, ids: torch.Tensor, mask: torch.Tensor, target_hidden,
+def propose_times(kv: BatchKV, drafter: Drafter, ids: torch.Tensor, mask: torch.Tensor, target_hidden,
                       gamma: int, sampler: Sampler, reps: int, new_kv=BatchKV) -> ProposeTimes:
     """Time drafter.propose(gamma) right after start() (once), then `reps` times after a committed round, past one
     untimed warm-up. Each round between: the target verifies [pending, drafts] on kv (rolled back after), and the
