@@ -57,7 +57,7 @@ def _attention_step(attend, args) -> None:
     causal = torch.ones(T, T, dtype=torch.bool).tril()[None, None]               # (1, 1, T, T)
     mask = causal if attend is naive_ttt_attend else TTTMask(causal, steps - 1)  # one bias buffer for the unroll
     diag_k, diag_v, total = [], [], 0.0
-    for j in range(steps):
+    for _ in range(steps):
         q = leaf()
         out = attend(q, k0, v0, mask, diag_k, diag_v, 1 / math.sqrt(hd))          # (B, nh, T, hd)
         total = total + out.square().mean()

@@ -11,9 +11,10 @@ whose slots <= N-2 carry the trajectory's target features (only those are read: 
 steps only see their own slot).
 
 The target's aux hidden states for the rows are those the rollout's verify forwards computed anyway (captured by
-decoding.speculative_generate(capture_layers=aux_layer_ids)): no second target pass. The loss compares q over the draft vocabulary with the target's
-distribution restricted to it (renormalised), masking positions whose target argmax lies outside it, as the eagle3
-objective does; acceptance (weights, priorities) uses the full p against q scattered to target ids, as verification.
+decoding.speculative_generate(capture_layers=aux_layer_ids)): no second target pass. The loss compares q over the
+draft vocabulary with the target's distribution restricted to it (renormalised), masking positions whose target
+argmax lies outside it, as the eagle3 objective does; acceptance (weights, priorities) uses the full p against q
+scattered to target ids, as verification.
 """
 from __future__ import annotations
 
@@ -169,7 +170,7 @@ def eagle3_logits_at(head, rows: list[torch.Tensor], aux: torch.Tensor, row: tor
     and its trajectory), so its chains run on that row's step 0 with their own tokens: a branch costs its chain's
     steps, not a forward over its whole length. Checked on the tokens. The lm_head runs on the P read states only."""
     device = aux.device
-    P, steps = row.shape[0], int(index.max()) + 1
+    steps = int(index.max()) + 1
     slot = context_len - index - 2                                             # (P,) drafting slot of each one
     base = row if shares is None else torch.as_tensor(shares, dtype=torch.long, device=row.device)[row]  # (P,)
     # chains: one per (row, slot); grouped by the base row whose step 0 they read

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -50,7 +50,8 @@ class Eagle3Config:
                     embed_scale: float = 1.0) -> "Eagle3Config":
         rope = target_rope_parameters(tcfg)
         theta = rope.get("rope_theta", getattr(tcfg, "rope_theta", 10000.0))
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" else None
+        scaling = ({k: v for k, v in rope.items() if k != "rope_theta"}
+                   if rope.get("rope_type", "default") != "default" else None)
         return cls(hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size,
                    num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=tcfg.num_key_value_heads,
                    head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads,
@@ -116,7 +117,8 @@ def single_rope(rope: dict) -> dict:
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """Low / middle / high layers for any depth. For L >= 8 this equals the engines' default (2, L//2, L-3); for
-    small targets (where that default breaks) it spreads (1, L//2, L-1), all below L. Ids follow vLLM: k = hidden_states[k]."""
+    small targets (where that default breaks) it spreads (1, L//2, L-1), all below L. Ids follow vLLM:
+    k = hidden_states[k]."""
     L = num_layers
     if L >= 8:
         return [2, L // 2, L - 3]
@@ -152,7 +154,8 @@ def rope_inv_freq(c: "Eagle3Config") -> tuple[torch.Tensor, float]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if kind not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"EAGLE-3 head: unknown RoPE scaling type {kind!r}; transformers knows {sorted(ROPE_INIT_FUNCTIONS)}")
+        raise ValueError(f"EAGLE-3 head: unknown RoPE scaling type {kind!r}; transformers knows "
+                         f"{sorted(ROPE_INIT_FUNCTIONS)}")
     rp.pop("type", None)
     rp.update(rope_type=kind, rope_theta=c.rope_theta)
     cfg = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
@@ -312,8 +315,8 @@ class Eagle3Head(nn.Module):
                              else torch.zeros(c.vocab_size, dtype=torch.bool))
 
     def _apply(self, fn, recurse=True):
-        """Module.to / .bfloat16 / .cuda: every tensor follows, except that the RoPE frequencies stay fp32 (exact, rebuilt
-        from the config when a dtype change touched them)."""
+        """Module.to / .bfloat16 / .cuda: every tensor follows, except that the RoPE frequencies stay fp32 (exact,
+        rebuilt from the config when a dtype change touched them)."""
         super()._apply(fn, recurse)
         if self.rope_inv_freq.dtype != torch.float32:
             self.rope_inv_freq = rope_inv_freq(self.config)[0].to(self.rope_inv_freq.device)
@@ -383,7 +386,8 @@ class Eagle3Head(nn.Module):
         scale = 1.0 / math.sqrt(self.config.head_dim)
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, T)
         valid = attention_mask.bool()
-        causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None, None] & valid[:, None, None, :]
+        causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None, None] \
+            & valid[:, None, None, :]                                           # (B, 1, T, T)
         mask = TTTMask(causal, steps - 1)
         g = self.features(aux_hidden)  # (B, T, H)
         keys, values, logits = [], [], []
@@ -415,7 +419,8 @@ class Eagle3Head(nn.Module):
         scale = 1.0 / math.sqrt(self.config.head_dim)
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, T)
         valid = attention_mask.bool()
-        causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None, None] & valid[:, None, None, :]
+        causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None, None] \
+            & valid[:, None, None, :]                                           # (B, 1, T, T)
         step0 = {}
 
         def attend0(q, k, v):  # step 0: causal over the row, as `forward`

@@ -289,7 +289,7 @@ class DraftOPDObjective(Objective):
                 state.buffer.add(now=state.refreshes, **u.add)
             if self.replay:
                 device = u.replayed_priority.device
-                f = lambda x: torch.as_tensor(float(x), device=device)  # noqa: E731
+                f = lambda x, device=device: torch.as_tensor(float(x), device=device)  # noqa: E731
                 pr = state.buffer.priorities()
                 for k, v in {"replay_size_sum": f(len(state.buffer)), "replay_size_count": f(1),
                              "replay_priority_sum": f(pr.sum()), "replay_priority_count": f(len(pr))}.items():
