@@ -94,7 +94,8 @@ def block_size_sweep(target_model, tokenizer, draft: torch.nn.Module, prompts, c
         ecfg = replace(cfg, gamma=B - 1, dynamic_gamma=False, measure_cost=False, batch_sizes=[cfg.batch_size],
                        compare_hf=False)
         r = evaluate(target_model, tokenizer, model, prompts, ecfg, progress=progress, log=log)
-        sampler = Sampler(cfg.temperature, cfg.top_p, torch.Generator().manual_seed(cfg.seed)).for_drafts(cfg.draft_policy)
+        generator = torch.Generator().manual_seed(cfg.seed)
+        sampler = Sampler(cfg.temperature, cfg.top_p, generator).for_drafts(cfg.draft_policy)
         c = measure_cost(target_model, draft_adapter(model).drafter(), first, B - 1, sampler)
         draft_round = c.draft_token_ms * (B - 1)
         points.append(BlockPoint(

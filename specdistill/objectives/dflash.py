@@ -9,7 +9,8 @@ position a+k-1 (logits there predict the next token), counted iff loss_mask[a+k-
 Position k weighs exp(-(k-1) / decay_length): early positions decide acceptance, since a round accepts a prefix.
 Both the draft's and the target's LM head run at the selected block positions only (N of them), never over the
 whole (B, T) grid, and over the draft's vocabulary only (draft.draft_vocab_size: the target's LM-head rows of the
-most frequent answer tokens; p restricted and renormalised, positions whose target token lies outside it masked). Anchors come from a generator seeded by (seed, call count): a resumed run draws the same ones.
+most frequent answer tokens; p restricted and renormalised, positions whose target token lies outside it masked).
+Anchors come from a generator seeded by (seed, call count): a resumed run draws the same ones.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from specdistill.tensors import unwrap
 TARGETS = ("kd", "ce")
 
 
-def block_loss(q_logits: torch.Tensor, p_logits: Optional[torch.Tensor], labels: Optional[torch.Tensor]) -> torch.Tensor:
+def block_loss(q_logits: torch.Tensor, p_logits: Optional[torch.Tensor],
+               labels: Optional[torch.Tensor]) -> torch.Tensor:
     """Per-position loss (N,): soft CE -sum_x p(x) log q(x) when p_logits (N, V) is given, else CE on labels (N,).
     q_logits (N, V) the draft's."""
     q_log = F.log_softmax(q_logits.float(), -1)                                   # (N, V)

@@ -33,21 +33,23 @@ def test_block_sizes_are_each_evaluated_and_the_fastest_named():
 
 
 def _overrides(target_dir, prompts, out, *extra):
-    return [f"target.path={target_dir}", f"eval.prompts={prompts}", "target.dtype=float32", "draft=dflash", "draft.num_layers=1",
+    return [f"target.path={target_dir}", f"eval.prompts={prompts}", "target.dtype=float32", "draft=dflash",
+            "draft.num_layers=1",
             "eval.num_prompts=1", "eval.max_new_tokens=6", f"eval.output_dir={out}", "eval.batch_size=1",
             "eval.batch_sizes=[1]", "eval.warmup_prompts=0", "eval.gamma=3", "eval.measure_cost=false",
             *extra]
 
 
 def test_the_evaluator_writes_the_sweep_and_refuses_drafters_without_blocks(tiny_target_dir, tiny_data_file, tmp_path):
-    r, _ = run(compose(None, _overrides(tiny_target_dir, tiny_data_file, tmp_path / "a", "eval.block_sizes=[4,8]")), log=lambda s: None)
+    def over(name, *extra):
+        return compose(None, _overrides(tiny_target_dir, tiny_data_file, tmp_path / name, *extra))
+
+    r, _ = run(over("a", "eval.block_sizes=[4,8]"), log=lambda s: None)
     assert r.drafter == "dflash" and r.greedy_mismatches == 0
     data = json.loads((tmp_path / "a" / "block_sweep.json").read_text())
     assert [p["block_size"] for p in data["points"]] == [4, 8] and data["fastest_block_size"] in (4, 8)
     assert (tmp_path / "a" / "block_sweep.md").exists()
     with pytest.raises(ValueError, match="block_sizes"):
-        run(compose(None, _overrides(tiny_target_dir, tiny_data_file, tmp_path / "b", "eval.block_sizes=[4]", "eval.drafter=ngram")),
-            log=lambda s: None)
+        run(over("b", "eval.block_sizes=[4]", "eval.drafter=ngram"), log=lambda s: None)
     with pytest.raises(ValueError, match="block_sizes"):
-        run(compose(None, _overrides(tiny_target_dir, tiny_data_file, tmp_path / "c", "eval.block_sizes=[4]", "draft=from_target")),
-            log=lambda s: None)
+        run(over("c", "eval.block_sizes=[4]", "draft=from_target"), log=lambda s: None)

@@ -1,5 +1,5 @@
-"""Draft-OPD with DFlash drafts: the with-grad loss forward over rollout positions (branch rows and all) is the drafter's
-block at each round, the objective trains, its kd_weight term is the tiled block loss, and `recipe=draft_opd
+"""Draft-OPD with DFlash drafts: the with-grad loss forward over rollout positions (branch rows and all) is the
+drafter's block at each round, the objective trains, its kd_weight term is the tiled block loss, and `recipe=draft_opd
 draft=dflash` warms up as recipe dflash_serve trains, then runs on-policy, resuming exactly across the hand-over."""
 
 import json
@@ -73,7 +73,8 @@ def _weights(checkpoint):
 def full_run(tiny_target_dir, tiny_data_file, tmp_path_factory):
     root = tmp_path_factory.mktemp("dflash_opd")
     dirs = (tiny_target_dir, tiny_data_file, root)
-    res = run(compose("draft_opd", tiny_overrides(tiny_target_dir, tiny_data_file, root / "full", root / "cache") + RUN))
+    cfg = compose("draft_opd", tiny_overrides(tiny_target_dir, tiny_data_file, root / "full", root / "cache") + RUN)
+    res = run(cfg)
     return res, dirs
 
 

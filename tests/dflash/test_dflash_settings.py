@@ -23,7 +23,8 @@ def test_bad_settings_are_refused_before_anything_loads(override, key, tiny_targ
     assert not (tmp_path / "cache" / "regenerated").exists()  # nothing was decoded (nor loaded) first
 
 
-@pytest.mark.parametrize("kw, key", [(dict(block_size=1), "block_size"), (dict(target_layer_ids=[0, 3]), "target_layer_ids"),
+@pytest.mark.parametrize("kw, key", [(dict(block_size=1), "block_size"),
+                                     (dict(target_layer_ids=[0, 3]), "target_layer_ids"),
                                      (dict(mask_token_id=V), "mask_token_id")])
 def test_a_directly_built_draft_refuses_them_too(kw, key):
     args = dict(block_size=4, target_layer_ids=None, mask_token_id=None) | kw

@@ -153,7 +153,8 @@ embedding and LM head); vLLM reads the export in `{v}`, which shares the target'
 
 ```bash
 huggingface-cli download {repo_id} --local-dir draft
-vllm serve {target} --speculative-config '{{"method": "dflash", "model": "draft/{v}", "num_speculative_tokens": <block_size - 1>}}'
+vllm serve {target} --speculative-config \\
+    '{{"method": "dflash", "model": "draft/{v}", "num_speculative_tokens": <block_size - 1>}}'
 ```
 """
 

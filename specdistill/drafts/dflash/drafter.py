@@ -26,8 +26,8 @@ from .model import ContextKV, DFlashDraft
 class DFlashDrafter(Drafter):
     """Proposes up to B-1 target ids per round from a DFlashDraft; q is over the target vocabulary (zero outside a
     reduced draft vocabulary, whose draft ids map to target ids through d2t). After each propose(), `logits`
-    (B, k', Vd) holds the block's raw logits at the proposed positions. confidence > 0: the proposal stops after the first position
-    where every row's draft has probability below it (dynamic draft length; the block is still one forward)."""
+    (B, k', Vd) holds the block's raw logits at the proposed positions. confidence > 0: the proposal stops after the
+    first position where every row's draft has probability below it (dynamic draft length; still one forward)."""
 
     needs_hidden_states = True
 

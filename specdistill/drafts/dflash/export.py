@@ -72,7 +72,8 @@ def check_target(c: DFlashConfig, target: dict) -> list[str]:
         errs.append(f"the draft reads layers {c.target_layer_ids} of a {c.num_target_layers}-layer target, but the "
                     f"target has {target.get('num_hidden_layers')} layers")
     if target.get("hidden_size") != c.target_hidden_size:
-        errs.append(f"the draft's fc reads hidden size {c.target_hidden_size}, the target's is {target.get('hidden_size')}")
+        errs.append(f"the draft's fc reads hidden size {c.target_hidden_size}, the target's is "
+                    f"{target.get('hidden_size')}")
     if target.get("vocab_size") != c.vocab_size:
         errs.append(f"the draft's vocabulary is {c.vocab_size}, the target's {target.get('vocab_size')}")
     return errs
@@ -127,9 +128,10 @@ def export_dflash(draft_dir, out_dir, fmt: str = "vllm", target_path: Optional[s
         config["torch_dtype"] = dtype
     warnings = []
     if c.sliding_window is not None:
-        warnings.append(f"sliding window {c.sliding_window}: here a block sees the {c.sliding_window} context positions "
-                        "before its anchor; an engine that windows per query position shifts that edge by up to "
-                        f"{c.block_size - 1} positions for the later block positions (compare acceptance once served)")
+        warnings.append(f"sliding window {c.sliding_window}: here a block sees the {c.sliding_window} context "
+                        "positions before its anchor; an engine that windows per query position shifts that edge by "
+                        f"up to {c.block_size - 1} positions for the later block positions (compare acceptance once "
+                        "served)")
     _write_atomic(out_dir, config, sd, include_embeddings)
     tensors = {k: (list(v.shape), str(v.dtype).replace("torch.", "")) for k, v in sd.items()}
     return ExportResult(out_dir, fmt, tensors, warnings, config)

@@ -403,7 +403,8 @@ def build_dflash(target_model, num_layers: int, block_size: int, target_layer_id
     if rope and all(isinstance(v, dict) for v in rope.values()):  # one RoPE per layer type: the full-attention one
         rope = dict(rope.get("full_attention") or next(iter(rope.values())))
     theta = float(rope.get("rope_theta", getattr(t, "rope_theta", 10000.0)))
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" else None
+    scaled = rope.get("rope_type", "default") != "default"
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if scaled else None
     c = DFlashConfig(hidden_size=t.hidden_size, intermediate_size=intermediate_size or t.intermediate_size,
                      num_hidden_layers=num_layers, num_attention_heads=t.num_attention_heads,
                      num_key_value_heads=t.num_key_value_heads,
