@@ -124,3 +124,21 @@ def test_compiled_caches_are_reused_by_later_calls_of_the_same_shape(monkeypatch
     again = filled()
     assert any(again.cache is cache for cache in caches)
     assert int(again.cache.layers[0].cumulative_length) == ids.shape[1]  # its write position restarted at 0
+
+
+@torch.no_grad()
+def test_dynamo_traces_compiled_decoding_to_the_eager_tokens(monkeypatch):
+    """torch.compile's tracer on the real decode steps (its eager backend: no inductor kernels, which a GPU check
+    covers): the cache object, padded masks and cloned outputs trace, and the tokens stay the growing caches'."""
+    compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compile(fn, backend="eager"))
+    torch._dynamo.reset()
+    target = tiny_target("llama")
+    ids, mask = _prompts()
+    reference = target_generate(target, ids, mask, max_new_tokens=12)
+    compiled = CacheMode(compile=True)
+    assert torch.equal(target_generate(target, ids, mask, max_new_tokens=12, cache=compiled).sequences,
+                       reference.sequences)
+    r = speculative_generate(target, LMDrafter(_perturbed(target, 0.1)), ids, mask, gamma=3, max_new_tokens=12,
+                             cache=compiled)
+    assert torch.equal(r.sequences, reference.sequences)
