@@ -91,3 +91,16 @@ def test_device_map_loads_the_target_through_accelerate_placement(tiny_target_di
     assert asked.get("device_map") == "auto"
     place_target(cfg, target, SimpleNamespace(device=torch.device("meta")))  # would move it if it were not left alone
     assert all(p.device.type == "cpu" for p in target.model.parameters())
+
+
+def test_the_accelerator_carries_the_process_group_timeout(tiny_target_dir, tiny_data_file, tmp_path):
+    """On GPU launches the Accelerator initialises the process group with trainer.process_group_timeout_s (CPU
+    launches: tests/scaleout/test_shared_work.py sees the value reach init_process_group)."""
+    from datetime import timedelta
+
+    from specdistill.build import make_accelerator
+    from tests.conftest import tiny_overrides
+
+    over = tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path, tmp_path) + ["trainer.process_group_timeout_s=99"]
+    acc = make_accelerator(compose("kd", over))
+    assert acc.init_handler.to_kwargs()["timeout"] == timedelta(seconds=99)
