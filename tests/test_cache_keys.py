@@ -28,12 +28,11 @@ def setup(tmp_path):
     return model, tok, target, prompts
 
 
-def _regen(setup, tmp_path, model=None, tok=None, target=None, **kw):
+def _regen(setup, tmp_path, model=None, tok=None, target=None, log=lambda *_: None, **kw):
     m, t, folder, prompts = setup
     cfg = RegenerateConfig(**{"enabled": True, "prompts": str(prompts), "max_prompts": 4, "max_new_tokens": 4,
                               "batch_size": 4, "store_dir": str(tmp_path / "store"), **kw})
-    root, _ = regenerate_store(cfg, model or m, tok or t, str(target or folder), AUX, log=lambda *_: None,
-                               progress=False)
+    root, _ = regenerate_store(cfg, model or m, tok or t, str(target or folder), AUX, log=log, progress=False)
     return root
 
 
@@ -58,7 +57,9 @@ def test_each_input_change_makes_a_new_store_and_no_change_reuses_it(setup, tmp_
     original = prompts.read_bytes()
     first_word = json.loads(original.splitlines()[0])["conversations"][0]["value"].split()[0].encode()
     _edit_in_place(prompts, b'"value": "' + first_word, b'"value": "' + b"x" * len(first_word))
-    assert _regen(setup, tmp_path) != root
+    said = []
+    assert _regen(setup, tmp_path, log=said.append) != root
+    assert any(f"not reusing {root}" in line and "prompts_bytes" in line for line in said)  # says why
     prompts.write_bytes(original)
     assert _regen(setup, tmp_path) == root
 

@@ -178,6 +178,27 @@ def _write_settings(root: Path, inputs: dict) -> None:
     os.replace(tmp, root / "settings.json")
 
 
+def _say_why_not_reused(store_dir: Path, root: Path, inputs: dict, log: Callable[[str], None]) -> None:
+    """A new store for a target that has others: name what differs from the closest one (an edited prompt file, new
+    weights, other settings), so a regeneration nobody expected explains itself."""
+    from specdistill.data.regenerated import input_differences
+
+    best = None
+    for f in store_dir.glob("*/settings.json"):
+        if f.parent == root:
+            continue
+        try:
+            other = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if other.get("target") == inputs["target"] and other.get("layers") == inputs["layers"]:
+            diff = input_differences(other, inputs)
+            if best is None or len(diff) < len(best[1]):
+                best = (f.parent, diff)
+    if best is not None:
+        log(f"[regenerate] not reusing {best[0]}, made for this target with other inputs: {'; '.join(best[1])}")
+
+
 def _fill(cfg: RegenerateConfig, target_model, tokenizer, root: Path, inputs: dict, want: int, work: WorkShare,
           log: Callable[[str], None], progress: bool, cache=None) -> int:
     """Write this process's share of the missing parts (recaptured from a donor store where one has their answers,
@@ -195,6 +216,8 @@ def _fill(cfg: RegenerateConfig, target_model, tokenizer, root: Path, inputs: di
         f"T={cfg.temperature}, batch {cfg.batch_size}, features of layers {layers} -> {root}; "
         f"{want - len(missing)} of {want} parts exist" + (f"; {work.count} processes share the rest" if work.count > 1
                                                            else ""))
+    if len(missing) == want:
+        _say_why_not_reused(Path(cfg.store_dir).expanduser(), root, inputs, log)
     missing = work.mine(missing)
     device = next(target_model.parameters()).device
     pad = pad_id(tokenizer)
