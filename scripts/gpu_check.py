@@ -436,8 +436,13 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = tiny_sizes() if args.tiny else real_sizes(args.layers, args.steps)
     compile = args.compile == "on" or (args.compile == "auto" and args.device == "cuda")
+    marker = args.work / ".gpu_check"  # a folder this script made, and so may empty
+    if args.work.exists() and any(args.work.iterdir()) and not marker.exists():
+        print(f"[gpu_check] --work {args.work} holds files this script did not write: pass an empty or new folder")
+        return 2
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
+    marker.touch()
     out_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else args.work)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = Report(out_dir / "gpu_check.json", environment(args.device), args.budget_s)
