@@ -42,7 +42,7 @@ def _batch(B=2, T=11, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, V, (B, T), generator=g)
     am = torch.ones(B, T, dtype=torch.long)
-    am[1, T - 3:] = 0  # right padding
+    am[1:, T - 3:] = 0  # right padding (every row but the first)
     aux = torch.randn(B, T, 3 * HT, generator=g)
     return aux, ids, am
 
@@ -82,6 +82,37 @@ def test_fused_ttt_attention_equals_the_naive_one_values_and_grads(j):
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
     for a, b in zip(grads[1], grads[0]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _saved_storages(head, aux, ids, am, steps) -> list[int]:
+    """Bytes of each distinct storage a head's TTT unroll keeps for backward, as autograd saves them."""
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        head(aux, ids, am, steps=steps)
+    return list(seen.values())
+
+
+def test_the_fused_unroll_keeps_no_score_matrix_for_backward(target, monkeypatch):
+    """The naive unroll keeps a (B, heads, T, T) softmax per step; the fused one keeps q/k/v-sized tensors and one
+    (B, 1, T, T + steps) mask for the whole unroll, so what it holds grows as T, not as heads x T^2 per step."""
+    from specdistill.models import eagle3
+
+    head = _head(target).train()
+    T, steps, nh = 256, 7, head.config.num_attention_heads
+    aux, ids, am = _batch(B=1, T=T)
+    score = nh * T * T * 4                                                   # bytes of one fp32 (1, nh, T, T)
+    fused = _saved_storages(head, aux, ids, am, steps)
+    monkeypatch.setattr(eagle3, "_ttt_attend",
+                        lambda q, k0, v0, mask, *rest: naive_ttt_attend(q, k0, v0, mask.allow, *rest))
+    naive = _saved_storages(head, aux, ids, am, steps)
+    assert sum(n >= score for n in naive) >= steps and max(fused) < score / 2
+    assert sum(n >= 4 * T * T for n in fused) == 1  # the unroll's one fp32 (T, T + steps) mask
 
 
 # ----------------------------------------------------------------------------------------------- bf16
