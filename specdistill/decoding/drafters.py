@@ -142,7 +142,8 @@ class LMDrafter(Drafter):
         self._pend(self.tokens[:, -1] if k else next_token, full, next_token, active)
 
     def _pend(self, unfed: torch.Tensor, full: torch.Tensor, next_token: torch.Tensor, active: torch.Tensor) -> None:
-        """New pending tokens: next_token, preceded by unfed (B,) where `full` (an accepted draft the cache never saw)."""
+        """New pending tokens: next_token, preceded by unfed (B,) where `full` (an accepted draft the cache never
+        saw)."""
         first = torch.where(full, unfed, torch.where(active, next_token, self.pending[:, 0]))
         second = torch.where(full, next_token, 0)
         self.pending = torch.stack([first, second], 1)                       # (B, 2)

@@ -1,4 +1,4 @@
-"""Speculative decoding (Leviathan et al. 2023; Chen et al. 2023) and its target-only baseline, both returning a Rollout.
+"""Speculative decoding (Leviathan et al. 2023; Chen et al. 2023) and its target-only baseline, each giving a Rollout.
 
 Each round: the drafter proposes K tokens, the target scores [pending, d_1..d_K] in ONE forward, verification keeps
 an accepted prefix plus one target token (correction or bonus), and both caches roll back to what was kept.
@@ -70,7 +70,8 @@ class DynamicGamma:
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_gamma <= self.init <= self.max_gamma:
-            raise ValueError(f"need 1 <= min_gamma <= init <= max_gamma, got {self.min_gamma}, {self.init}, {self.max_gamma}")
+            raise ValueError(f"need 1 <= min_gamma <= init <= max_gamma, got {self.min_gamma}, {self.init}, "
+                             f"{self.max_gamma}")
         if not 0 <= self.smoothing < 1 or not 0 <= self.shrink_below < self.grow_above <= 1:
             raise ValueError("need 0 <= smoothing < 1 and 0 <= shrink_below < grow_above <= 1")
         self._gamma = self.init
@@ -306,7 +307,8 @@ def speculative_generate(
     prefill = target.prefill(input_ids[:, :-1], attention_mask[:, :-1], **hidden)
     drafter.start(input_ids, attention_mask, target_hidden=getattr(prefill, "hidden_states", None),
                   new_kv=new_kv)
-    kept = _KeptFeatures(capture_layers, prefill, B, input_ids.shape[1], max_new_tokens, device) if capture_layers else None
+    kept = (_KeptFeatures(capture_layers, prefill, B, input_ids.shape[1], max_new_tokens, device) if capture_layers
+            else None)
     pending = input_ids[:, -1]                                              # (B,)
     active = torch.ones(B, dtype=torch.bool, device=device)
     max_remaining = max_new_tokens

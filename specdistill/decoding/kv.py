@@ -266,9 +266,9 @@ class BatchKV:
         valid = torch.ones_like(input_ids, dtype=torch.bool) if valid is None else valid.to(device)
         if self.max_length is not None:
             self._make_room(input_ids.shape[1])
-        if tail_visible is not None and tail_visible.shape[-1] != self.mask.shape[1] + input_ids.shape[1] - self.committed:
-            raise ValueError(f"tail_visible {tuple(tail_visible.shape)} must cover the "
-                             f"{self.mask.shape[1] + input_ids.shape[1] - self.committed} uncommitted tail columns")
+        tail = self.mask.shape[1] + input_ids.shape[1] - self.committed     # uncommitted columns once these are fed
+        if tail_visible is not None and tail_visible.shape[-1] != tail:
+            raise ValueError(f"tail_visible {tuple(tail_visible.shape)} must cover the {tail} uncommitted tail columns")
         if positions is None:
             positions = self.length[:, None] + valid.long().cumsum(1) - 1  # (B, C); padding repeats a position
         # Clamping only touches tokens past the row's budget: their outputs are never used, and they are not kept.

@@ -1,4 +1,5 @@
-"""Draft verification on tensors: greedy matching and exact speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+"""Draft verification on tensors: greedy matching and exact speculative sampling (Leviathan et al. 2023; Chen et al.
+2023).
 
 Shapes: B rows, K drafted tokens, V vocab. The target scored [pending, d_1, ..., d_K] in one forward, so its
 row k (k < K) is the distribution of draft position k and its row K is the bonus position.
@@ -33,11 +34,13 @@ class Verdict:
 def _check(draft_tokens: torch.Tensor, target: torch.Tensor) -> None:
     B, K = draft_tokens.shape
     if target.dim() != 3 or target.shape[:2] != (B, K + 1):
-        raise ValueError(f"target scores must be (B, K+1, V) = ({B}, {K + 1}, V) for drafts {tuple(draft_tokens.shape)}, "
-                         f"got {tuple(target.shape)}: score [pending, d_1..d_K] in one forward")
+        raise ValueError(f"target scores must be (B, K+1, V) = ({B}, {K + 1}, V) for drafts "
+                         f"{tuple(draft_tokens.shape)}, got {tuple(target.shape)}: score [pending, d_1..d_K] in one "
+                         "forward")
 
 
-def _finish(draft_tokens: torch.Tensor, ok: torch.Tensor, next_of: Callable[[torch.Tensor], torch.Tensor], alpha: torch.Tensor) -> Verdict:
+def _finish(draft_tokens: torch.Tensor, ok: torch.Tensor, next_of: Callable[[torch.Tensor], torch.Tensor],
+            alpha: torch.Tensor) -> Verdict:
     """ok (B, K): per-position accept test -> accepted prefix, counts, and the emitted tokens."""
     accepted = ok.long().cumprod(dim=1).bool()                              # (B, K) True until the first failure
     num_accepted = accepted.sum(1)                                          # (B,)

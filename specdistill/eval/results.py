@@ -14,7 +14,7 @@ class CostRatio:
     c: float                # draft_token_ms / target_step_ms
     v: float                # verify_ms / target_step_ms
     context_tokens: int     # prompt length the costs were timed at
-    draft_prefill_ms: float = math.nan  # the first propose(gamma) after start(), apart: an EAGLE-3 head reads the prompt
+    draft_prefill_ms: float = math.nan  # first propose(gamma) after start(), apart: an EAGLE-3 head reads the prompt
 
 
 @dataclass

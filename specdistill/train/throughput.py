@@ -76,5 +76,6 @@ class Roofline:
         return self.achieved_gflops(tokens_per_s) / max(self.peak_gflops, 1e-9)
 
     def metrics(self, tokens_per_s: float) -> dict:
-        return {"train/flops_per_token": self.flops_per_token, "train/achieved_gflops": self.achieved_gflops(tokens_per_s),
+        return {"train/flops_per_token": self.flops_per_token,
+                "train/achieved_gflops": self.achieved_gflops(tokens_per_s),
                 "train/peak_gflops": self.peak_gflops, "train/roofline_fraction": self.fraction(tokens_per_s)}
