@@ -94,6 +94,7 @@ def markdown(r: EvalResult) -> str:
         lines += ["", "## Per category", "", "| category | prompts | tau | a_k per draft position |", "|---|---|---|---|"]
         lines += [f"| {cat} | {c['prompts']} | {_f(c['tau'])} | {', '.join(_f(a) for a in c['accept_rate_per_pos'])} |"
                   for cat, c in r.by_category.items()]
+    lines += _tree_and_cost_model(r)
     if r.hf:
         h = r.hf
         lines += ["", f"## Side by side with HF transformers (batch 1, {h['num_prompts']} prompts)", "",
@@ -112,6 +113,31 @@ def markdown(r: EvalResult) -> str:
                   f"{env.get('loadavg_before')} -> {env.get('loadavg_after')} (CPU timings on a shared machine are "
                   "noisy).", ""]
     return "\n".join(lines)
+
+
+def _tree_and_cost_model(r: EvalResult) -> list[str]:
+    """The token tree's SGLang flags and costs, and the cost model's settings and recommendation (eval/tree_cost.py)."""
+    lines = []
+    if r.tree:
+        t = r.tree
+        flags = " ".join(f"{k} {v}" for k, v in t["sglang"].items())
+        lines += ["", f"## Token tree {t['name']}", "", f"Served by SGLang with `{flags}`; a_k above is acceptance by "
+                  "depth (the accepted path reached depth k, given depth k-1)."]
+        if "draft_round_ms" in t:
+            lines.append(f"Draft {_f(t['draft_round_ms'], 2)} ms per round (d = {_f(t['d'])} target steps), verify of "
+                         f"{t['nodes'] + 1} tokens {_f(t['verify_ms'], 2)} ms (v = {_f(t['v'])}).")
+    if r.cost_model:
+        m = r.cost_model
+        lines += ["", "## Cost model", "", "predicted speedup = tau / (draft + v(width)), in target steps", "",
+                  "| setting | tau | draft | width | v(width) | predicted speedup |", "|---|---|---|---|---|---|"]
+        lines += [f"| {s['name']} | {_f(s['tau'])} | {_f(s['draft'])} | {s['width']} | {_f(s['verify'])} "
+                  f"| {_f(s['predicted_speedup'])} |" for s in m["settings"]]
+        measured = m.get("measured")
+        lines += ["", f"Recommended: **{m['recommended']}**, predicted {_f(m['recommended_predicted_speedup'])}x"
+                  + ("" if measured is None else f", measured {_f(measured['speedup'])}x (tau "
+                                                 f"{_f(measured['mean_accept_len'])})") + ".",
+                  "", "v(k) for k = 1..32: " + ", ".join(_f(v, 2) for v in m["v_curve"])]
+    return lines
 
 
 def curve(ax, xs: list, ys: list, ns: list, n_label: str = "n") -> None:

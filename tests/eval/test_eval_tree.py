@@ -3,6 +3,7 @@ import pytest
 
 from specdistill.config import EvalConfig, TreeEvalConfig
 from specdistill.eval.evaluator import evaluate
+from specdistill.eval.report import markdown
 from specdistill.eval.tree_cost import Setting, VerifyCurve, best, chain_settings, chain_taus
 
 
@@ -24,6 +25,8 @@ def test_tree_evaluation_is_lossless_and_reports_the_tree_and_its_costs(target, 
     assert len(model["v_curve"]) == 32 and model["v_curve"][0] == pytest.approx(model["v_curve_ms"][0] /
                                                                                 model["target_step_ms"])
     assert model["recommended"] == "tree3x3n8"
+    md = markdown(r)
+    assert "--speculative-num-draft-tokens 9" in md and "Recommended: **tree3x3n8**" in md
     assert model["recommended_predicted_speedup"] == pytest.approx(r.mean_accept_len / (r.tree["d"] + r.tree["v"]))
 
 
@@ -72,3 +75,4 @@ def test_the_recommended_chain_length_is_measured(target, draft, tok, prompts):
     gamma = next(s for s in r.cost_model["settings"] if s["name"] == measured["name"])["width"] - 1
     assert 0 < measured["mean_gamma"] <= gamma  # decoded at the recommended gamma (budget cuts shorten some rounds)
     assert gamma == 4 or measured["mean_gamma"] < r.mean_gamma
+    assert f"Recommended: **{measured['name']}**" in markdown(r) and "measured" in markdown(r)
