@@ -12,7 +12,7 @@ from specdistill.decoding import CacheMode, LMDrafter, NGramDrafter, speculative
 from specdistill.decoding.kv import BatchKV
 from specdistill.decoding.tree import Tree, TreeShape, grow
 from specdistill.decoding.tree_generate import tree_generate
-from tests.decoding.test_architectures import NOISE, _perturbed, _prompts
+from tests.decoding.test_architectures import CASES, NOISE, _perturbed, _prompts
 from tests.tiny_archs import ARCHITECTURES, tiny_target
 
 MAX_NEW = 20
@@ -141,11 +141,12 @@ def _dense_logits(target, prompt: list[int], continuation: list[int]) -> torch.T
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_the_tree_mask_equals_a_per_path_reference_forward(arch):
+@pytest.mark.parametrize("arch, attn", CASES)
+def test_the_tree_mask_equals_a_per_path_reference_forward(arch, attn):
     """One forward over a tree on a left-padded cached batch = a plain forward of each node's own path (no cache, no
-    padding, no tree), to 1e-5: ancestors seen, siblings and cousins hidden, positions by depth, windows by position."""
-    target = tiny_target(arch)
+    padding, no tree), to 1e-5: ancestors seen, siblings and cousins hidden, positions by depth, windows by position.
+    sdpa takes the 4D mask as booleans, eager as an additive float mask."""
+    target = tiny_target(arch, attn_implementation=attn)
     ids, mask = _prompts()
     tree = _random_tree(3, 320, TreeShape(3, 3, nodes=10), seed=1)
     root = torch.tensor([5, 6, 7])
