@@ -321,10 +321,11 @@ def load_checkpoint_draft(c, checkpoint: str):
     """The draft saved in a training checkpoint (its kind's adapter loads it), on the target's device, for scoring."""
     from specdistill.decoding.kv import device_of
     from specdistill.drafts import draft_adapter, load_trained_draft
+    from specdistill.drafts.base import cast_for_decoding
 
     draft = load_trained_draft(Path(checkpoint) / "draft").to(device_of(c.models.target.model))
     draft_adapter(draft).check_target(c.models.target.model, "a scored draft must match the benchmark's target")
-    return draft.requires_grad_(False).eval()
+    return cast_for_decoding(draft, c.models.target.model).requires_grad_(False).eval()  # the target's dtype
 
 
 def variant_kind(cfg):

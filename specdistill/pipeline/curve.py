@@ -84,6 +84,7 @@ def learning_curve(run_dir, target_model, tokenizer, prompt_ids: list[list[int]]
 
     from specdistill.tokens import eos_ids
     from specdistill.drafts import load_trained_draft
+    from specdistill.drafts.base import cast_for_decoding
     from specdistill.train.checkpoint import list_checkpoints
 
     run_dir = Path(run_dir)
@@ -103,7 +104,7 @@ def learning_curve(run_dir, target_model, tokenizer, prompt_ids: list[list[int]]
     points = []
     for ck in tqdm(ckpts, desc="learning curve", unit="ckpt", disable=not progress):
         state = json.loads((ck / "trainer_state.json").read_text())
-        draft = load_trained_draft(str(ck / "draft")).eval().requires_grad_(False)
+        draft = cast_for_decoding(load_trained_draft(str(ck / "draft")), target_model).eval().requires_grad_(False)
         res = tau_of(target_model, draft, prompt_ids, gamma=gamma, max_new_tokens=max_new_tokens, eos=eos,
                      temperature=temperature)
         pt = CurvePoint(int(state["step"]), int(state.get("tokens_seen", 0)),

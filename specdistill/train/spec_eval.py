@@ -72,6 +72,7 @@ def _evaluate_share(c, step: int, name: str, sharing: int):
     """This process's share of the evaluation among `sharing` processes: (EvalResult of its prompt batches or None
     when it has none, their indices in the whole prompt set)."""
     from specdistill.decoding.kv import max_positions
+    from specdistill.drafts.base import decoding_precision
     from specdistill.data.prompts import load_prompts
     from specdistill.eval.evaluator import evaluate, for_training
     from specdistill.eval.merge import shares
@@ -95,9 +96,11 @@ def _evaluate_share(c, step: int, name: str, sharing: int):
     was_training = draft.training
     draft.eval()
     try:
-        # its own progress bar (with an ETA) on rank 0: the training bar sits at 100% meanwhile
-        result = evaluate(target, tokenizer, spec, replace(prompts, prompts=[prompts.prompts[i] for i in index]), cfg,
-                          progress=acc.is_main_process, log=acc.print)
+        # its own progress bar (with an ETA) on rank 0: the training bar sits at 100% meanwhile; the draft at the
+        # target's precision (autocast beside a bf16 target, its fp32 weights kept), verification in fp32
+        with decoding_precision(target):
+            result = evaluate(target, tokenizer, spec, replace(prompts, prompts=[prompts.prompts[i] for i in index]),
+                              cfg, progress=acc.is_main_process, log=acc.print)
     finally:
         draft.train(was_training)
     return result, index
