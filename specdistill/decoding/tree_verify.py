@@ -1,4 +1,4 @@
-"""Token-tree verification on tensors: the greedy longest matching path, and lossless multi-candidate rejection sampling.
+"""Token-tree verification on tensors: the greedy longest matching path, lossless multi-candidate rejection sampling.
 
 Shapes: B rows, a tree of N drafted nodes under the root (decoding/tree.py), V vocab. The target scored the tree in
 one forward, [root, node 1, ..., node N] with tree attention, so its row i is the distribution of node i's children

@@ -146,7 +146,7 @@ def measure_tree_cost(target_model, drafter: Drafter, batch: PromptBatch, shape:
 
     draft_times, verify_times = [], []
     for i in range(reps + 1):
-        out, t_verify = timed(device, lambda: verify(tree))
+        out, t_verify = timed(device, lambda t=tree: verify(t))
         root_only = torch.zeros(B, tree.max_depth + 1, dtype=torch.long, device=device)  # the path of no node
         kv.commit_path(root_only, none + 1)                                  # keep the root: the round's pending token
         pending = out.logits[:, 0].argmax(-1)

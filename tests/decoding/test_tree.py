@@ -98,7 +98,7 @@ def test_grow_keeps_the_best_scored_nodes_as_a_tree(shape):
     # Each fed beam sees exactly its fed ancestors and itself.
     ancestors = tree.ancestors()
     k = shape.topk
-    for tokens, visible, d, parent in fed:
+    for _, visible, d, parent in fed:
         assert visible.shape == (B, k, d * k)
         assert bool(visible.sum(2).eq(d).all())  # d fed nodes on its path: depths 1..d
         if d > 1:  # the one beam of depth d-1 it sees is the parent it is told of
@@ -133,7 +133,8 @@ def _tree_step(target, ids, mask, tree: Tree, root: torch.Tensor):
 
 def _random_tree(B: int, V: int, shape: TreeShape, seed: int) -> Tree:
     g = torch.Generator().manual_seed(seed)
-    return grow(shape, torch.randn(B, V, generator=g), lambda t, v, d, parent: torch.randn(B, t.shape[1], V, generator=g))
+    return grow(shape, torch.randn(B, V, generator=g),
+                lambda t, v, d, parent: torch.randn(B, t.shape[1], V, generator=g))
 
 
 def _dense_logits(target, prompt: list[int], continuation: list[int]) -> torch.Tensor:
@@ -164,7 +165,8 @@ def test_the_tree_mask_equals_a_per_path_reference_forward(arch, attn):
 @pytest.mark.parametrize("arch, max_length", [("llama", None), ("gemma3", None), ("mistral", 64)])
 def test_committing_a_non_first_branch_keeps_exactly_its_path(arch, max_length):
     """Commit paths that end under a second child: the kept columns are the path's (moved within the tail only, each
-    layer's storage stays where the tree step put it), and the next token's logits equal a dense forward over prompt + path."""
+    layer's storage stays where the tree step put it), and the next token's logits equal a dense forward over the
+    prompt and the path."""
     target = tiny_target(arch)
     ids, mask = _prompts()
     tree = Tree(tokens=torch.tensor([[10, 11, 12, 13, 14]] * 3), parents=torch.tensor([[0, 0, 1, 2, 2]] * 3),

@@ -1,4 +1,4 @@
-"""The evaluator decodes token trees (eval.tree) and its cost model names the setting with the highest predicted speed."""
+"""The evaluator decodes token trees (eval.tree); its cost model names the setting of highest predicted speed."""
 import pytest
 
 from specdistill.config import EvalConfig, TreeEvalConfig
