@@ -1,4 +1,5 @@
 """Every bad input fails early, by name, before any model loads (specdistill/validation.py)."""
+import re
 import time
 
 import pytest
@@ -206,6 +207,38 @@ def test_an_objective_checks_its_fields_by_the_same_rules():
     assert "objective.replay_ratio=1.5 must be >= 0 and <= 1" in said
     assert "objective.weighting='x' must be one of" in said
     assert "replay_max_age" not in said  # Optional: null is legal
+
+
+@pytest.mark.parametrize("name", ["sft", "kd", "eagle3", "draft_opd", "moe_kd", "moe_opd", "dflash"])
+def test_every_objective_refuses_each_value_outside_its_fields_constraints(name):
+    """Every objective dataclass puts its ranges and choices on its fields and checks them on construction: each
+    numeric knob carries a constraint (none left to a hand-written check), and a value just outside any of them
+    fails naming `objective.<key>`, what it must be and the default."""
+    from specdistill.constraints import rules
+    from specdistill.objectives import OBJECTIVES
+
+    assert sorted(OBJECTIVES) == sorted(["sft", "kd", "eagle3", "draft_opd", "moe_kd", "moe_opd", "dflash"]), \
+        "a new objective: add it to this test's parameters"
+    cls = OBJECTIVES[name]
+    missing = [k for k in _numeric_fields(cls) if k not in rules(cls)]
+    assert not missing, f"objective={name}: give these fields a range with bounded(default, '...'): {missing}"
+    cls()  # the defaults pass
+    for key, rule in rules(cls).items():
+        with pytest.raises(ValueError) as e:
+            cls(**{key: _outside(rule)})
+        said = str(e.value)
+        assert f"objective.{key}=" in said and "must be" in said and "the default is" in said, (name, key, said)
+
+
+@pytest.mark.parametrize("override,says", [({"max_retries": -1}, "hub.max_retries=-1 must be >= 0"),
+                                           ({"backoff_s": -0.5}, "hub.backoff_s=-0.5 must be >= 0")])
+def test_the_hub_check_uses_the_schema_ranges(override, says):
+    from specdistill.config import HubConfig
+    from specdistill.hub.push import check_hub_config
+
+    check_hub_config(HubConfig())
+    with pytest.raises(ValueError, match=re.escape(says)):
+        check_hub_config(HubConfig(**override))
 
 
 # ------------------------------------------------------------------------------ small silent cases, refused early

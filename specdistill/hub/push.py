@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
+from specdistill.config import HubConfig
+from specdistill.constraints import rules
 from specdistill.hub.card import model_card
 
 if TYPE_CHECKING:  # annotations only: the draft kinds are passed in
@@ -43,11 +45,13 @@ class PushRecord:
 
 
 def check_hub_config(hub) -> None:
-    """Fail before any model is loaded on a push without a repository."""
+    """Fail before any model is loaded on a push without a repository, or a hub setting outside the range its schema
+    field declares (config.py's HubConfig)."""
     if hub.push and not hub.repo_id:
         raise ValueError("hub.push=true needs hub.repo_id=<user-or-org>/<name>")
-    if hub.max_retries < 0 or hub.backoff_s < 0:
-        raise ValueError(f"hub.max_retries ({hub.max_retries}) and hub.backoff_s ({hub.backoff_s}) must be >= 0")
+    errors = [e for key, rule in rules(HubConfig).items() for e in rule.errors(f"hub.{key}", getattr(hub, key))]
+    if errors:
+        raise ValueError("bad hub settings: " + "; ".join(errors))
     for f in hub.serving_formats:
         if f not in SERVING_FORMATS:
             raise ValueError(f"hub.serving_formats: unknown format {f!r}; choose from {list(SERVING_FORMATS)}")

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from specdistill.constraints import bounded, check_fields, one_of
 from specdistill.objectives.base import Models, Objective, StepOutput
 from specdistill.tensors import unwrap
 
@@ -72,18 +73,13 @@ class _Prepared:
 @dataclass
 class DFlashObjective(Objective):
     name: str = "dflash"
-    blocks_per_row: int = 4               # random anchors (blocks) per sequence per step
-    target: str = "kd"                    # kd: soft CE against the target's distribution | ce: CE on its greedy token
-    decay_length: Optional[float] = 7.0   # block position k weighs exp(-(k-1)/decay_length); null = equal weights
-    seed: int = 0                         # anchor sampling
+    blocks_per_row: int = bounded(4, ">= 1")  # random anchors (blocks) per sequence per step
+    target: str = one_of("kd", TARGETS)  # kd: soft CE against the target's distribution | ce: CE on its greedy token
+    decay_length: Optional[float] = bounded(7.0, "> 0")  # position k weighs exp(-(k-1)/decay_length); null: equal
+    seed: int = 0  # anchor sampling
 
     def __post_init__(self):
-        if self.blocks_per_row < 1:
-            raise ValueError(f"objective.blocks_per_row must be >= 1, got {self.blocks_per_row}")
-        if self.target not in TARGETS:
-            raise ValueError(f"objective.target={self.target!r}: choose one of {TARGETS}")
-        if self.decay_length is not None and self.decay_length <= 0:
-            raise ValueError(f"objective.decay_length must be > 0 or null, got {self.decay_length}")
+        check_fields(self, "objective")  # the ranges and choices on the fields above
 
     @property
     def calls(self) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specdistill.constraints import bounded, check_fields
 from specdistill.models.eagle3 import restrict_to_draft_vocab
 from specdistill.objectives.base import Models, Objective, StepOutput
 from specdistill.tensors import shift_left, unwrap
@@ -22,14 +23,11 @@ def draft_vocab_targets(p_logits: torch.Tensor, t2d: torch.Tensor) -> tuple[torc
 @dataclass
 class Eagle3Objective(Objective):
     name: str = "eagle3"
-    steps: int = 7  # unrolled TTT steps (k)
-    decay: float = 0.8  # step j weighted decay^j (EAGLE, SpecForge); 1.0 weighs steps equally
+    steps: int = bounded(7, ">= 1")  # unrolled TTT steps (k)
+    decay: float = bounded(0.8, "(0, 1]")  # step j weighted decay^j (EAGLE, SpecForge); 1.0 weighs steps equally
 
     def __post_init__(self):
-        if self.steps < 1:
-            raise ValueError("objective.steps must be >= 1")
-        if not 0 < self.decay <= 1:
-            raise ValueError("objective.decay must be in (0, 1]")
+        check_fields(self, "objective")  # the ranges on the fields above
 
     def loss(self, batch: dict, models: Models) -> StepOutput:
         ids, am, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"].bool()

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdistill.constraints import bounded, check_fields, one_of
 from specdistill.losses import DIVERGENCES, acceptance_rate, cross_entropy, divergence
 from specdistill.objectives.base import (Models, Objective, StepOutput, keep_positions, labels_at_loss,
                                         masked_logits)
@@ -13,16 +14,13 @@ from specdistill.objectives.base import (Models, Objective, StepOutput, keep_pos
 @dataclass
 class KDObjective(Objective):
     name: str = "kd"
-    divergence: str = "fkl"  # fkl | rkl | jsd | tvd | acceptance
-    beta: float = 0.5  # jsd only: 0 = forward KL, 1 = reverse KL
-    temperature: float = 1.0
-    sft_weight: float = 0.0  # adds sft_weight * CE on the data tokens
+    divergence: str = one_of("fkl", DIVERGENCES)
+    beta: float = bounded(0.5, "[0, 1]")  # jsd only: 0 = forward KL, 1 = reverse KL
+    temperature: float = bounded(1.0, "> 0")
+    sft_weight: float = bounded(0.0, ">= 0")  # adds sft_weight * CE on the data tokens
 
     def __post_init__(self):
-        if self.divergence not in DIVERGENCES:
-            raise ValueError(f"objective.divergence={self.divergence!r}: choose one of {DIVERGENCES}")
-        if self.temperature <= 0:
-            raise ValueError("objective.temperature must be > 0")
+        check_fields(self, "objective")  # the ranges and choices on the fields above
 
     def loss(self, batch: dict, models: Models) -> StepOutput:
         keep = keep_positions(batch["loss_mask"])

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdistill.constraints import bounded, check_fields, one_of
 from specdistill.losses import DIVERGENCES, acceptance_rate, cross_entropy, divergence
 from specdistill.moe.routing import decoder_layers, expert_forward, require_moe
 from specdistill.objectives.base import (Models, Objective, StepOutput, keep_positions, labels_at_loss,
@@ -100,20 +101,15 @@ def expert_level_loss(draft, target_model, meta: dict, cap: SourceCapture, sel: 
 @dataclass
 class MoEKDObjective(Objective):
     name: str = "moe_kd"
-    divergence: str = "fkl"  # output level: fkl | rkl | jsd | tvd | acceptance
-    beta: float = 0.5  # jsd only
-    temperature: float = 1.0
-    kd_weight: float = 1.0  # output-level divergence
-    expert_weight: float = 1.0  # expert-level matching (0 = plain KD on an expert-selective draft)
-    sft_weight: float = 0.0  # CE on the data tokens
+    divergence: str = one_of("fkl", DIVERGENCES)  # output level
+    beta: float = bounded(0.5, "[0, 1]")  # jsd only
+    temperature: float = bounded(1.0, "> 0")
+    kd_weight: float = bounded(1.0, ">= 0")  # output-level divergence
+    expert_weight: float = bounded(1.0, ">= 0")  # expert-level matching (0 = plain KD on an expert-selective draft)
+    sft_weight: float = bounded(0.0, ">= 0")  # CE on the data tokens
 
     def __post_init__(self):
-        if self.divergence not in DIVERGENCES:
-            raise ValueError(f"objective.divergence={self.divergence!r}: choose one of {DIVERGENCES}")
-        if self.temperature <= 0:
-            raise ValueError("objective.temperature must be > 0")
-        if min(self.kd_weight, self.expert_weight, self.sft_weight) < 0:
-            raise ValueError("objective weights (kd_weight, expert_weight, sft_weight) must be >= 0")
+        check_fields(self, "objective")  # the ranges and choices on the fields above
 
     def loss(self, batch: dict, models: Models) -> StepOutput:
         draft = unwrap(models.draft)
@@ -142,7 +138,8 @@ class MoEKDObjective(Objective):
         if self.sft_weight:
             loss = loss + self.sft_weight * cross_entropy(q_logits, labels_at_loss(batch))
         with torch.no_grad():
-            metrics.update(loss_sum=loss.detach().sum(), target_top1_agree=(p_logits.argmax(-1) == q_logits.argmax(-1)).sum(),
+            agree = (p_logits.argmax(-1) == q_logits.argmax(-1)).sum()
+            metrics.update(loss_sum=loss.detach().sum(), target_top1_agree=agree,
                            alpha_sum=acceptance_rate(p_logits, q_logits).sum())
         return StepOutput(loss, metrics=metrics)
 

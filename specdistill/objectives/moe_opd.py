@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdistill.constraints import bounded
 from specdistill.objectives.base import Models, StepOutput
 from specdistill.objectives.draft_opd import DraftOPDObjective
 from specdistill.objectives.moe_kd import SourceCapture, expert_level_loss
@@ -23,12 +24,8 @@ from specdistill.tensors import unwrap, unwrap_target
 @dataclass
 class MoEOPDObjective(DraftOPDObjective):
     name: str = "moe_opd"
-    expert_weight: float = 1.0  # draft experts match their source experts on the data's loss tokens
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.expert_weight < 0:
-            raise ValueError("objective.expert_weight must be >= 0")
+    expert_weight: float = bounded(1.0, ">= 0")  # draft experts match their source experts on the data's loss tokens
+    # Draft-OPD's __post_init__ checks the constraints of every field, this one included.
 
     def _meta(self, models: Models):
         draft = unwrap(models.draft)
