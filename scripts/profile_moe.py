@@ -42,8 +42,8 @@ def profile(cfg: DictConfig) -> Path:
     out = Path(m.profile or DEFAULT_OUT).expanduser()
     prof.save(out, coverage)
     png = plot_heatmap(prof, out.with_name("heatmap.png"), coverage)
-    print(f"[profile_moe] {prof.model_type}: {len(prof.layers)} MoE layers x {prof.num_experts} experts, top-{prof.top_k}, "
-          f"{prof.tokens} {prof.token_selection} tokens")
+    print(f"[profile_moe] {prof.model_type}: {len(prof.layers)} MoE layers x {prof.num_experts} experts, "
+          f"top-{prof.top_k}, {prof.tokens} {prof.token_selection} tokens")
     print(f"{'layer':>5} {'hot experts (to ' + format(coverage, '.0%') + ')':<28} {'coverage':>8} {'top1 share':>10} "
           f"{'counts':<30}")
     for s in prof.summary(coverage):

@@ -50,7 +50,8 @@ def main(argv=None) -> int:
     register_configs()
     out = Path(own.out)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=overrides + [f"trainer.output_dir={out / 'run'}", "trainer.measure_roofline=false"])
+        cfg = compose("config", overrides=overrides + [f"trainer.output_dir={out / 'run'}",
+                                                       "trainer.measure_roofline=false"])
     configure_threads(cfg.trainer.threads, "trainer.threads")
     c = build_components(cfg)
     t = cfg.trainer
@@ -99,8 +100,8 @@ def main(argv=None) -> int:
     md = [f"`{command}`", "", f"{own.steps} steps, {tokens} loss tokens, {wall:.1f} s -> {tok_s:.1f} loss tokens/s; "
           f"{per_token / 1e6:.1f} MFLOP per loss token (torch FlopCounterMode); {result['achieved_gflops']:.1f} of "
           f"{peak:.1f} GFLOPS peak (fp32 matmul, {torch.get_num_threads()} threads) = "
-          f"{100 * result['roofline_fraction']:.0f}% of the roofline", "", "| where the time goes | self CPU s | share |",
-          "|---|---|---|"]
+          f"{100 * result['roofline_fraction']:.0f}% of the roofline", "",
+          "| where the time goes | self CPU s | share |", "|---|---|---|"]
     md += [f"| {g} | {s:.2f} | {100 * s / total:.0f}% |" for g, s in result["groups_s"].items()]
     md += ["", "| top ops | self CPU s | calls |", "|---|---|---|"]
     md += [f"| `{r['op']}` | {r['self_s']:.2f} | {r['calls']} |" for r in result["top_ops"]]

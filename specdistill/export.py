@@ -48,7 +48,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
@@ -482,8 +482,8 @@ def _embedding_scale(fmt: str, cfg: Eagle3Config, sd: dict, include_embeddings: 
         q99 = float(torch.quantile(dev, 0.99)) if dev.numel() else 0.0
         if q99 > SGLANG_EMBED_SCALE_TOLERANCE:
             errs.append(f"SGLang feeds EAGLE-3 heads the target's unscaled embedding weight, dropping this head's "
-                        f"scale {s:g}: its input_layernorm output would change by up to {q99:.2e} (99% of rows), more than "
-                        f"{SGLANG_EMBED_SCALE_TOLERANCE:g}; serve it with vLLM (--format vllm) instead")
+                        f"scale {s:g}: its input_layernorm output would change by up to {q99:.2e} (99% of rows), "
+                        f"more than {SGLANG_EMBED_SCALE_TOLERANCE:g}; serve it with vLLM (--format vllm) instead")
         else:
             warnings.append(f"SGLang drops the head's embedding scale {s:g} (it shares the target's weight); after the "
                             f"head's input_layernorm that changes its input by at most {float(dev.max()):.1e} (99% of "

@@ -2,7 +2,6 @@
 import json
 
 import pytest
-import torch
 
 from specdistill.config import DataConfig
 from specdistill.data.chat import collate, tokenize_conversation
@@ -105,7 +104,10 @@ def test_loader_is_a_function_of_the_step_and_shards_disjointly():
     ds = [{"input_ids": [i], "loss_mask": [1]} for i in range(40)]
     a = StepBatches(ds, 2, 2, 0, seed=3)
     assert a.steps_per_epoch == 10
-    ids = lambda mbs: [x for mb in mbs for x in mb["input_ids"][:, 0].tolist()]
+
+    def ids(mbs):
+        return [x for mb in mbs for x in mb["input_ids"][:, 0].tolist()]
+
     epoch0 = sum((ids(a.micro_batches(s)) for s in range(10)), [])
     assert sorted(epoch0) == list(range(40))  # an epoch visits every example once
     assert ids(StepBatches(ds, 2, 2, 0, seed=3).micro_batches(13)) == ids(a.micro_batches(13))  # resume-exact
@@ -131,7 +133,8 @@ def test_one_malformed_line_is_one_skipped_row_named_by_its_line(tok, tmp_path):
     print("\n".join(logged))
     assert d.report["rows"] == 21 and d.report["kept"] == 20
     assert d.report["malformed"] == {"invalid JSON": 1}
-    assert d.report["malformed_rows"][0]["line"] == 7 and d.report["malformed_rows"][0]["reason"].startswith("invalid JSON")
+    first = d.report["malformed_rows"][0]
+    assert first["line"] == 7 and first["reason"].startswith("invalid JSON")
     assert len(d.train) + len(d.heldout) == 20
     assert any("line 7" in m for m in logged)
 

@@ -64,7 +64,8 @@ def test_vocab_maps_round_trip(target):
     p_logits = torch.randn(5, V)
     p, in_vocab = draft_vocab_targets(p_logits, head.t2d)
     assert torch.allclose(p.sum(-1), torch.ones(5), atol=1e-5)
-    assert torch.allclose(p, p_logits.softmax(-1)[:, head.t2d] / p_logits.softmax(-1)[:, head.t2d].sum(-1, keepdim=True))
+    kept = p_logits.softmax(-1)[:, head.t2d]
+    assert torch.allclose(p, kept / kept.sum(-1, keepdim=True))
     assert torch.equal(in_vocab, head.t2d[p_logits.argmax(-1)])
 
 
@@ -96,7 +97,8 @@ def test_a_wider_mlp_is_built_saved_reloaded_and_exported(target, tmp_path):
 
     torch.manual_seed(0)
     head = build_eagle3(target, torch.arange(40), None, intermediate_size=3 * 37)
-    assert head.midlayer.mlp.gate_proj.weight.shape == (111, 32) and head.midlayer.mlp.down_proj.weight.shape == (32, 111)
+    mlp = head.midlayer.mlp
+    assert mlp.gate_proj.weight.shape == (111, 32) and mlp.down_proj.weight.shape == (32, 111)
     assert head.config.intermediate_size == 111 != target.config.intermediate_size
     head.save_pretrained(tmp_path / "h")
     again = Eagle3Head.from_pretrained(tmp_path / "h")
@@ -166,7 +168,8 @@ def test_head_rope_matches_the_targets_rotary_embedding(rope):
 
 
 def _reference_eagle3_loss(head, target_logits, aux, ids, am, lm, steps, decay):
-    """The objective as first written: full target logits at every position, every slot read out, restricted per step."""
+    """The objective as first written: full target logits at every position, every slot read out, restricted per
+    step."""
     from specdistill.objectives.eagle3 import shift_left
 
     out = []

@@ -52,7 +52,8 @@ def test_training_from_offline_features_matches_online(tiny_target_dir, tiny_dat
         "trainer.max_steps=2", "data.max_rows=24", "objective.steps=2"]
     dump.dump(compose("eagle3", base + [f"data.offline_dir={feats}"]), batch_size=3)
     online = fit(build(compose("eagle3", base + ["trainer.output_dir=" + str(tmp_path / "on")])))
-    offline = fit(build(compose("eagle3", base + [f"data.offline_dir={feats}", f"trainer.output_dir={tmp_path / 'off'}"])))
+    offline = fit(build(compose("eagle3", base + [f"data.offline_dir={feats}",
+                                                  f"trainer.output_dir={tmp_path / 'off'}"])))
     for a, b in zip(online.history, offline.history):  # bf16 storage: close, not identical
         assert abs(a["train/loss"] - b["train/loss"]) < 2e-2 * abs(a["train/loss"])
     # features from other data are refused

@@ -1,4 +1,5 @@
-"""A non-editable `pip install .` into a fresh venv runs a recipe outside the checkout (conf/, recipes/ in the wheel)."""
+"""A non-editable `pip install .` into a fresh venv runs a recipe outside the checkout (conf/, recipes/ in the
+wheel)."""
 import json
 import os
 import shutil

@@ -12,7 +12,7 @@ import torch
 
 from specdistill.build import build
 from specdistill.train.checkpoint import list_checkpoints
-from specdistill.files import MANIFEST, CorruptCheckpoint, check_draft_folder, verify_folder
+from specdistill.files import MANIFEST, CorruptCheckpoint, verify_folder
 from specdistill.train.loop import fit
 from tests.conftest import compose, make_tiny_lm, tiny_overrides
 

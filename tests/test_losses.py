@@ -57,8 +57,10 @@ def test_tvd_bounds_and_acceptance_identity():
     assert ((tv >= 0) & (tv <= 1)).all()
     assert torch.allclose(acceptance_rate(p, q), 1 - tv, atol=1e-6)
     # disjoint one-hot-like distributions: TV -> 1
-    a = torch.full((1, 4), -1e4); a[0, 0] = 0
-    b = torch.full((1, 4), -1e4); b[0, 1] = 0
+    a = torch.full((1, 4), -1e4)
+    a[0, 0] = 0
+    b = torch.full((1, 4), -1e4)
+    b[0, 1] = 0
     assert torch.allclose(total_variation(a, b), torch.ones(1), atol=1e-5)
     assert torch.allclose(neg_log_acceptance(p, p), torch.zeros(len(p)), atol=1e-5)
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specdistill.phases import Phase, PhasePlan, check_warmup, cosine_with_warmup, warmup_runs
+from specdistill.phases import Phase, PhasePlan, cosine_with_warmup, warmup_runs
 from specdistill.pipeline.run import build_components
 from specdistill.train.checkpoint import list_checkpoints
 from specdistill.train.loop import fit

@@ -42,7 +42,6 @@ def test_features_equal_a_fresh_forward_and_rows_are_greedy_answers(tiny, tiny_d
         ids = torch.tensor([row["input_ids"]])
         with torch.no_grad():
             out = model(input_ids=ids, output_hidden_states=True)
-        T = ids.shape[1]
         aux = torch.cat([out.hidden_states[k] for k in AUX], -1)[0]  # (T, 3H)
         final = out.hidden_states[-1][0]
         # every fed position (all but the last) carries the target's features (stored in bf16)

@@ -1,6 +1,5 @@
 """Reporting: the model card names a loadable target, plots show n and no single-point curves from a y-axis at 0,
 the in-training speculative evaluation has its own progress bar."""
-import json
 
 import pytest
 

@@ -33,7 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.add_argument("--experts", type=int, default=8, help="E: experts per layer (must divide the intermediate size)")
     a.add_argument("--top-k", type=int, default=6, help="k: experts active per token, 1 <= k <= E")
     a.add_argument("--tokens", type=int, default=16384, help="calibration tokens for clustering and the router fit")
-    a.add_argument("--out", default=None, help="model folder (default: ~/.cache/specdistill/models/<target>-moefied-e<E>k<k>)")
+    a.add_argument("--out", default=None,
+                   help="model folder (default: ~/.cache/specdistill/models/<target>-moefied-e<E>k<k>)")
     a.add_argument("--target", default=DEFAULT_TARGET, help="a dense Llama-family model: local folder or embedded:*")
     a.add_argument("--data", default="embedded:sharegpt")
     a.add_argument("--max-rows", type=int, default=3000, help="conversations read from --data")

@@ -64,7 +64,6 @@ def _clock(device) -> float:
 
 def measure_arm(recipe: str, overrides: list[str], steps: int, out_dir: Path) -> ArmCost:
     """Build one recipe's components and time `steps` optimizer steps after a warm-up step."""
-    import torch
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -121,13 +120,15 @@ def measure_arm(recipe: str, overrides: list[str], steps: int, out_dir: Path) ->
 
 def markdown(arms: dict[str, ArmCost], ratio: float, command: str) -> str:
     lines = [f"`{command}`", "", "| arm | recipe | s / step | prepare s / step | trained positions / step | "
-             "ms / trained position | target forwards / step | target tokens / step |", "|---|---|---|---|---|---|---|---|"]
+             "ms / trained position | target forwards / step | target tokens / step |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, a in arms.items():
         lines.append(f"| {name} | {a.recipe} | {a.seconds_per_step:.3f} | {a.prepare_seconds_per_step:.3f} | "
                      f"{a.positions_per_step:.1f} | {1000 * a.seconds_per_position:.3f} | "
                      f"{a.target_forwards_per_step:.1f} | {a.target_tokens_per_step:.0f} |")
     verdict = "met" if ratio <= GOAL else "not met"
-    lines += ["", f"on-policy / off-policy seconds per trained position: **{ratio:.2f}x** (goal <= {GOAL:g}x: {verdict})"]
+    lines += ["", f"on-policy / off-policy seconds per trained position: **{ratio:.2f}x** "
+                  f"(goal <= {GOAL:g}x: {verdict})"]
     return "\n".join(lines) + "\n"
 
 

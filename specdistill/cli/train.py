@@ -1,4 +1,5 @@
-"""`specdistill-train recipe=<name> [overrides]`: compose the config (Hydra), build, fit (thin; the work is pipeline.run).
+"""`specdistill-train recipe=<name> [overrides]`: compose the config (Hydra), build, fit (thin; the work is
+pipeline.run).
 
 Under accelerate: `accelerate launch train.py recipe=kd` (the repo's shim) or
 `accelerate launch -m specdistill.cli.train recipe=kd`. Configs come from conf/ and recipes/:

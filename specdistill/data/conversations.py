@@ -208,7 +208,8 @@ def normalize(rows: Iterable[dict], fmt: str = "auto", need_assistant: bool = Tr
             msgs = to_messages(row, fmt)
             raw = row.get("conversations") or row.get("messages") or []
             first_raw = raw[0] if isinstance(raw, list) and raw else {}
-            if isinstance(first_raw, dict) and SHAREGPT_ROLES.get(str(first_raw.get("from", first_raw.get("role"))).lower()) == "assistant":
+            role = first_raw.get("from", first_raw.get("role")) if isinstance(first_raw, dict) else None
+            if role is not None and SHAREGPT_ROLES.get(str(role).lower()) == "assistant":
                 repaired += 1
             if need_assistant and not any(m["role"] == "assistant" for m in msgs):
                 raise MalformedRow("no assistant turn")

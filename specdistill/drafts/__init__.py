@@ -10,7 +10,8 @@ from specdistill.drafts.eagle3 import Eagle3Draft
 from specdistill.drafts.lm import LMDraft
 from specdistill.tensors import unwrap
 
-KINDS: tuple[type[DraftAdapter], ...] = (Eagle3Draft, DFlashDraftKind, LMDraft)  # first match wins: LMDraft takes any causal LM
+# first match wins: LMDraft takes any causal LM
+KINDS: tuple[type[DraftAdapter], ...] = (Eagle3Draft, DFlashDraftKind, LMDraft)
 
 
 def draft_adapter(model: torch.nn.Module) -> DraftAdapter:
@@ -43,5 +44,5 @@ def load_trained_draft(path) -> torch.nn.Module:
     return saved_kind(path).load(path)
 
 
-__all__ = ["KINDS", "DFlashDraftKind", "DraftAdapter", "Eagle3Draft", "LMDraft", "draft_adapter", "kind_for_init", "load_trained_draft",
-           "reads_draft_path", "saved_kind"]
+__all__ = ["KINDS", "DFlashDraftKind", "DraftAdapter", "Eagle3Draft", "LMDraft", "draft_adapter", "kind_for_init",
+           "load_trained_draft", "reads_draft_path", "saved_kind"]

@@ -116,14 +116,15 @@ class Eagle3Draft(DraftAdapter):
     def card_section(cls, repo_id: str, target: str, exports: list[str], gamma: int) -> str:
         v = "serving/vllm" if "vllm" in exports else "<export with scripts/export.py --format vllm>"
         s = "serving/sglang" if "sglang" in exports else "<export with scripts/export.py --format sglang>"
-        return f"""This is an EAGLE-3 head. The repository root holds specdistill's own format (warm starts, evaluation);
-the serving engines read the exports in `serving/` (SGLang numbers aux layers one lower than vLLM, so use its own
-folder).
+        return f"""This is an EAGLE-3 head. The repository root holds specdistill's own format (warm starts,
+evaluation); the serving engines read the exports in `serving/` (SGLang numbers aux layers one lower than vLLM, so use
+its own folder).
 
 ```bash
 huggingface-cli download {repo_id} --local-dir draft
 # vLLM
-vllm serve {target} --speculative-config '{{"method": "eagle3", "model": "draft/{v}", "num_speculative_tokens": {gamma}}}'
+vllm serve {target} \\
+    --speculative-config '{{"method": "eagle3", "model": "draft/{v}", "num_speculative_tokens": {gamma}}}'
 # SGLang
 python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 \\
     --speculative-draft-model-path draft/{s} --speculative-num-steps {gamma} --speculative-eagle-topk 1 \\

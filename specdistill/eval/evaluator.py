@@ -4,9 +4,9 @@ prompts, from summed counts, with wall-clock speedup, latency, a cost model and 
 Definitions (every ratio is a ratio of sums over all prompts, never a mean of per-prompt ratios):
   round              one target forward (verify [pending, d_1..d_K]); per row, a "row-round"
   mean_accept_len    tau = generated tokens / row-rounds (bonus/correction token included; prefill excluded)
-  accept_rate_per_pos a_k = P(draft k accepted | drafts 1..k-1 accepted and k drafted): the same a_k as the training-time
-                     simulated acceptance (specdistill.eval.simulated); tau = 1 + sum_k prod_{i<=k} a_i when every round
-                     drafts gamma and no row stops mid-round (EOS / budget)
+  accept_rate_per_pos a_k = P(draft k accepted | drafts 1..k-1 accepted and k drafted): the same a_k as the
+                     training-time simulated acceptance (specdistill.eval.simulated); tau = 1 + sum_k prod_{i<=k} a_i
+                     when every round drafts gamma and no row stops mid-round (EOS / budget)
   reach_rate_per_pos P(draft k accepted | k drafted) = accepted_k / proposed_k (the Rollout's own ratio)
   alpha_per_pos      mean sum_x min(p, q) at drafted position k given its prefix was accepted (== a_k at temperature 0)
   tokens_per_s       generated tokens / wall seconds of the generate calls (prefill included, warm-up excluded);
@@ -14,8 +14,8 @@ Definitions (every ratio is a ratio of sums over all prompts, never a mean of pe
   speedup            tokens_per_s / target_only_tokens_per_s, same prompts, same batches, runs interleaved per batch
   latency_ms         per-token latency: a round of t seconds that emits n tokens to a row gives each of them t / n;
                      percentiles are over all generated tokens (token-weighted); prefill (time to first round) apart
-  cost               c = one draft token / one target forward (1 token per row, KV-cached), v = target forward of gamma+1
-                     tokens / of 1 token, both timed here on the first batch (medians)
+  cost               c = one draft token / one target forward (1 token per row, KV-cached), v = target forward of
+                     gamma+1 tokens / of 1 token, both timed here on the first batch (medians)
   predicted_speedup  Leviathan et al. (2023): (1 - a^(g+1)) / ((1 - a)(g c + 1)) with a = overall alpha, g = mean
                      gamma; predicted_speedup_measured_tau = tau / (g c + v) adds the measured verify cost
   by_category        the same tau and a_k within each prompt category (MT-bench's eight), from per-prompt counts that
@@ -362,7 +362,8 @@ def _assemble(cfg: EvalConfig, drafter_name: str, source: str, num_prompts: int,
     target_round = target_t.decode / max(target_t.rounds, 1)
     return EvalResult(
         drafter=drafter_name, gamma=cfg.gamma, dynamic_gamma=cfg.dynamic_gamma, mean_gamma=g,
-        temperature=cfg.temperature, top_p=cfg.top_p, draft_policy=cfg.draft_policy, prompts=source or cfg.prompts, num_prompts=num_prompts,
+        temperature=cfg.temperature, top_p=cfg.top_p, draft_policy=cfg.draft_policy, prompts=source or cfg.prompts,
+        num_prompts=num_prompts,
         batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, new_tokens=spec_t.tokens,
         target_only_new_tokens=target_t.tokens, target_forwards=counts.forwards,
         mean_accept_len=counts.tau(), accept_rate_per_pos=counts.accept_rate_per_pos(),

@@ -24,7 +24,8 @@ def _assistant_settings(assistant, mode: str, gamma: int):
     saved = {k: getattr(gc, k, None) for k in ("num_assistant_tokens", "num_assistant_tokens_schedule",
                                               "assistant_confidence_threshold")}
     if mode == "assisted_gamma":
-        gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = gamma, "constant", 0.0
+        gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = gamma, "constant"
+        gc.assistant_confidence_threshold = 0.0
     else:
         gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = None, None, None
     try:
@@ -101,5 +102,6 @@ def hf_summary(ours: list[Run], ours_target: list[Run], hf_runs: dict[str, list[
         mine = ours_t_s if name == "hf_target_only" else ours_s
         out[name] = {"seconds": s, "tokens_per_s": tok / s, "identical_outputs": same,
                      "identical_to_target_only": sum(a.tokens == b.tokens for a, b in zip(runs, ours_target)),
-                     "time_ratio_ours_over_hf": mine / s, "hf_speedup_vs_our_target_only": (tok / s) / (ours_t_tok / ours_t_s)}
+                     "time_ratio_ours_over_hf": mine / s,
+                     "hf_speedup_vs_our_target_only": (tok / s) / (ours_t_tok / ours_t_s)}
     return out

@@ -81,8 +81,8 @@ def markdown(r: EvalResult) -> str:
     lines = ["# Speculative decoding evaluation", "", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
     if r.batch_sweep:
-        lines += ["", "## Batch-size sweep", "", "| batch | prompts | tokens/s spec | tokens/s target | speedup | tau |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "## Batch-size sweep", "",
+                  "| batch | prompts | tokens/s spec | tokens/s target | speedup | tau |", "|---|---|---|---|---|---|"]
         lines += [f"| {p.batch_size} | {p.num_prompts} | {_f(p.tokens_per_s, 2)} | {_f(p.target_only_tokens_per_s, 2)} "
                   f"| {_f(p.speedup)} | {_f(p.mean_accept_len)} |" for p in r.batch_sweep]
     if r.accept_by_output_position:
@@ -91,7 +91,8 @@ def markdown(r: EvalResult) -> str:
         lines += [f"| {b['start']}-{b['end'] - 1} | {b['rounds']} | {_f(b['tau'])} | {_f(b['accept_rate'])} |"
                   for b in r.accept_by_output_position]
     if r.by_category:
-        lines += ["", "## Per category", "", "| category | prompts | tau | a_k per draft position |", "|---|---|---|---|"]
+        lines += ["", "## Per category", "", "| category | prompts | tau | a_k per draft position |",
+                  "|---|---|---|---|"]
         lines += [f"| {cat} | {c['prompts']} | {_f(c['tau'])} | {', '.join(_f(a) for a in c['accept_rate_per_pos'])} |"
                   for cat, c in r.by_category.items()]
     lines += _tree_and_cost_model(r)

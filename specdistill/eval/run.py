@@ -117,7 +117,8 @@ def _evaluate(cfg: DictConfig, ecfg, out: Path, log) -> tuple[EvalResult, dict[s
     spec = load_draft(cfg, target, tokenizer, log).to(device) if ecfg.drafter == "draft" else ecfg.drafter
     log(f"[eval] target {cfg.target.path} on {device}; {len(prompts)} prompts from {ecfg.prompts}; "
         f"drafter={ecfg.drafter} gamma={ecfg.gamma}{' (dynamic)' if ecfg.dynamic_gamma else ''} "
-        f"T={ecfg.temperature} draft_policy={ecfg.draft_policy} max_new_tokens={ecfg.max_new_tokens} batch={ecfg.batch_size}")
+        f"T={ecfg.temperature} draft_policy={ecfg.draft_policy} max_new_tokens={ecfg.max_new_tokens} "
+        f"batch={ecfg.batch_size}")
     if ecfg.block_sizes:  # before the main evaluation: a drafter without a block size is refused now
         if not isinstance(spec, torch.nn.Module):
             raise ValueError(f"eval.block_sizes={list(ecfg.block_sizes)} sweeps a block drafter's block size; "

@@ -20,7 +20,8 @@ def _fmt(v) -> str:
 
 
 def tau_table(metrics: dict, gamma: int) -> str:
-    """Markdown tables from the latest metrics: the real speculative eval (spec/*) and the held-out proxy (heldout/*)."""
+    """Markdown tables from the latest metrics: the real speculative eval (spec/*) and the held-out proxy
+    (heldout/*)."""
     rows = []
     spec = {k.removeprefix("spec/"): v for k, v in metrics.items() if k.startswith("spec/")}
     if spec:

@@ -82,7 +82,7 @@ def merge_experts(experts_list: list[tuple[nn.Module, int, float]], merge: str) 
     if merge not in MERGES:
         raise ValueError(f"draft.moe.merge={merge!r}: choose one of {MERGES}")
     gates, ups, downs = [], [], []
-    for ex, e, w in experts_list:
+    for ex, e, _ in experts_list:
         g, u = ex.gate_up_proj[e].detach().chunk(2, dim=0)  # (I, H) each
         gates.append(g), ups.append(u), downs.append(ex.down_proj[e].detach())  # (H, I)
     ws = [w for _, _, w in experts_list]
@@ -124,7 +124,8 @@ def build_moe_draft(target_model, layers: list[int], experts: dict[int, list[int
     tcfg = target_model.config
     dense_src = [s for s in layers if s not in blocks]
     if dense_src:
-        raise ValueError(f"draft.moe.layers {dense_src} are not MoE layers of the target (MoE layers: {sorted(blocks)})")
+        raise ValueError(f"draft.moe.layers {dense_src} are not MoE layers of the target "
+                         f"(MoE layers: {sorted(blocks)})")
     counts = {len(experts[s]) for s in layers}
     if len(counts) != 1:
         raise ValueError(f"every draft layer must keep the same number of experts (one HF config), got {counts}")

@@ -238,15 +238,17 @@ def assemble_mixtral(dense, fits: list[LayerFit], cfg: MoefyConfig):
     d = dense.config
     E, k = cfg.num_experts, cfg.top_k
     moe_cfg = mixtral_config(d, E, k, d.intermediate_size // E)
-    moe_cfg.specdistill_moefied = {"source": getattr(d, "_name_or_path", ""), **asdict(cfg),
-                                   "method": "co-activation balanced k-means + ridge router (specdistill/moe/convert.py)"}
+    moe_cfg.specdistill_moefied = {
+        "source": getattr(d, "_name_or_path", ""), **asdict(cfg),
+        "method": "co-activation balanced k-means + ridge router (specdistill/moe/convert.py)"}
     moe = MixtralForCausalLM(moe_cfg).to(dense.dtype)
     dsd = dense.state_dict()
     sd = non_mlp_state(dsd, d.num_hidden_layers)
     for fit in fits:
         p = f"model.layers.{fit.layer}."
         gate, up, down = (dsd[p + name] for name in DENSE_MLP_WEIGHTS)  # (I, H), (I, H), (H, I)
-        sd[p + "mlp.experts.gate_up_proj"] = torch.stack([torch.cat([gate[g], up[g]]) for g in fit.groups])  # (E, 2G, H)
+        # (E, 2G, H)
+        sd[p + "mlp.experts.gate_up_proj"] = torch.stack([torch.cat([gate[g], up[g]]) for g in fit.groups])
         sd[p + "mlp.experts.down_proj"] = torch.stack([down[:, g] * k for g in fit.groups])  # (E, H, G)
         sd[p + "mlp.gate.weight"] = fit.router.to(dense.dtype)  # (E, H)
     return load_moe_state(moe, sd, "dense -> MoE conversion")

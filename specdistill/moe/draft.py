@@ -27,7 +27,8 @@ def routing_profile(moe_cfg, target_model, data=None, log=print) -> RoutingProfi
     pad = pad_id(None, None if p is None else [p])  # the config's pad id, else 0 (padded slots are masked)
     batches = calibration_batches(data.train, pad, moe_cfg.profile_batches)
     prof = profile_routing(target_model, batches, moe_cfg.token_selection,
-                           source={"data": getattr(data, "fingerprint", ""), "rows": sum(len(b["input_ids"]) for b in batches)})
+                           source={"data": getattr(data, "fingerprint", ""),
+                                   "rows": sum(len(b["input_ids"]) for b in batches)})
     log(f"[moe] routing profile of {prof.tokens} {prof.token_selection} tokens over {len(prof.layers)} MoE layers")
     return prof
 

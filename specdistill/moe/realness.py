@@ -146,7 +146,8 @@ class RealnessReport:
                 "uniform_share": round(1 / self.num_experts, 4),
                 "mean_experts_for_coverage": mean("experts_for_coverage"),
                 "mean_router_recall": mean("router_recall"), "chance_recall": round(self.top_k / self.num_experts, 4),
-                "mean_code_chat_jaccard": mean("code_chat_jaccard"), "mean_split_half_jaccard": mean("split_half_jaccard"),
+                "mean_code_chat_jaccard": mean("code_chat_jaccard"),
+                "mean_split_half_jaccard": mean("split_half_jaccard"),
                 "mean_code_chat_tv": mean("code_chat_tv"), "mean_split_half_tv": mean("split_half_tv")}
 
     def to_dict(self) -> dict:
@@ -167,17 +168,19 @@ class RealnessReport:
                  f"| routing entropy (mean over layers; 1 = uniform) | {fmt(h['mean_routing_entropy'])} |",
                  f"| busiest expert's share (mean; uniform {h['uniform_share']}) | {fmt(h['mean_busiest_share'])} |",
                  f"| experts covering {cov} of routing mass (mean) | {fmt(h['mean_experts_for_coverage'])} |",
-                 f"| router top-{self.top_k} recall, held-out (chance {h['chance_recall']}) | {fmt(h['mean_router_recall'])} |",
+                 f"| router top-{self.top_k} recall, held-out (chance {h['chance_recall']}) | "
+                 f"{fmt(h['mean_router_recall'])} |",
                  f"| hot-set Jaccard code vs chat (split-half chat) | {fmt(h['mean_code_chat_jaccard'])} "
                  f"({fmt(h['mean_split_half_jaccard'])}) |",
-                 f"| usage TV code vs chat (split-half chat) | {fmt(h['mean_code_chat_tv'])} ({fmt(h['mean_split_half_tv'])}) |",
+                 f"| usage TV code vs chat (split-half chat) | {fmt(h['mean_code_chat_tv'])} "
+                 f"({fmt(h['mean_split_half_tv'])}) |",
                  "", f"Subset tokens: {self.subset_tokens}", "",
                  f"| layer | entropy | busiest share | experts for {cov} | router recall | Jaccard code/chat | "
                  "Jaccard split-half | TV code/chat | TV split-half |", "|---|---|---|---|---|---|---|---|---|"]
         for r in self.layers:
-            lines.append(f"| {r.layer} | {fmt(r.routing_entropy)} | {fmt(r.busiest_share)} | {r.experts_for_coverage} | "
-                         f"{fmt(r.router_recall)} | {fmt(r.code_chat_jaccard)} | {fmt(r.split_half_jaccard)} | "
-                         f"{fmt(r.code_chat_tv)} | {fmt(r.split_half_tv)} |")
+            lines.append(f"| {r.layer} | {fmt(r.routing_entropy)} | {fmt(r.busiest_share)} | "
+                         f"{r.experts_for_coverage} | {fmt(r.router_recall)} | {fmt(r.code_chat_jaccard)} | "
+                         f"{fmt(r.split_half_jaccard)} | {fmt(r.code_chat_tv)} | {fmt(r.split_half_tv)} |")
         return "\n".join(lines + [""] + [f"- {n}" for n in self.notes]) + "\n"
 
 

@@ -33,7 +33,8 @@ def moe_blocks(model) -> dict[int, nn.Module]:
     blocks = {i: layer.mlp for i, layer in enumerate(decoder_layers(model)) if is_moe_block(layer.mlp)}
     for block in blocks.values():
         ex = block.experts
-        if getattr(ex, "is_transposed", False) or not getattr(ex, "is_concatenated", True) or getattr(ex, "has_bias", False):
+        if (getattr(ex, "is_transposed", False) or not getattr(ex, "is_concatenated", True)
+                or getattr(ex, "has_bias", False)):
             raise NotImplementedError(f"{type(ex).__name__}: only the [gate; up] concatenated, untransposed, bias-free "
                                       "expert layout (Mixtral, Qwen2/3-MoE, OLMoE) is supported")
     return blocks

@@ -74,7 +74,8 @@ def upcycle_llama(dense, num_experts: int = 4, top_k: int = 2, seed: int = 0, ro
         gate_up = torch.cat([dsd[p + "mlp.gate_proj.weight"], dsd[p + "mlp.up_proj.weight"]], 0)  # (2I, H)
         sd[p + "mlp.experts.gate_up_proj"] = gate_up[None].repeat(num_experts, 1, 1)
         sd[p + "mlp.experts.down_proj"] = dsd[p + "mlp.down_proj.weight"][None].repeat(num_experts, 1, 1)
-        sd[p + "mlp.gate.weight"] = (torch.randn(num_experts, d.hidden_size, generator=gen) * router_std).to(dense.dtype)
+        router = torch.randn(num_experts, d.hidden_size, generator=gen) * router_std  # (E, H)
+        sd[p + "mlp.gate.weight"] = router.to(dense.dtype)
     return load_moe_state(moe, sd, "upcycling")
 
 

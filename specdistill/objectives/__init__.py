@@ -21,7 +21,9 @@ OBJECTIVES["dflash"] = DFlashObjective
 
 def validate_objective(cfg: DictConfig) -> Any:
     """Turn cfg.objective into its objective's dataclass; unknown keys or names fail with the fix in the message."""
-    raw = OmegaConf.to_container(cfg.objective, resolve=True) if isinstance(cfg.objective, DictConfig) else cfg.objective
+    raw = cfg.objective
+    if isinstance(raw, DictConfig):
+        raw = OmegaConf.to_container(raw, resolve=True)
     return make_objective(raw, "objective")
 
 

@@ -90,8 +90,8 @@ def learning_curve(run_dir, target_model, tokenizer, prompt_ids: list[list[int]]
     run_dir = Path(run_dir)
     ckpts = list_checkpoints(run_dir)
     if not ckpts:
-        raise FileNotFoundError(f"{run_dir} has no complete checkpoint (checkpoints/step-N/): train first, or keep more "
-                                "with trainer.keep_checkpoints")
+        raise FileNotFoundError(f"{run_dir} has no complete checkpoint (checkpoints/step-N/): train first, or keep "
+                                "more with trainer.keep_checkpoints")
     ckpts = ckpts[-1:] if last_only else ckpts
     if steps:
         have = {int(c.name.split("-")[-1]): c for c in ckpts}
@@ -159,7 +159,8 @@ def plot_curves(curves: dict[str, list[CurvePoint]], path) -> None:
 def heldout_curve(run_dir) -> list[CurvePoint]:
     """The in-training held-out proxy of a run as a curve, read from its metrics.jsonl (no decoding): simulated tau
     (heldout/mean_accept_len, the TTT unroll's chained greedy acceptance on held-out conversations of the training
-    distribution) at each eval, against loss tokens and the loop's wall clock. prompts/new_tokens: held-out positions."""
+    distribution) at each eval, against loss tokens and the loop's wall clock. prompts/new_tokens: held-out
+    positions."""
     points, seen = [], {}
     for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
         m = json.loads(line) if line.strip() else {}
@@ -167,7 +168,8 @@ def heldout_curve(run_dir) -> list[CurvePoint]:
         if "heldout/mean_accept_len" not in m or "tokens_seen" not in seen:
             continue
         points.append(CurvePoint(step=int(m["step"]), tokens_seen=int(seen["tokens_seen"]),
-                                 wall_minutes=float(seen.get("wall_s", 0.0)) / 60, tau=float(m["heldout/mean_accept_len"]),
+                                 wall_minutes=float(seen.get("wall_s", 0.0)) / 60,
+                                 tau=float(m["heldout/mean_accept_len"]),
                                  accept_rate_per_pos=list(m.get("heldout/accept_rate_per_pos", [])),
                                  prompts=0, new_tokens=int(m.get("heldout/num_positions", 0))))
     if not points:

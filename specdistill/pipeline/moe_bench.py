@@ -60,7 +60,8 @@ def arms(eagle3_experts: int = 1, random_seed: int = 0) -> dict[str, Arm]:
 SMALL = ("data.max_rows=300", "data.max_length=128", "data.heldout_size=16", "trainer.max_steps=8",
          "trainer.micro_batch_size=2", "trainer.grad_accum=1", "trainer.warmup_steps=1", "trainer.lr=3e-3",
          "trainer.log_every=2", "trainer.eval_every=0", "trainer.save_every=1000", "trainer.seed=0",
-         "draft.num_layers=2", "draft.draft_vocab_size=8192", "draft.moe.num_experts=3", "draft.moe.coverage=null", "draft.moe.profile_batches=4",
+         "draft.num_layers=2", "draft.draft_vocab_size=8192", "draft.moe.num_experts=3", "draft.moe.coverage=null",
+         "draft.moe.profile_batches=4",
          "eval.gamma=4", "eval.max_batches=2", "eval.spec_eval=false", "eval.prompts=embedded:mt_bench",
          "eval.num_prompts=2", "eval.max_new_tokens=24", "eval.warmup_prompts=0", "eval.measure_cost=false",
          "eval.temperature=0")
@@ -330,7 +331,8 @@ def bench(overrides: list[str], out: Path, names: Optional[list[str]] = None, ea
                "budget": (f"{first.trainer.max_steps} steps of {first.trainer.micro_batch_size} rows x "
                           f"{first.trainer.grad_accum} micro-batches, <= {first.data.max_length} tokens a row, "
                           f"trainer.seed {first.trainer.seed}"),
-               "eval": (f"{first.eval.prompts}, {len(next(iter(results.values())).counts.get('after', [])) or first.eval.num_prompts} "
+               "eval": (f"{first.eval.prompts}, "
+                        f"{len(next(iter(results.values())).counts.get('after', [])) or first.eval.num_prompts} "
                         f"prompts x {first.eval.max_new_tokens} "
                         f"tokens, T={first.eval.temperature}, gamma {first.eval.gamma}"),
                "profile": str(prof_path),

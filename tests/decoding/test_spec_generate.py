@@ -1,4 +1,5 @@
-"""speculative_generate: lossless (greedy token-identical, sampled distribution = target's), exact counters, clear errors."""
+"""speculative_generate: lossless (greedy token-identical, sampled distribution = target's), exact counters, clear
+errors."""
 
 import pytest
 import torch
@@ -164,9 +165,10 @@ def test_sampled_tokens_follow_the_target(temperature, top_p, policy, tiny_lm, c
     ids = prompt.expand(N, -1)
     kwargs = dict(max_new_tokens=2, temperature=temperature, top_p=top_p)
     runs = {
-        "random": speculative_generate(target, LMDrafter(draft), ids, gamma=2, generator=torch.Generator().manual_seed(0),
-                                       draft_policy=policy, **kwargs),
-        "ngram": speculative_generate(target, NGramDrafter(), ids, gamma=1, generator=torch.Generator().manual_seed(1), **kwargs),
+        "random": speculative_generate(target, LMDrafter(draft), ids, gamma=2,
+                                       generator=torch.Generator().manual_seed(0), draft_policy=policy, **kwargs),
+        "ngram": speculative_generate(target, NGramDrafter(), ids, gamma=1, generator=torch.Generator().manual_seed(1),
+                                      **kwargs),
         "target": target_generate(target, ids, generator=torch.Generator().manual_seed(2), **kwargs),
     }
     for name, r in runs.items():
@@ -179,9 +181,8 @@ def test_sampled_tokens_follow_the_target(temperature, top_p, policy, tiny_lm, c
 
 @torch.no_grad()
 @pytest.mark.parametrize("policy", ["sample", "greedy"])
-def test_sampled_tokens_follow_the_target_on_left_padded_prompts_of_different_lengths(policy, tiny_lm, chi_square_pvalue,
-                                                                                        first_three_marginals,
-                                                                                        interleaved_prompts):
+def test_sampled_tokens_follow_the_target_on_left_padded_prompts_of_different_lengths(
+        policy, tiny_lm, chi_square_pvalue, first_three_marginals, interleaved_prompts):
     """One batch mixes three prompt lengths (left padding), and ragged acceptance leaves masked holes in the KV cache
     from the second round on: each row's first three tokens still follow the target alone on its unpadded prompt."""
     V, N = 16, 2000

@@ -65,13 +65,14 @@ def test_ragged_commits_equal_fresh_prefill(tiny_lm, ragged_prompts):
 
 @torch.no_grad()
 def test_lm_drafter_rollback_and_next_proposal_match_fresh_model(tiny_lm, ragged_prompts):
-    target, draft = tiny_lm(0), tiny_lm(1)
+    draft = tiny_lm(1)
     ids, mask = ragged_prompts
     drafter = LMDrafter(draft)
     drafter.start(ids, mask)
     seqs = [ids[b][mask[b].bool()].tolist() for b in range(4)]
     sampler = Sampler(temperature=1.0, generator=torch.Generator().manual_seed(0))
-    for k, n, active in [(3, [3, 1, 0, 2], [1, 1, 1, 1]), (4, [0, 4, 2, 4], [1, 1, 0, 1]), (2, [2, 2, 1, 0], [1, 1, 0, 1])]:
+    rounds = [(3, [3, 1, 0, 2], [1, 1, 1, 1]), (4, [0, 4, 2, 4], [1, 1, 0, 1]), (2, [2, 2, 1, 0], [1, 1, 0, 1])]
+    for k, n, active in rounds:
         proposal = drafter.propose(k, sampler)
         for b in range(4):  # each q_k is the draft's distribution after the row's sequence + earlier drafts
             if active[b]:

@@ -1,4 +1,5 @@
-"""Verification: greedy matching rules, and speculative sampling preserves p (chi-square) with acceptance sum min(p, q)."""
+"""Verification: greedy matching rules, and speculative sampling preserves p (chi-square) with acceptance sum min(p,
+q)."""
 
 import pytest
 import torch
@@ -42,7 +43,8 @@ def test_greedy_with_zero_drafts_emits_the_target_argmax():
 def test_sampling_with_one_hot_distributions_equals_greedy():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 5, 12, generator=g)
-    drafts = torch.where(torch.rand(64, 4, generator=g) < 0.7, logits[:, :4].argmax(-1), torch.randint(0, 12, (64, 4), generator=g))
+    drafts = torch.where(torch.rand(64, 4, generator=g) < 0.7, logits[:, :4].argmax(-1),
+                         torch.randint(0, 12, (64, 4), generator=g))
     greedy = verify_greedy(drafts, logits)
     sampled = verify_sampling(drafts, None, probs_from_logits(logits, 0.0), g)
     assert torch.equal(greedy.accepted, sampled.accepted) and torch.equal(greedy.next_token, sampled.next_token)

@@ -1,6 +1,5 @@
 """Fixtures for the evaluator tests: a tiny chat tokenizer and tiny Llama target/draft built from configs."""
 import pytest
-import torch
 
 from tests.conftest import make_tiny_lm, make_tokenizer, single_thread
 

@@ -1,4 +1,5 @@
-"""The epoch-end hook: a real speculative eval of the training draft, spec/ metrics, results.json, train mode restored."""
+"""The epoch-end hook: a real speculative eval of the training draft, spec/ metrics, results.json, train mode
+restored."""
 import json
 import time
 from types import SimpleNamespace

@@ -13,7 +13,8 @@ def _round(accepted: torch.Tensor, offset: int) -> RoundRecord:
     B, K = accepted.shape
     n = accepted.long().cumprod(1).sum(1)
     z = torch.zeros(B, dtype=torch.long)
-    return RoundRecord(gamma=K, active=torch.ones(B, dtype=torch.bool), offset=z + offset, draft_tokens=z[:, None].expand(B, K),
+    return RoundRecord(gamma=K, active=torch.ones(B, dtype=torch.bool), offset=z + offset,
+                       draft_tokens=z[:, None].expand(B, K),
                        accepted=accepted.long().cumprod(1).bool(), num_accepted=n, next_token=z, num_emitted=n + 1,
                        alpha=accepted.long().cumprod(1).float())
 
@@ -25,7 +26,8 @@ def test_tau_is_one_plus_sum_of_products_when_every_round_drafts_gamma():
     n = torch.stack([rd.num_accepted for rd in rounds])
     r = Rollout(sequences=torch.zeros(3, 1), num_new_tokens=(n + 1).sum(0), rounds=rounds,
                 target_forwards=torch.full((3,), 40), accept_hist=torch.bincount(n.flatten(), minlength=g + 1),
-                position_proposed=torch.full((g,), 120), position_accepted=torch.stack([rd.accepted for rd in rounds]).sum((0, 1)),
+                position_proposed=torch.full((g,), 120),
+                position_accepted=torch.stack([rd.accepted for rd in rounds]).sum((0, 1)),
                 position_alpha=torch.zeros(g), prefill_seconds=0.0, round_seconds=[0.0] * 40)
     c = SpecCounts(g, bucket=16)
     c.add(r)

@@ -19,8 +19,8 @@ from tests.moe.conftest import random_batch
 
 def _batches(vocab, n=4, B=4, T=32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(3, vocab, (B, T), generator=g), "attention_mask": torch.ones(B, T, dtype=torch.long)}
-            for _ in range(n)]
+    return [{"input_ids": torch.randint(3, vocab, (B, T), generator=g),
+             "attention_mask": torch.ones(B, T, dtype=torch.long)} for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +179,7 @@ def cli_inputs(tmp_path_factory, moe_tokenizer):
     make_tiny_lm(len(moe_tokenizer), layers=2, hidden=32).save_pretrained(d / "target")
     moe_tokenizer.save_pretrained(d / "target")
     rows = conversations(80)
-    for i, r in enumerate(rows[::3]):  # a third of the conversations show code
+    for r in rows[::3]:  # a third of the conversations show code
         r["conversations"][0]["value"] = CODE
     (d / "conv.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     return d
@@ -212,10 +212,11 @@ def test_cli_converts_reports_and_reuses_its_output(cli_inputs, capsys):
     assert json.loads((out / "moefy.json").read_text())["inputs"]["settings"]["top_k"] == 1
 
 
-@pytest.mark.parametrize("args,message", [(["--experts", "3", "--top-k", "2"], "does not divide the MLP's intermediate size 64"),
-                                          (["--experts", "4", "--top-k", "5"], "--top-k 5 > --experts 4"),
-                                          (["--experts", "4", "--top-k", "0"], "at least 1 active expert"),
-                                          (["--out", "{d}"], "holds no model: it would be replaced")])
+@pytest.mark.parametrize("args,message", [
+    (["--experts", "3", "--top-k", "2"], "does not divide the MLP's intermediate size 64"),
+    (["--experts", "4", "--top-k", "5"], "--top-k 5 > --experts 4"),
+    (["--experts", "4", "--top-k", "0"], "at least 1 active expert"),
+    (["--out", "{d}"], "holds no model: it would be replaced")])
 def test_cli_bad_settings(cli_inputs, capsys, args, message):
     from specdistill.cli.moefy import main
 

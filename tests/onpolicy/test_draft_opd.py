@@ -58,7 +58,8 @@ def test_replayed_positions_are_rescored_by_the_current_draft_from_cached_target
     obj(_batch(), models)
     missed = int((obj.state.fresh.category == FIRST_REJECTED).sum())  # replay keeps the verifier's rejections
     assert len(obj.state.buffer) == missed > 0
-    assert all(any(torch.equal(r[: len(it.context)], it.context) for r in obj.state.fresh.rows[:3])  # trajectory prefixes
+    # trajectory prefixes
+    assert all(any(torch.equal(r[: len(it.context)], it.context) for r in obj.state.fresh.rows[:3])
                for it in obj.state.buffer.items.values())
     perturb(models.draft)  # the draft changes between the two calls
     b2 = _batch()

@@ -125,7 +125,8 @@ def test_training_pushes_each_epoch_and_the_end_with_card_and_eagle3_exports(tin
             "hub.push=true", "hub.repo_id=me/tiny-eagle3", f"hub.endpoint={hub.url}", "hub.backoff_s=0.05"])
         res = run(cfg)
     assert res.step == 6 and not hub.unknown, hub.unknown
-    assert [c["message"] for c in hub.commits] == ["specdistill: step 5, epoch 0", "specdistill: step 6, epoch 1 (final)"]
+    assert [c["message"] for c in hub.commits] == ["specdistill: step 5, epoch 0",
+                                                   "specdistill: step 6, epoch 1 (final)"]
     files = hub.files["me/tiny-eagle3"]
     for f in ("config.json", "model.safetensors", "README.md", "specdistill/config.yaml", "specdistill/metrics.json",
               "serving/vllm/config.json", "serving/vllm/model.safetensors", "serving/sglang/config.json"):
@@ -192,6 +193,7 @@ def test_card_for_a_standalone_draft_has_the_tau_table_and_serving_commands(tiny
 def test_push_true_without_a_repo_fails_before_loading_anything(tiny_target_dir, tiny_data_file, tmp_path):
     from specdistill.pipeline.run import run
 
-    cfg = compose("kd", tiny_overrides(tmp_path / "missing", tiny_data_file, tmp_path, tmp_path / "c") + ["hub.push=true"])
+    cfg = compose("kd", tiny_overrides(tmp_path / "missing", tiny_data_file, tmp_path, tmp_path / "c")
+                  + ["hub.push=true"])
     with pytest.raises(ValueError, match="hub.repo_id"):
         run(cfg)

@@ -1,6 +1,5 @@
 """conf/accelerate/: every launcher file parses with accelerate's config loader and is as named."""
 import json
-from pathlib import Path
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
