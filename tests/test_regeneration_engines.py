@@ -142,6 +142,23 @@ def test_shards_write_disjoint_parts_that_merge_into_the_one_run_store(tiny, tin
     _same_parts(_parts(r, n), _parts(root, n))
 
 
+def test_a_shard_run_writes_its_parts_and_ends_without_training(tiny, tiny_data_file, tmp_path):
+    from types import SimpleNamespace as NS
+
+    from specdistill.pipeline.regenerate import build_regenerated_data
+
+    model, tok = tiny
+    rcfg = _cfg(tiny_data_file, tmp_path, shard="1/2")  # 3 parts: shard 1/2 writes part 1
+    cfg = NS(data=NS(regenerate=rcfg, heldout_size=0), target=NS(path="tiny"),
+             eval=NS(static_cache=False, compile=False))
+    said = []
+    with pytest.raises(SystemExit) as ended:
+        build_regenerated_data(cfg, NS(config=model.config, aux_layer_ids=AUX, model=model), tok, log=said.append)
+    assert ended.value.code in (0, None)
+    assert [p.name for p in tmp_path.glob("*/part-*")] == ["part-00001.safetensors"]
+    assert "1 of 3 parts" in said[-1] and "data.regenerate.shard=null" in said[-1]
+
+
 def test_shard_strings_are_checked_by_name():
     assert parse_shard(None) == (0, 1) and parse_shard("2/3") == (2, 3)
     assert shard_parts(list(range(7)), "1/3") == [1, 4]

@@ -366,8 +366,8 @@ def build_regenerated_data(cfg, target, tokenizer, log=print, share: Callable[[P
     cache = CacheMode(static=cfg.eval.static_cache, compile=cfg.eval.compile)  # the run's decoding (eval.*)
     root, parts = regenerate_store(rcfg, target.model, tokenizer, str(cfg.target.path), aux, log=log, share=share,
                                    cache=cache)
-    have = sum(part_path(root, i).exists() for i in range(parts))
-    if rcfg.shard is not None and have < parts:  # the other shards' parts are still to come
+    if rcfg.shard is not None:  # a shard run writes its parts and ends; the run that trains has no shard
+        have = sum(part_path(root, i).exists() for i in range(parts))
         log(f"[regenerate] shard {rcfg.shard} is done: {root} has {have} of {parts} parts. Once every shard has run, "
             "train with data.regenerate.shard=null: it reuses the whole store")
         raise SystemExit(0)
