@@ -100,8 +100,10 @@ def test_the_decoders_answers_through_the_engine_path_give_the_decoders_store(ti
     for x, y in zip(_parts(decoded, n), _parts(through, m)):
         for k in ("ids", "lengths", "prompt_lengths"):
             assert torch.equal(x[k], y[k]), k
+        fed = torch.ones(len(x["ids"]), dtype=torch.bool)  # every row's last token predicts nothing: not compared
+        fed[x["lengths"].cumsum(0) - 1] = False
         for k in ("aux", "final"):
-            torch.testing.assert_close(x[k].float(), y[k].float(), atol=0.05, rtol=0.02)
+            torch.testing.assert_close(x[k][fed].float(), y[k][fed].float(), atol=0.05, rtol=0.02)
 
 
 def test_a_crash_or_a_lost_part_resumes_with_only_the_missing_parts(tiny, tiny_data_file, tmp_path):

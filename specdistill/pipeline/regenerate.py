@@ -147,8 +147,8 @@ def recapture_rows(target_model, rows: list[torch.Tensor], plens: list[int], lay
     """Store rows {ids, aux, final, prompt_length} for `rows` (each (T,): prompt then answer ids; plens: prompt
     lengths) with the features of `layers`, from one prefill.
 
-    Rows are right-padded (positions 0..T-1, as when decoding); the last token of a row gets zeros, as a decoded row
-    does (it was never fed). Only the last position's logits are computed (logits_to_keep=1): the features are
+    Rows are right-padded (positions 0..T-1, as when decoding); the last token of a row gets zeros (a decoded row has
+    zeros there too, or, when it ended before the rest of its batch, the features of its fed EOS; nothing reads them). Only the last position's logits are computed (logits_to_keep=1): the features are
     hidden states, and full logits of a batch would cost B x T x V floats."""
     device = next(target_model.parameters()).device
     input_ids, mask = pad_rows(rows, pad, side="right", device=device)
