@@ -148,8 +148,9 @@ def recapture_rows(target_model, rows: list[torch.Tensor], plens: list[int], lay
     lengths) with the features of `layers`, from one prefill.
 
     Rows are right-padded (positions 0..T-1, as when decoding); the last token of a row gets zeros (a decoded row has
-    zeros there too, or, when it ended before the rest of its batch, the features of its fed EOS; nothing reads them). Only the last position's logits are computed (logits_to_keep=1): the features are
-    hidden states, and full logits of a batch would cost B x T x V floats."""
+    zeros there too, or, when it ended before the rest of its batch, the features of its fed EOS; nothing reads them).
+    Only the last position's logits are computed (logits_to_keep=1): the features are hidden states, and full logits
+    of a batch would cost B x T x V floats."""
     device = next(target_model.parameters()).device
     input_ids, mask = pad_rows(rows, pad, side="right", device=device)
     out = target_model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True, use_cache=False,
