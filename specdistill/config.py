@@ -123,6 +123,9 @@ class RegenerateConfig:
     # what writes the answers: hf (our batched decoder, features captured while decoding) | vllm (vLLM's offline
     # LLM.generate, `pip install specdistill[vllm]`; features recaptured by one prefill per part). Same store and key.
     engine: str = one_of("hf", ("hf", "vllm"))
+    # engine=vllm: keyword arguments of vllm.LLM, e.g. {tensor_parallel_size: 2, data_parallel_size: 4,
+    # gpu_memory_utilization: 0.5} (on a GPU vLLM shares the memory with the target loaded for the prefill)
+    engine_args: dict[str, Any] = field(default_factory=dict)
     # "i/n": this process writes only the parts p with p % n == i (n machines fill one store, merged by key); null = all
     shard: Optional[str] = None
 

@@ -179,6 +179,31 @@ def test_engine_vllm_without_vllm_names_the_extra(tiny, tiny_data_file, tmp_path
     with pytest.raises(ImportError, match=r"pip install specdistill\[vllm\]"):
         regenerate_store(_cfg(tiny_data_file, tmp_path, engine="vllm"), model, tok, "tiny", AUX, **QUIET)
     assert "data.regenerate.engine=hf" in VLLM_MISSING
+    with pytest.raises(ValueError, match="engine_args=.*are vLLM's: set data.regenerate.engine=vllm"):
+        regenerate_store(_cfg(tiny_data_file, tmp_path, engine_args={"tensor_parallel_size": 2}), model, tok, "tiny",
+                         AUX, **QUIET)
+
+
+def test_engine_args_reach_vllm_and_stay_out_of_the_key(tiny, tiny_data_file, tmp_path, monkeypatch):
+    import types
+
+    model, tok = tiny
+    made = {}
+
+    class LLM:
+        def __init__(self, **kw):
+            made.update(kw)
+
+        def generate(self, prompts, params, use_tqdm):
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[5, 6, 7])]) for _ in prompts]
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=lambda **kw: kw))
+    cfg = _cfg(tiny_data_file, tmp_path, engine="vllm", engine_args={"tensor_parallel_size": 2})
+    root, n = regenerate_store(cfg, model, tok, "tiny", AUX, **QUIET)
+    assert made["tensor_parallel_size"] == 2 and made["dtype"] == "float32"
+    assert all(r["input_ids"][-3:] == [5, 6, 7] for r in RegeneratedStore(root, n))
+    plain, _ = regenerate_store(_cfg(tiny_data_file, tmp_path), model, tok, "tiny", AUX, **QUIET)
+    assert plain == root  # found complete: engine and engine_args are not in the key
 
 
 def test_the_regenerate_cli_refuses_a_second_writer_into_its_out_folder(tmp_path):

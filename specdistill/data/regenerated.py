@@ -40,7 +40,8 @@ FORMAT_VERSION = 1
 def store_settings(cfg) -> dict:
     """The settings a part's content depends on (not how many parts a run reads, not where the store lives, not which
     engine or shard wrote it: every engine writes the target's answers with their features)."""
-    return {k: v for k, v in asdict(cfg).items() if k not in ("enabled", "store_dir", "max_prompts", "engine", "shard")}
+    ignored = ("enabled", "store_dir", "max_prompts", "engine", "engine_args", "shard")
+    return {k: v for k, v in asdict(cfg).items() if k not in ignored}
 
 
 def num_parts(cfg) -> int:

@@ -193,6 +193,9 @@ def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path
     root.mkdir(parents=True, exist_ok=True)
     drop_damaged(sorted(root.glob("part-*.safetensors")), "regenerated store part", log)  # named, then made again
     parse_shard(cfg.shard)  # a malformed shard is refused before any work
+    if cfg.engine_args and cfg.engine != "vllm":
+        raise ValueError(f"data.regenerate.engine_args={dict(cfg.engine_args)} are vLLM's: set "
+                         "data.regenerate.engine=vllm, or data.regenerate.engine_args={} for our decoder")
     want = num_parts(cfg)
     complete = all(part_path(root, i).exists() for i in range(want))  # seen before any process of the launch writes
     work = share(root)
@@ -288,7 +291,7 @@ def _fill(cfg: RegenerateConfig, target_model, tokenizer, root: Path, inputs: di
         from specdistill.assets import resolve_model_path
         from specdistill.pipeline.engines import VLLMEngine
 
-        engine = VLLMEngine(resolve_model_path(target_path), inputs["target_dtype"])
+        engine = VLLMEngine(resolve_model_path(target_path), inputs["target_dtype"], dict(cfg.engine_args))
     if engine is not None:
         return _fill_from_engine(cfg, engine, target_model, tokenizer, root, batches, missing, layers, A, log,
                                  progress, work.count)
