@@ -161,6 +161,19 @@ def test_a_shard_run_writes_its_parts_and_ends_without_training(tiny, tiny_data_
     assert "1 of 3 parts" in said[-1] and "data.regenerate.shard=null" in said[-1]
 
 
+def test_the_engine_settings_compose_from_the_command_line():
+    from specdistill.validation import range_errors
+    from tests.conftest import compose
+
+    cfg = compose("eagle3_serve", ["data.regenerate.engine=vllm", "data.regenerate.shard=1/4",
+                                   "+data.regenerate.engine_args={tensor_parallel_size:2}"])
+    r = cfg.data.regenerate
+    assert (r.engine, r.shard, dict(r.engine_args)) == ("vllm", "1/4", {"tensor_parallel_size": 2})
+    assert range_errors(cfg) == []
+    assert any("data.regenerate.engine='sglang'" in e for e in
+               range_errors(compose("eagle3_serve", ["data.regenerate.engine=sglang"])))
+
+
 def test_shard_strings_are_checked_by_name():
     assert parse_shard(None) == (0, 1) and parse_shard("2/3") == (2, 3)
     assert shard_parts(list(range(7)), "1/3") == [1, 4]
