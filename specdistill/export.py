@@ -117,13 +117,21 @@ def expected_tensors(cfg: Eagle3Config) -> dict[str, tuple[tuple[int, ...], str]
         "midlayer.mlp.down_proj.weight": ((H, I), f),
         "norm.weight": ((H,), f),
         "lm_head.weight": ((Vd, H), f),
-        "d2t": ((Vd,), "int64"),  # offsets: target_id = draft_id + d2t[draft_id]
-        "t2d": ((V,), "bool"),
+        **({} if Vd == V else vocab_maps(cfg)),
     }
 
 
+def vocab_maps(cfg: Eagle3Config) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The draft-to-target maps of a reduced vocabulary. A full-vocabulary head may leave them out, and its vLLM export
+    does: vLLM 0.32 builds no draft_id_to_target_id for a draft vocabulary equal to the target's and refuses a d2t."""
+    return {"d2t": ((cfg.draft_vocab_size,), "int64"),  # offsets: target_id = draft_id + d2t[draft_id]
+            "t2d": ((cfg.vocab_size,), "bool")}
+
+
 def optional_tensors(cfg: Eagle3Config) -> dict[str, tuple[tuple[int, ...], str]]:
-    return {"embed_tokens.weight": ((cfg.vocab_size, cfg.hidden_size), "float")}
+    full_vocab = cfg.draft_vocab_size == cfg.vocab_size
+    return {"embed_tokens.weight": ((cfg.vocab_size, cfg.hidden_size), "float"),
+            **(vocab_maps(cfg) if full_vocab else {})}
 
 
 def _kind_ok(t: torch.Tensor, kind: str) -> bool:
@@ -436,6 +444,8 @@ def export_eagle3(head_dir, out_dir, fmt: str = "vllm", target_path: Optional[st
     mid_cfg["torch_dtype"] = float_dtypes.pop() if len(float_dtypes) == 1 else "float32"
     if fmt == "vllm":
         config, tensors = mid_cfg, sd
+        if cfg.draft_vocab_size == cfg.vocab_size:  # vLLM refuses a d2t for a full-vocabulary head
+            tensors = {k: v for k, v in sd.items() if k not in vocab_maps(cfg)}
     elif fmt == "sglang":
         ids = [k - 1 for k in cfg.aux_layer_ids]
         config = {**mid_cfg, "eagle_aux_hidden_state_layer_ids": ids, "eagle_config": {
@@ -569,6 +579,6 @@ def load_exported(path, embeddings: Optional[torch.Tensor] = None) -> Eagle3Head
         sd["embed_tokens.weight"] = embeddings
     missing, unexpected = head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in sd.items()},
                                                strict=False)
-    if [k for k in missing if k != "embed_tokens.weight"] or unexpected:
+    if [k for k in missing if k not in optional_tensors(cfg)] or unexpected:
         raise ValueError(f"{path}: missing {missing}, unexpected {unexpected}")
     return head

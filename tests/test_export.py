@@ -213,3 +213,21 @@ def test_cli(head_dir, target_dir, tmp_path, capsys):
     _edit(head_dir, lambda sd: sd.pop("lm_head.weight"))
     assert cli.main(["--draft", str(head_dir), "--out", str(tmp_path / "cli2")]) == 2
     assert "missing tensor lm_head.weight" in capsys.readouterr().err and not (tmp_path / "cli2").exists()
+
+
+def test_a_full_vocabulary_heads_vllm_export_has_no_vocab_maps(target_dir, tmp_path):
+    """vLLM 0.32 refuses a d2t for a head whose draft vocabulary is the target's: the vLLM export leaves the maps out,
+    validates, and reloads to the same logits (the identity maps stand); other formats keep them."""
+    target = make_tiny_lm(V, layers=L, hidden=H, seed=1, max_pos=MAX_POS)
+    torch.manual_seed(0)
+    full = build_eagle3(target, torch.arange(V), [1, 2, 3]).eval()
+    full.save_pretrained(tmp_path / "full")
+    for fmt, has_maps in (("vllm", False), ("sglang", True)):
+        out = tmp_path / f"full_{fmt}"
+        export_eagle3(tmp_path / "full", out, fmt=fmt, target_path=str(target_dir), speculative_tokens=4)
+        names = set(load_file(str(out / "model.safetensors")))
+        assert ({"d2t", "t2d"} <= names) == has_maps and not ({"d2t", "t2d"} & names and not has_maps)
+        validate_export(out)
+        reloaded = load_exported(out, embeddings=full.embed_tokens.weight)
+        assert torch.equal(_logits(reloaded), _logits(full))
+        assert torch.equal(reloaded.d2t, full.d2t) and torch.equal(reloaded.t2d, full.t2d)

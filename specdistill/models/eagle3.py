@@ -500,7 +500,11 @@ class Eagle3Head(nn.Module):
         head = cls(Eagle3Config.from_hf_dict(json.loads((path / "config.json").read_text())))
         sd = load_file(str(path / "model.safetensors"))
         missing, unexpected = head.load_state_dict(sd, strict=False)
-        missing = [k for k in missing if k != "embed_tokens.weight"]  # engines reuse the target's embeddings
+        # engines reuse the target's embeddings; a full-vocabulary head's vLLM export has no vocab maps (the
+        # head's identity maps stand)
+        optional = {"embed_tokens.weight"} | ({"d2t", "t2d"} if head.config.draft_vocab_size == head.config.vocab_size
+                                               else set())
+        missing = [k for k in missing if k not in optional]
         if missing or unexpected:
             raise ValueError(f"EAGLE-3 checkpoint {path} does not match the head: missing {missing}, unexpected "
                              f"{unexpected}")
