@@ -1,4 +1,4 @@
-"""The MoE expert-selection comparison (issue 14): hot / dense(hot) / random / cold drafts and an EAGLE-3 head from hot
+"""The MoE expert-selection comparison: hot / dense(hot) / random / cold drafts and an EAGLE-3 head from hot
 experts vs a plain one, equal parameters and budget, scored before and after training (simulated tau and the real
 evaluator, paired bootstrap intervals). Shim over specdistill.cli.bench_moe; the arms are in
 specdistill/pipeline/moe_bench.py.
