@@ -26,6 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdistill.models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin
+from specdistill.models.layers import rope_inv_freq as layers_rope_inv_freq
+
 
 @dataclass
 class Eagle3Config:
@@ -125,56 +128,9 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return [min(1, L - 1), min(L // 2, L - 1), L - 1]
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, n: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
-        self.eps = eps
-
-    def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
 def rope_inv_freq(c: "Eagle3Config") -> tuple[torch.Tensor, float]:
-    """(inv_freq (hd/2,), attention_factor) for the head's RoPE, the target's scaling included (llama3, linear,
-    yarn, ...), computed by transformers' own ROPE_INIT_FUNCTIONS so the head rotates exactly as the target and
-    the serving engine do. Length-dependent types (dynamic, longrope) are refused: engines apply them per request."""
-    rp = dict(c.rope_scaling or {})
-    kind = rp.get("rope_type", rp.get("type", "default"))
-    if kind == "default":
-        hd = c.head_dim
-        return 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd)), 1.0
-    if kind in ("dynamic", "longrope"):
-        raise ValueError(f"EAGLE-3 head: RoPE scaling {kind!r} depends on the sequence length and is not supported; "
-                         "use a target config with default, linear, llama3 or yarn RoPE")
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    if kind not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"EAGLE-3 head: unknown RoPE scaling type {kind!r}; transformers knows "
-                         f"{sorted(ROPE_INIT_FUNCTIONS)}")
-    rp.pop("type", None)
-    rp.update(rope_type=kind, rope_theta=c.rope_theta)
-    cfg = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
-                      max_position_embeddings=c.max_position_embeddings, rope_parameters=rp)
-    inv_freq, factor = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
-    return inv_freq.float(), float(factor)
-
-
-def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float,
-                 dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin (B, T, hd) for integer positions (B, T); the Llama (rotate_half) convention."""
-    freqs = position_ids.float()[..., None] * inv_freq.to(position_ids.device)  # (B, T, hd/2)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
-
-
-def _rotate(x, cos, sin):  # x (B, h, T, hd), cos/sin (B, T, hd)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
+    """The head's RoPE: the target's (models/layers.rope_inv_freq)."""
+    return layers_rope_inv_freq(c, "EAGLE-3 head")
 
 
 class Eagle3Attention(nn.Module):
@@ -192,20 +148,9 @@ class Eagle3Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rep = self.nh // self.nkv
         return q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-
-
-class Eagle3MLP(nn.Module):
-    def __init__(self, c: Eagle3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Eagle3Layer(nn.Module):
@@ -215,7 +160,7 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Eagle3Attention(c)
-        self.mlp = Eagle3MLP(c)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size)
 
 
 @dataclass

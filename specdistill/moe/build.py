@@ -194,7 +194,7 @@ def init_eagle3_mlp_from_experts(head, target_model, profile: RoutingProfile, la
     """Replace an EAGLE-3 head's MLP by a merge of the hot experts of target `layers` (default: the last MoE layer),
     weighted by routing mass over all (layer, expert) pairs. The head's intermediate size becomes the merged size
     (written into its config, so the export carries it). Returns what was merged."""
-    from specdistill.models.eagle3 import Eagle3MLP
+    from specdistill.models.layers import GatedMLP
 
     blocks = require_moe(target_model)
     layers = list(layers) if layers else [max(blocks)]
@@ -206,7 +206,7 @@ def init_eagle3_mlp_from_experts(head, target_model, profile: RoutingProfile, la
     gate_up, down = merge_experts(triples, merge)
     inter = down.shape[1]
     head.config.intermediate_size = inter
-    mlp = Eagle3MLP(head.config)
+    mlp = GatedMLP(head.config.hidden_size, head.config.intermediate_size)
     with torch.no_grad():
         g, u = gate_up.chunk(2, dim=0)
         mlp.gate_proj.weight.copy_(g), mlp.up_proj.weight.copy_(u), mlp.down_proj.weight.copy_(down)

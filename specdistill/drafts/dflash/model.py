@@ -51,6 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdistill.models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+
 ARCHITECTURE = "DFlashDraftModel"
 
 
@@ -165,45 +167,15 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return ids
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, n: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
-        self.eps = eps
-
-    def forward(self, x):  # (..., n)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
 def rope_frequencies(c: DFlashConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq (hd/2,), attention factor) of the target's RoPE (scaling included, via transformers' own functions)."""
-    rp = dict(c.rope_scaling or {})
-    kind = rp.get("rope_type", rp.get("type", "default"))
-    if kind == "default":
-        return 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float) / c.head_dim)), 1.0
-    if kind in ("dynamic", "longrope"):
-        raise ValueError(f"DFlash draft: RoPE scaling {kind!r} depends on the sequence length and is not supported")
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    rp.pop("type", None)
-    rp.update(rope_type=kind, rope_theta=c.rope_theta)
-    cfg = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
-                      max_position_embeddings=c.max_position_embeddings, rope_parameters=rp)
-    inv_freq, factor = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
-    return inv_freq.float(), float(factor)
+    """(inv_freq (hd/2,), attention factor) of the target's RoPE (models/layers.rope_inv_freq)."""
+    return rope_inv_freq(c, "DFlash draft")
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
     """RoPE (rotate-half convention) of x (N, h, S, hd) at integer positions (N, S)."""
-    freqs = positions.float()[..., None] * inv_freq.to(positions.device)      # (N, S, hd/2)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = (emb.cos() * factor).to(x.dtype)[:, None], (emb.sin() * factor).to(x.dtype)[:, None]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    cos, sin = rope_cos_sin(positions, inv_freq, factor, x.dtype)             # (N, S, hd)
+    return apply_rope(x, cos, sin)
 
 
 class DFlashAttention(nn.Module):
@@ -225,24 +197,13 @@ class DFlashAttention(nn.Module):
         return rotate(k, positions, *rope), v
 
 
-class DFlashMLP(nn.Module):
-    def __init__(self, c: DFlashConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DFlashLayer(nn.Module):
     def __init__(self, c: DFlashConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = DFlashAttention(c)
-        self.mlp = DFlashMLP(c)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size)
 
 
 @dataclass
