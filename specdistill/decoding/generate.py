@@ -156,6 +156,14 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def _check_draft_vocab(target_model, drafter) -> None:
+    """The drafter's output vocabulary must be the target's: verification compares distributions token by token."""
+    if drafter.vocab_size is not None:
+        check_vocab_compatible(drafter.vocab_size, logits_dim(target_model), "verification compares distributions "
+                               "token by token; use a draft with the target's tokenizer and output vocab (or a "
+                               "vocab-mapped head)")
+
+
 def _check_inputs(model, input_ids, attention_mask, max_new_tokens, device):
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
@@ -288,10 +296,7 @@ def speculative_generate(
     draft_sampler = sampler.for_drafts(draft_policy)
     device = device_of(target_model)
     input_ids, attention_mask = _check_inputs(target_model, input_ids, attention_mask, max_new_tokens, device)
-    V = logits_dim(target_model)
-    if drafter.vocab_size is not None:
-        check_vocab_compatible(drafter.vocab_size, V, "verification compares distributions token by token; use a draft "
-                               "with the target's tokenizer and output vocab (or a vocab-mapped head)")
+    _check_draft_vocab(target_model, drafter)
     B = input_ids.shape[0]
     eos = _eos(eos_token_id, device)
     hidden = {"output_hidden_states": True} if drafter.needs_hidden_states or capture_layers else {}

@@ -19,12 +19,10 @@ import time
 
 import torch
 
-from specdistill.tokens import check_vocab_compatible
-
 from .drafters import Drafter
 from .generate import (RoundRecord, Rollout, _cache_length, _check_inputs, _clock, _counters, _emit_counts, _eos,
-                       _pad_id)
-from .kv import CacheMode, TokenBuffer, device_of, logits_dim
+                       _pad_id, _check_draft_vocab)
+from .kv import CacheMode, TokenBuffer, device_of
 from .sampling import DEFAULT_DRAFT_POLICY, Sampler, check_draft_policy
 from .tree import TreeShape
 from .tree_verify import verify_tree_greedy, verify_tree_sampling
@@ -68,10 +66,7 @@ def tree_generate(
     sampler = Sampler(temperature, top_p, generator)
     device = device_of(target_model)
     input_ids, attention_mask = _check_inputs(target_model, input_ids, attention_mask, max_new_tokens, device)
-    V = logits_dim(target_model)
-    if drafter.vocab_size is not None:
-        check_vocab_compatible(drafter.vocab_size, V, "verification compares distributions token by token; use a draft "
-                               "with the target's tokenizer and output vocab (or a vocab-mapped head)")
+    _check_draft_vocab(target_model, drafter)
     B = input_ids.shape[0]
     eos = _eos(eos_token_id, device)
     hidden = {"output_hidden_states": True} if drafter.needs_hidden_states else {}
