@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -126,22 +123,13 @@ def _convert_gguf(src_dir: Path, gguf_file: str, out: Path, made_from: dict) -> 
 def save_model_folder(model, tokenizer, out: Path, extra: Optional[dict[str, str]] = None) -> None:
     """save_pretrained model + tokenizer (and `extra` {file name: text}) into `out` atomically: written to a temp
     folder beside it, then renamed, so a half-written folder is never taken for a cached model."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
+    from specdistill.files import replace_folder
+
+    with replace_folder(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         for name, text in (extra or {}).items():
             (tmp / name).write_text(text)
-        from specdistill.files import follow_umask
-
-        follow_umask(tmp)  # mkdtemp made it 0700
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- data

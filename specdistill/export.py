@@ -43,9 +43,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -509,24 +506,13 @@ def _embedding_scale(fmt: str, cfg: Eagle3Config, sd: dict, include_embeddings: 
 def _write_atomic(out_dir: Path, config: dict, tensors: dict, overwrite: bool, target_layers: Optional[int]) -> None:
     from safetensors.torch import save_file
 
-    from specdistill.files import follow_umask
+    from specdistill.files import replace_folder
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    try:
+    with replace_folder(out_dir, overwrite) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE),
                   metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         validate_export(tmp, target_layers=target_layers)  # what an engine will read, re-read from disk
-        follow_umask(tmp)  # mkdtemp made it 0700: exports are read by other users and serving containers
-        if out_dir.exists():
-            if not overwrite:
-                raise FileExistsError(f"{out_dir} appeared while exporting; not replacing it")
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------- checking / loading

@@ -14,6 +14,7 @@ import shutil
 import socket
 import struct
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -158,6 +159,28 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 # ---------------------------------------------------------------- one writer per folder
 LOCK_FILE = ".specdistill.lock"
+
+
+@contextmanager
+def replace_folder(out_dir, overwrite: bool = True) -> Iterator[Path]:
+    """Write a folder atomically: yields a temporary folder beside `out_dir` to fill; when the block ends without an
+    error it takes the umask's permissions and replaces `out_dir` in one rename (an existing one is replaced only
+    with overwrite=True), so a half-written folder is never taken for a finished one. The temporary folder is removed
+    on any error."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        yield tmp
+        follow_umask(tmp)  # mkdtemp made it 0700: these folders are read by other users and serving containers
+        if out_dir.exists():
+            if not overwrite:
+                raise FileExistsError(f"{out_dir} appeared while it was being written; not replacing it")
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 class FolderBusy(RuntimeError):

@@ -9,9 +9,6 @@ built for another target (layer count, width or vocabulary differ from --target'
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -155,17 +152,10 @@ def validate_dflash_export(path, include_embeddings: bool = False) -> DFlashConf
 def _write_atomic(out_dir: Path, config: dict, tensors: dict, include_embeddings: bool) -> None:
     from safetensors.torch import save_file
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    try:
+    from specdistill.files import replace_folder
+
+    with replace_folder(out_dir) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE),
                   metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         validate_dflash_export(tmp, include_embeddings)  # what vLLM will read, re-read from disk
-        os.chmod(tmp, 0o755)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
