@@ -50,6 +50,22 @@ def make_tiny_lm(vocab_size: int, layers: int = 4, hidden: int = 64, seed: int =
     return LlamaForCausalLM(cfg)
 
 
+def noisy_eagle3_head(target, vd: int, seed: int = 0):
+    """An EAGLE-3 head for `target` over a random draft vocabulary of `vd` ids, its trainable weights nudged off their
+    initialisation (fresh norms are all ones) so that every tensor matters."""
+    import torch
+
+    from specdistill.models.eagle3 import build_eagle3
+
+    torch.manual_seed(seed)
+    V = target.config.vocab_size
+    head = build_eagle3(target, torch.randperm(V)[:vd].sort().values, None)
+    for p in head.parameters():
+        if p.requires_grad:
+            p.data.add_(0.05 * torch.randn_like(p))
+    return head
+
+
 def single_thread():
     """Tiny models are overhead-bound: one thread is faster, and 2 threads on a busy 2-core box crawl (~10x).
     Used as a module-scoped autouse fixture by the decoding/ and eval/ test folders."""

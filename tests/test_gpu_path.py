@@ -9,13 +9,13 @@ import torch
 
 from specdistill.drafts import draft_adapter
 from specdistill.drafts.base import cast_for_decoding, decoding_precision
-from specdistill.models.eagle3 import TTTMask, _ttt_attend, build_eagle3
+from specdistill.models.eagle3 import TTTMask, _ttt_attend
 from specdistill.models.target import Target
 from specdistill.objectives import Models
 from specdistill.objectives.draft_opd import DraftOPDObjective
 from specdistill.pipeline.run import build_components
 from specdistill.train.loop import fit
-from tests.conftest import ONPOLICY_ALONE, compose, make_tiny_lm, single_thread, tiny_overrides
+from tests.conftest import ONPOLICY_ALONE, compose, make_tiny_lm, noisy_eagle3_head, single_thread, tiny_overrides
 
 V, HT = 48, 32
 
@@ -30,12 +30,7 @@ def target():
 
 
 def _head(target, vd=40, seed=0):
-    torch.manual_seed(seed)
-    head = build_eagle3(target, torch.randperm(V)[:vd].sort().values, None)
-    for p in head.parameters():
-        if p.requires_grad:
-            p.data.add_(0.05 * torch.randn_like(p))
-    return head
+    return noisy_eagle3_head(target, vd, seed)
 
 
 def _batch(B=2, T=11, seed=0):

@@ -3,7 +3,6 @@ drafter's own distributions at every drafted position (branches included)."""
 import pytest
 import torch
 
-from specdistill.models.eagle3 import build_eagle3
 from specdistill.models.target import Target
 from specdistill.objectives import Models
 from specdistill.losses import divergence
@@ -13,7 +12,7 @@ from specdistill.drafts.eagle3 import eagle3_alpha, eagle3_logits_at
 from specdistill.onpolicy.rollout import AFTER_REJECTION, FIRST_REJECTED, collect_rollout
 from specdistill.onpolicy.weights import reach_weights
 from specdistill.decoding import Eagle3Drafter, speculative_generate
-from tests.conftest import make_tiny_lm
+from tests.conftest import make_tiny_lm, noisy_eagle3_head
 from tests.onpolicy.conftest import CountingTarget, perturb
 
 V = 48
@@ -27,12 +26,7 @@ def target():
 
 
 def _head(target, vd=V, seed=0):
-    torch.manual_seed(seed)
-    head = build_eagle3(target, torch.randperm(V)[:vd].sort().values, None)
-    for p in head.parameters():
-        if p.requires_grad:
-            p.data.add_(0.05 * torch.randn_like(p))
-    return head
+    return noisy_eagle3_head(target, vd, seed)
 
 
 def _prompts():
