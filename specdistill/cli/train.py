@@ -13,9 +13,13 @@ from specdistill.config import CONF_DIR, register_configs
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _train(cfg: DictConfig) -> None:
+    import torch.distributed as dist
+
     from specdistill.pipeline.run import run
 
     run(cfg)
+    if dist.is_available() and dist.is_initialized():  # the group's threads end before the interpreter's teardown
+        dist.destroy_process_group()
 
 
 def main() -> None:
