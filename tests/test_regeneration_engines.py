@@ -262,3 +262,110 @@ def test_vllm_answers_equal_the_decoders_outside_near_ties(tmp_path):
         assert float(top2[0] - top2[1]) < TIE, f"vLLM differs at answer token {k} outside a near-tie"
         near_ties += 1
     print(f"[vllm] {near_ties} of {len(prompts)} prompts differ at a near-tie")
+
+
+def test_each_part_records_its_answer_and_feature_time_and_the_store_sums_them(tiny, tiny_data_file, tmp_path):
+    from specdistill.pipeline.telemetry import read_parts
+
+    model, tok = tiny
+    said = []
+    root, n = regenerate_store(_cfg(tiny_data_file, tmp_path / "e"), model, tok, "tiny", AUX,
+                               engine=FixedAnswers(len(tok)), log=said.append, progress=False)
+    records = read_parts(root)
+    assert [t.part for t in records] == list(range(n)) and all(t.engine == "FixedAnswers" for t in records)
+    assert all(t.answer_s > 0 and t.recapture_s > 0 and t.rows == 4 for t in records)
+    stored = RegeneratedStore(root, n)
+    assert sum(t.answer_tokens for t in records) == stored.answer_tokens
+    assert sum(t.prompt_tokens + t.answer_tokens for t in records) == stored.total_tokens
+    stages = json.loads((root / "timing.json").read_text())["stages"]["FixedAnswers"]
+    assert stages["parts"] == n and stages["answer_tokens"] == stored.answer_tokens
+    assert stages["total_s"] == pytest.approx(stages["answer_s"] + stages["recapture_s"], abs=2e-3)
+    assert any("FixedAnswers: 3 parts" in s and "timing.json" in s for s in said)
+    # our decoder writes answers and features in one pass: its recapture time is zero
+    decoded, _ = regenerate_store(_cfg(tiny_data_file, tmp_path / "d"), model, tok, "tiny", AUX, **QUIET)
+    assert all(t.engine == "hf" and t.recapture_s == 0 and t.answer_s > 0 for t in read_parts(decoded))
+
+
+def test_the_stores_size_is_said_before_writing_and_a_full_disk_refuses_it_by_setting(tiny, tiny_data_file, tmp_path,
+                                                                                     monkeypatch):
+    from specdistill.data.regenerated import FEATURE_DTYPE
+    from specdistill.files import WriteFailed
+    from specdistill.pipeline import telemetry
+
+    model, tok = tiny
+    said = []
+    root, n = regenerate_store(_cfg(tiny_data_file, tmp_path / "ok"), model, tok, "tiny", AUX,
+                               engine=FixedAnswers(len(tok)), log=said.append, progress=False)
+    line = next(s for s in said if "parts to write take up to" in s)
+    # the estimate bounds the written parts: every answer at max_new_tokens, ids and features of every layer
+    stored = RegeneratedStore(root, n)
+    per_token = 8 + (len(AUX) + 1) * model.config.hidden_size * FEATURE_DTYPE.itemsize
+    bound = (stored.total_tokens - stored.answer_tokens + len(stored) * 6) * per_token
+    assert f"x {per_token} bytes" in line and f"{bound / 2**30:.2f} GiB" in line
+    assert sum(part_path(root, i).stat().st_size for i in range(n)) <= bound + n * 4096  # + safetensors headers
+    monkeypatch.setattr(telemetry, "free_bytes", lambda folder: bound // 2)
+    with pytest.raises(WriteFailed, match=r"data.regenerate.max_prompts \(12\) or data.regenerate.max_new_tokens "
+                                          r"\(6\).*data.regenerate.store_dir"):
+        regenerate_store(_cfg(tiny_data_file, tmp_path / "full"), model, tok, "tiny", AUX,
+                         engine=FixedAnswers(len(tok)), **QUIET)
+    assert not list((tmp_path / "full").glob("*/part-*"))
+
+
+class _Spawning:
+    """A fake vllm module whose LLM starts a child process (as vLLM's EngineCore) and whose engine-core shutdown
+    leaves it running (the case the pid fallback exists for); generate can raise SIGTERM in this process."""
+
+    def __init__(self, sigterm_in_generate: bool = False):
+        import subprocess
+        import types
+
+        self.children, self.shutdowns, fake = [], [], self
+
+        class LLM:
+            def __init__(self, **kw):
+                fake.children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]))
+                self.llm_engine = types.SimpleNamespace(
+                    engine_core=types.SimpleNamespace(shutdown=lambda timeout=None: fake.shutdowns.append(timeout)))
+
+            def generate(self, prompts, params, use_tqdm):
+                if sigterm_in_generate:
+                    import os
+                    import signal
+                    import time
+
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(30)  # the handler raises here
+                return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[5, 6])]) for _ in prompts]
+
+        self.module = types.SimpleNamespace(LLM=LLM, SamplingParams=lambda **kw: kw)
+
+    def alive(self) -> list[bool]:
+        return [c.poll() is None for c in self.children]
+
+
+def test_the_vllm_engine_is_shut_down_once_its_parts_are_written(tiny, tiny_data_file, tmp_path, monkeypatch):
+    model, tok = tiny
+    fake = _Spawning()
+    monkeypatch.setitem(sys.modules, "vllm", fake.module)
+    root, n = regenerate_store(_cfg(tiny_data_file, tmp_path, engine="vllm"), model, tok, "tiny", AUX, **QUIET)
+    assert len(fake.children) == 1 and fake.alive() == [False] and len(fake.shutdowns) == 1
+    assert all(r["input_ids"][-2:] == [5, 6] for r in RegeneratedStore(root, n))
+    engine = VLLMEngine("tiny", "float32")
+    engine.close()
+    engine.close()  # idempotent
+    assert fake.alive() == [False, False] and len(fake.shutdowns) == 2
+
+
+def test_sigterm_during_vllm_regeneration_ends_the_engines_processes(tiny, tiny_data_file, tmp_path, monkeypatch):
+    import signal
+
+    model, tok = tiny
+    fake = _Spawning(sigterm_in_generate=True)
+    monkeypatch.setitem(sys.modules, "vllm", fake.module)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as ended:
+        regenerate_store(_cfg(tiny_data_file, tmp_path, engine="vllm"), model, tok, "tiny", AUX, **QUIET)
+    assert ended.value.code == 128 + signal.SIGTERM
+    assert fake.alive() == [False] and len(fake.shutdowns) == 1
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert not list(tmp_path.glob("*/part-*"))

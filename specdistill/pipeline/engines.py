@@ -3,11 +3,18 @@
 An engine knows nothing about stores or features: pipeline/regenerate.py writes its answers into a store and
 recomputes their features by one prefill per part (recapture_rows). Two engines: HFEngine, specdistill's own batched
 decoder (decoding.target_generate), and VLLMEngine, vLLM's offline LLM.generate on token-id prompts (an optional extra).
+An engine that holds processes or memory of its own has close(); engine_session frees it when regeneration ends, and
+on SIGTERM / SIGINT, so neither training nor a killed run is left with an idle engine's processes.
 """
 from __future__ import annotations
 
+import atexit
+import os
+import signal
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Callable, Iterator, Optional, Protocol
 
 CPU_KV_CACHE_BYTES = 2 << 30  # engine=vllm on a CPU: the KV cache vLLM reserves unless engine_args says otherwise
 VLLM_MISSING = ("data.regenerate.engine=vllm needs vLLM: `pip install specdistill[vllm]` (on a CPU machine its CPU "
@@ -38,8 +45,78 @@ def ends_at_stop(answer: list[int], stop_token_ids: tuple[int, ...]) -> list[int
     return answer
 
 
+def close_engine(engine) -> None:
+    """engine.close() where the engine has one (VLLMEngine); HFEngine and test fakes hold nothing to free."""
+    close = getattr(engine, "close", None)
+    if callable(close):
+        close()
+
+
+@contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """While the block runs, SIGTERM raises SystemExit(143) in the main thread, so every `finally` and context exit
+    on the way out runs (Python's default for SIGTERM ends the process at once, skipping them); the previous handler
+    is back afterwards. SIGINT already raises KeyboardInterrupt."""
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        def stop(signum, frame):
+            raise SystemExit(128 + signum)
+        old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
+@contextmanager
+def engine_session(make: Callable[[], AnswerEngine]) -> Iterator[AnswerEngine]:
+    """The engine `make()` builds, closed when the block is left in any way: at its end (regeneration is over and
+    training should not share the machine with an idle engine), on an error, on SIGINT and on SIGTERM."""
+    with sigterm_exits():
+        engine = make()
+        try:
+            yield engine
+        finally:
+            close_engine(engine)
+
+
+def _descendants() -> set[int]:
+    """Pids of this process's children and their children."""
+    import psutil
+
+    return {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+def end_processes(pids: set[int], grace_s: float = 5.0) -> list[int]:
+    """SIGTERM each of `pids` still alive, SIGKILL those alive `grace_s` later; returns the pids that had to be
+    ended. Only pids this process started are passed here (the engine's own processes)."""
+    import psutil
+
+    alive = []
+    for pid in sorted(pids):
+        try:
+            alive.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    for p in alive:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, left = psutil.wait_procs(alive, timeout=grace_s)
+    for p in left:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(left, timeout=grace_s)
+    return [p.pid for p in alive]
+
+
 class HFEngine:
     """specdistill's batched KV-cached decoder (decoding.target_generate) on the loaded target."""
+    name = "hf_engine"  # our decoder's answers, features by prefill (engine=hf captures them while decoding instead)
 
     def __init__(self, model, pad: int, cache=None):
         self.model, self.pad, self.cache = model, pad, cache
@@ -72,6 +149,7 @@ class VLLMEngine:
     """vLLM's offline engine (LLM.generate) on token-id prompts: the same prompts, sampling settings and stop tokens
     as HFEngine, so at T=0 the answers are the target's greedy ones (up to near-ties of its top-2 logits, which
     other kernels may break the other way)."""
+    name = "vllm"
 
     def __init__(self, model_path: str, dtype: str, engine_args: Optional[dict] = None):
         vllm = import_vllm()
@@ -83,7 +161,17 @@ class VLLMEngine:
             # vLLM's CPU backend reserves gpu_memory_utilization (0.92) of the node's memory and refuses to start when
             # that much is not free; a fixed KV cache skips the check. 2 GiB holds ~45k tokens of a 135M target.
             args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-        self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=0, **args)
+        before = _descendants()
+        self.llm = None
+        try:
+            self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=0, **args)
+        except BaseException:  # a failed or interrupted start leaves none of its processes behind
+            end_processes(_descendants() - before)
+            raise
+        # vLLM's EngineCore (and its workers) run in processes of their own; they are ended with the engine
+        self._processes = _descendants() - before
+        self._pid = os.getpid()  # a forked child never closes its parent's engine
+        atexit.register(self.close)
 
     def answers(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
         params = self._vllm.SamplingParams(
@@ -92,3 +180,24 @@ class VLLMEngine:
             detokenize=False)
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         return [ends_at_stop(list(o.outputs[0].token_ids), sampling.stop_token_ids) for o in outs]
+
+    def close(self, grace_s: float = 5.0) -> None:
+        """Shut the engine down and free it (idempotent): vLLM's own shutdown (the engine-core client's
+        shutdown(); LLM has none in vLLM 0.32), then any of the engine's processes still alive are ended by pid."""
+        if self.llm is None or os.getpid() != self._pid:
+            return
+        atexit.unregister(self.close)
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        try:
+            if callable(getattr(core, "shutdown", None)):
+                core.shutdown(timeout=grace_s)
+        finally:
+            self.llm = None
+            import gc
+
+            gc.collect()
+            end_processes(self._processes, grace_s)
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()

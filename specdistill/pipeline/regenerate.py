@@ -12,6 +12,7 @@ import os
 import tempfile
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -22,6 +23,7 @@ from specdistill.data.regenerated import (RegeneratedStore, _write_part, num_par
                                           store_key)
 from specdistill.files import drop_damaged
 from specdistill.pipeline.engines import AnswerEngine, Sampling
+from specdistill.pipeline.telemetry import PartTiming, read_parts, record_part, stage_timing
 from specdistill.tensors import pad_rows
 from specdistill.tokens import pad_id
 from specdistill.ranks import WorkShare, alone
@@ -243,11 +245,8 @@ def _fill(cfg: RegenerateConfig, target_model, tokenizer, root: Path, inputs: di
           log: Callable[[str], None], progress: bool, cache=None, engine: Optional[AnswerEngine] = None,
           target_path: str = "") -> int:
     """Write this process's share of the missing parts (recaptured from a donor store where one has their answers,
-    else decoded); returns the number of parts the run reads (fewer than asked when the source runs out)."""
-    from tqdm.auto import tqdm
-
-    from specdistill.decoding import CacheMode, target_generate
-
+    else answered by the decoder or an engine); returns the number of parts the run reads (fewer than asked when the
+    source runs out). Each part's timing goes to the store (pipeline/telemetry.py), and their sum to timing.json."""
     layers = inputs["layers"]
     prompts, skipped = load_prompt_rows(cfg, tokenizer, want * cfg.batch_size)
     batches = [prompts[s: s + cfg.batch_size] for s in range(0, len(prompts), cfg.batch_size)]
@@ -264,7 +263,7 @@ def _fill(cfg: RegenerateConfig, target_model, tokenizer, root: Path, inputs: di
         log(f"[regenerate] shard {cfg.shard}: {len(mine)} of the {len(missing)} missing parts are this shard's")
         missing = mine
     missing = work.mine(missing)
-    device = next(target_model.parameters()).device
+    _check_size(cfg, root, [batches[i] for i in missing], len(layers) * target_model.config.hidden_size, log)
     pad = pad_id(tokenizer)
     A = (len(layers) - 1) * target_model.config.hidden_size
     donor = answers_donor(Path(cfg.store_dir).expanduser(), inputs)
@@ -273,80 +272,142 @@ def _fill(cfg: RegenerateConfig, target_model, tokenizer, root: Path, inputs: di
         log(f"[regenerate] {len(from_donor)} of the {len(missing)} missing parts have their answers in {donor} "
             f"(layers {json.loads((donor / 'settings.json').read_text())['layers']}): recapturing their features by "
             "one prefill each, no decoding")
-        t0, tokens = time.perf_counter(), 0
-        bar = tqdm(total=len(from_donor), desc="recapture", unit="batch", disable=not progress, dynamic_ncols=True)
-        for i in from_donor:
-            rows = recapture_part(target_model, part_path(donor, i), layers, A, pad)
-            _write_part(part_path(root, i), rows)
-            tokens += sum(len(r["ids"]) for r in rows)
-            bar.update(1)
-            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
-        bar.close()
-        log(f"[regenerate] recaptured {len(from_donor)} parts: {tokens} tokens in {time.perf_counter() - t0:.0f} s")
+        _fill_from_donor(target_model, donor, root, from_donor, layers, A, pad, log, progress)
         done = set(from_donor)
         missing = [i for i in missing if i not in done]
-    if not missing:
-        return want
-    if engine is None and cfg.engine == "vllm":
+    if missing and engine is not None:
+        _fill_from_engine(cfg, engine, target_model, tokenizer, root, batches, missing, layers, A, log, progress)
+    elif missing and cfg.engine == "vllm":
         from specdistill.assets import resolve_model_path
-        from specdistill.pipeline.engines import VLLMEngine
+        from specdistill.pipeline.engines import VLLMEngine, engine_session
 
-        engine = VLLMEngine(resolve_model_path(target_path), inputs["target_dtype"], dict(cfg.engine_args))
-    if engine is not None:
-        return _fill_from_engine(cfg, engine, target_model, tokenizer, root, batches, missing, layers, A, log,
-                                 progress, work.count)
+        make = partial(VLLMEngine, resolve_model_path(target_path), inputs["target_dtype"], dict(cfg.engine_args))
+        with engine_session(make) as made:  # closed when the parts are written, on an error, SIGINT or SIGTERM
+            _fill_from_engine(cfg, made, target_model, tokenizer, root, batches, missing, layers, A, log, progress)
+    elif missing:
+        _fill_by_decoding(cfg, target_model, tokenizer, root, batches, missing, layers, A, log, progress, cache)
+    if missing or from_donor:
+        _log_summary(root, want, log, work.count)
+    return want
+
+
+def _check_size(cfg: RegenerateConfig, root: Path, batches: list[list[list[int]]], feature_width: int,
+                log: Callable[[str], None]) -> None:
+    """Say how large the parts to write can get, and refuse them when the disk cannot hold that much."""
+    from specdistill.data.regenerated import FEATURE_DTYPE
+    from specdistill.pipeline.telemetry import check_free_space, estimate_store_size, free_bytes, gib
+
+    if not batches:
+        return
+    size = estimate_store_size([len(p) for b in batches for p in b], len(batches), cfg.max_new_tokens, feature_width,
+                               FEATURE_DTYPE.itemsize)
+    free = free_bytes(root)
+    log(f"[regenerate] the {size.parts} parts to write take up to {gib(size.bytes)} ({size.rows} rows, <= "
+        f"{size.tokens} tokens x {size.bytes_per_token} bytes); {gib(free)} free in {root}")
+    check_free_space(size, root, free, cfg.max_prompts, cfg.max_new_tokens)
+
+
+def _bar(total: int, desc: str, progress: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="part", disable=not progress, dynamic_ncols=True)
+
+
+def _done(root: Path, t: PartTiming, bar, t0: float, tokens: int) -> None:
+    """A part is written: record its timing, advance the bar (this part's tokens/s and the run's so far)."""
+    record_part(root, t)
+    bar.update(1)
+    rate = t.answer_tok_s if t.answer_s > 0 else t.recapture_tok_s
+    bar.set_postfix(part_tok_s=f"{rate:.0f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+
+
+def _fill_from_donor(target_model, donor: Path, root: Path, parts: list[int], layers: list[int], aux_width: int,
+                     pad: int, log: Callable[[str], None], progress: bool) -> None:
+    """Each part: the donor store's ids, their features for `layers` by one prefill."""
+    t0, tokens = time.perf_counter(), 0
+    bar = _bar(len(parts), "recapture", progress)
+    for i in parts:
+        s = time.perf_counter()
+        rows = recapture_part(target_model, part_path(donor, i), layers, aux_width, pad)
+        _write_part(part_path(root, i), rows)
+        plen = sum(r["prompt_length"] for r in rows)
+        n = sum(len(r["ids"]) for r in rows)
+        tokens += n
+        _done(root, PartTiming(i, "donor", len(rows), plen, n - plen, 0.0, time.perf_counter() - s), bar, t0, tokens)
+    bar.close()
+    log(f"[regenerate] recaptured {len(parts)} parts: {tokens} tokens in {time.perf_counter() - t0:.0f} s")
+
+
+def _fill_by_decoding(cfg: RegenerateConfig, target_model, tokenizer, root: Path, batches: list[list[list[int]]],
+                      missing: list[int], layers: list[int], aux_width: int, log: Callable[[str], None],
+                      progress: bool, cache) -> None:
+    """Each part: our decoder answers its prompts and captures the features in the same forwards."""
+    from specdistill.decoding import CacheMode, target_generate
+
+    device = next(target_model.parameters()).device
     t0, new_tokens = time.perf_counter(), 0
-    bar = tqdm(total=len(missing), desc="regenerate", unit="batch", disable=not progress, dynamic_ncols=True)
+    bar = _bar(len(missing), "regenerate", progress)
     for i in missing:
+        s = time.perf_counter()
         chunk = batches[i]
         gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + i) if cfg.temperature > 0 else None
-        input_ids, mask = pad_rows(chunk, pad, side="left")
+        input_ids, mask = pad_rows(chunk, pad_id(tokenizer), side="left")
         roll = target_generate(target_model, input_ids.to(device), mask.to(device), max_new_tokens=cfg.max_new_tokens,
                                temperature=cfg.temperature, eos_token_id=tokenizer.eos_token_id, generator=gen,
                                capture_layers=layers, cache=cache or CacheMode())
         _write_part(part_path(root, i), split_rows(chunk, roll.sequences.cpu(), roll.num_new_tokens.cpu(),
-                                                   roll.hidden.float().cpu(), A))
-        new_tokens += int(roll.num_new_tokens.sum())
-        bar.update(1)
-        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+                                                   roll.hidden.float().cpu(), aux_width))
+        n = int(roll.num_new_tokens.sum())
+        new_tokens += n
+        _done(root, PartTiming(i, "hf", len(chunk), sum(map(len, chunk)), n, time.perf_counter() - s, 0.0), bar, t0,
+              new_tokens)
     bar.close()
-    log(f"[regenerate] wrote {len(missing)} parts: {new_tokens} answer tokens in {time.perf_counter() - t0:.0f} s"
-        + (" (this process's share)" if work.count > 1 else ""))
-    return want
+    log(f"[regenerate] wrote {len(missing)} parts: {new_tokens} answer tokens in {time.perf_counter() - t0:.0f} s")
 
 
 def _fill_from_engine(cfg: RegenerateConfig, engine: AnswerEngine, target_model, tokenizer, root: Path,
                       batches: list[list[list[int]]], missing: list[int], layers: list[int], aux_width: int,
-                      log: Callable[[str], None], progress: bool, processes: int) -> int:
+                      log: Callable[[str], None], progress: bool) -> None:
     """Each missing part: the engine's answers to its prompts, their features by one prefill, written whole."""
-    from tqdm.auto import tqdm
-
     eos = tokenizer.eos_token_id
     stops = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
     pad = pad_id(tokenizer)
-    t0, new_tokens = time.perf_counter(), 0
-    bar = tqdm(total=len(missing), desc=f"regenerate ({cfg.engine})", unit="batch", disable=not progress,
-               dynamic_ncols=True)
+    name = getattr(engine, "name", type(engine).__name__)
+    t0, new_tokens, answer_s, recapture_s = time.perf_counter(), 0, 0.0, 0.0
+    bar = _bar(len(missing), f"regenerate ({name})", progress)
     for i in missing:
         chunk = batches[i]
         sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.seed * 1_000_003 + i, stops)
+        s = time.perf_counter()
         answers = engine.answers(chunk, sampling)
+        a_s = time.perf_counter() - s
         bad = [b for b, a in enumerate(answers) if not 1 <= len(a) <= cfg.max_new_tokens]
         if len(answers) != len(chunk) or bad:
-            raise ValueError(f"answer engine {type(engine).__name__} gave {len(answers)} answers to {len(chunk)} "
+            raise ValueError(f"answer engine {name} gave {len(answers)} answers to {len(chunk)} "
                              f"prompts of part {i}, rows {bad[:5]} outside 1..max_new_tokens={cfg.max_new_tokens} "
                              "tokens: data.regenerate.engine=hf decodes with specdistill's own decoder")
+        s = time.perf_counter()
         rows = [torch.tensor(p + list(a), dtype=torch.long) for p, a in zip(chunk, answers)]
         _write_part(part_path(root, i), recapture_rows(target_model, rows, [len(p) for p in chunk], layers, aux_width,
                                                        pad))
-        new_tokens += sum(len(a) for a in answers)
-        bar.update(1)
-        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+        r_s = time.perf_counter() - s
+        n = sum(len(a) for a in answers)
+        new_tokens, answer_s, recapture_s = new_tokens + n, answer_s + a_s, recapture_s + r_s
+        _done(root, PartTiming(i, name, len(chunk), sum(map(len, chunk)), n, a_s, r_s), bar, t0, new_tokens)
     bar.close()
-    log(f"[regenerate] wrote {len(missing)} parts through {type(engine).__name__}: {new_tokens} answer tokens, "
-        f"features by prefill, in {time.perf_counter() - t0:.0f} s" + (" (this process's share)" if processes > 1
-                                                                         else ""))
-    return len(batches)
+    log(f"[regenerate] wrote {len(missing)} parts through {name}: {new_tokens} answer tokens in {answer_s:.0f} s "
+        f"({new_tokens / max(answer_s, 1e-9):.0f} tok/s), features by prefill in {recapture_s:.0f} s")
+
+
+def _log_summary(root: Path, parts: int, log: Callable[[str], None], processes: int) -> None:
+    """timing.json from every part's record so far (other processes' and shards' too), and one line per stage."""
+    from specdistill.pipeline.telemetry import write_summary
+
+    for engine, st in write_summary(root, parts)["stages"].items():
+        log(f"[regenerate] {engine}: {st['parts']} parts, {st['answer_tokens']} answer tokens; answers "
+            f"{st['answer_s']:.0f} s ({st['answer_tok_s'] or '-'} tok/s), features {st['recapture_s']:.0f} s "
+            f"({st['recapture_tok_s'] or '-'} tok/s)" + (" (every process so far)" if processes > 1 else "")
+            + f"; {root / 'timing.json'}")
 
 
 def build_regenerated_data(cfg, target, tokenizer, log=print, share: Callable[[Path], WorkShare] = alone):
@@ -356,7 +417,7 @@ def build_regenerated_data(cfg, target, tokenizer, log=print, share: Callable[[P
     import datasets
 
     from specdistill.data.dataset import TokenizedData
-    from specdistill.models.eagle3 import default_aux_layer_ids
+    from specdistill.drafts.eagle3.model import default_aux_layer_ids
 
     rcfg = cfg.data.regenerate
     if not isinstance(rcfg, RegenerateConfig):
@@ -384,5 +445,7 @@ def build_regenerated_data(cfg, target, tokenizer, log=print, share: Callable[[P
     held_msgs: list = []  # the held-out rows are ids; eval.prompts=heldout has no messages here
     report = store.report()
     report.update({"source": f"regenerated:{root}", "train_examples": len(train), "heldout_examples": len(held),
-                   "train_loss_tokens": train.answer_tokens, "train_tokens": train.total_tokens})
+                   "train_loss_tokens": train.answer_tokens, "train_tokens": train.total_tokens,
+                   # answer and feature-recapture seconds per engine, summed over the parts' records (telemetry.py)
+                   "regeneration_stages": stage_timing(read_parts(root, parts))})
     return TokenizedData(train, held, held_msgs, report, root.name)
