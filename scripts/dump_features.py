@@ -27,7 +27,7 @@ def dump(cfg: DictConfig, batch_size: int = 4, shard_mb: int = 256) -> Path:
     from specdistill.data.chat import collate
     from specdistill.data.dataset import build_data
     from specdistill.data.features import FeatureWriter, estimate_bytes
-    from specdistill.models.eagle3 import default_aux_layer_ids
+    from specdistill.drafts.eagle3.model import default_aux_layer_ids
 
     if not cfg.data.offline_dir:
         raise ValueError("set data.offline_dir=<folder to write the features into>")

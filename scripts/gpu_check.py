@@ -315,7 +315,7 @@ def regeneration_rate(target_dir: Path, sizes: Sizes, device: str, compile) -> d
 
     from specdistill.decoding import CacheMode, target_generate
     from specdistill.eval.timing import timed
-    from specdistill.models.eagle3 import default_aux_layer_ids
+    from specdistill.drafts.eagle3.model import default_aux_layer_ids
     from specdistill.models.target import load_causal_lm
 
     target = load_causal_lm(str(target_dir), "bfloat16").to(device).eval().requires_grad_(False)

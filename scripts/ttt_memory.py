@@ -1,5 +1,5 @@
 """Peak memory of the EAGLE-3 head's training-time-test (TTT) attention: the fused implementation
-(specdistill.models.eagle3._ttt_attend, one scaled_dot_product_attention call per step) against the naive one that
+(specdistill.drafts.eagle3.model._ttt_attend, one scaled_dot_product_attention call per step) against the naive one that
 materialises the (B, heads, T, T) scores, for one training step (forward + backward) at a given length and depth.
 
 Each measurement runs in its own process: it resets the kernel's peak-RSS mark (/proc/self/clear_refs), runs the
@@ -48,7 +48,7 @@ def _rss_kib(field: str) -> int:
 def _attention_step(attend, args) -> None:
     import torch
 
-    from specdistill.models.eagle3 import TTTMask
+    from specdistill.drafts.eagle3.model import TTTMask
 
     B, nh, T, hd, steps = args.batch, args.heads, args.seq_len, args.head_dim, args.steps
     g = torch.Generator().manual_seed(0)
@@ -67,8 +67,8 @@ def _attention_step(attend, args) -> None:
 
 def _head_step(attend, args) -> None:
     import torch
-    from specdistill.models import eagle3
-    from specdistill.models.eagle3 import Eagle3Config, Eagle3Head
+    from specdistill.drafts.eagle3 import model as eagle3
+    from specdistill.drafts.eagle3.model import Eagle3Config, Eagle3Head
 
     if attend is naive_ttt_attend:  # the head's unroll calls the module's function, with a TTTMask
         eagle3._ttt_attend = lambda q, k0, v0, mask, *rest: naive_ttt_attend(q, k0, v0, mask.allow, *rest)
@@ -90,7 +90,7 @@ def _head_step(attend, args) -> None:
 def child(args) -> None:
     import torch
 
-    from specdistill.models.eagle3 import _ttt_attend
+    from specdistill.drafts.eagle3.model import _ttt_attend
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     attend = {"fused": _ttt_attend, "naive": naive_ttt_attend}[args.impl]

@@ -85,7 +85,7 @@ class DraftConfig:
     #   from_target: the target's embeddings, first `num_layers` decoder layers, final norm and head
     #   config:      a fresh model of the target's architecture with the sizes below (vocab from the target)
     #   pretrained:  a local HF folder or hub id at `path`
-    #   eagle3:      an EAGLE-3 head (specdistill/models/eagle3.py) over target.aux_layer_ids; `path` warm-starts it
+    #   eagle3:      an EAGLE-3 head (drafts/eagle3/model.py) over target.aux_layer_ids; `path` warm-starts it
     #   moe_experts: an MoE target's layers keeping their hot experts, or a dense merge of them (`moe` below)
     init: str = "from_target"
     num_layers: int = bounded(2, ">= 1")

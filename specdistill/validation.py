@@ -153,7 +153,7 @@ def path_errors(cfg: DictConfig) -> list[str]:
 
 SIZE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
 # draft.init -> (the sizes it honours, the layer count it must have or None); every other init honours none. Kept as
-# data here (validation loads nothing): the EAGLE-3 head (models/eagle3.py) takes only its MLP width, and one layer.
+# data here (validation loads nothing): an EAGLE-3 head (drafts/eagle3/) takes only its MLP width, and one layer.
 DRAFT_SIZES = {"config": (SIZE_KEYS, None), "eagle3": (("intermediate_size",), 1)}
 DRAFT_SIZES["dflash"] = (("intermediate_size",), None)  # DFlash: any layer count, the target's width
 

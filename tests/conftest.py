@@ -55,7 +55,7 @@ def noisy_eagle3_head(target, vd: int, seed: int = 0):
     initialisation (fresh norms are all ones) so that every tensor matters."""
     import torch
 
-    from specdistill.models.eagle3 import build_eagle3
+    from specdistill.drafts.eagle3.model import build_eagle3
 
     torch.manual_seed(seed)
     V = target.config.vocab_size

@@ -9,8 +9,9 @@ import torch
 
 from specdistill.config import DraftConfig
 from specdistill.drafts.lm import build_draft
-from specdistill.export import export_eagle3, load_exported
-from specdistill.models.eagle3 import build_eagle3, frequent_token_vocab
+from specdistill.drafts.eagle3.export import export_eagle3, load_exported
+from specdistill.drafts.eagle3.model import build_eagle3
+from specdistill.models.vocab import frequent_token_vocab
 from specdistill.models.target import Target
 from specdistill.objectives.base import Models
 from specdistill.objectives.eagle3 import Eagle3Objective

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from specdistill.models.eagle3 import (Eagle3Head, build_eagle3, default_aux_layer_ids, frequent_token_vocab)
+from specdistill.drafts.eagle3.model import Eagle3Head, build_eagle3, default_aux_layer_ids
+from specdistill.models.vocab import frequent_token_vocab
 from specdistill.models.target import Target
 from specdistill.objectives.eagle3 import Eagle3Objective, draft_vocab_targets
 from specdistill.objectives.base import Models
@@ -93,7 +94,7 @@ def test_save_and_reload_gives_identical_logits(target, tmp_path):
 
 def test_a_wider_mlp_is_built_saved_reloaded_and_exported(target, tmp_path):
     """draft.intermediate_size (the head's one free size) reaches the layer, its config.json and a valid vLLM export."""
-    from specdistill.export import export_eagle3, validate_export
+    from specdistill.drafts.eagle3.export import export_eagle3, validate_export
 
     torch.manual_seed(0)
     head = build_eagle3(target, torch.arange(40), None, intermediate_size=3 * 37)
@@ -149,7 +150,8 @@ def test_head_rope_matches_the_targets_rotary_embedding(rope):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from specdistill.models.eagle3 import Eagle3Config, rope_cos_sin
+    from specdistill.drafts.eagle3.model import Eagle3Config
+    from specdistill.models.layers import rope_cos_sin
 
     rp = {"rope_type": "default", "rope_theta": 5e5, **(rope or {})}
     tcfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,

@@ -4,7 +4,7 @@ import torch
 from specdistill.config import EvalConfig
 from specdistill.eval.evaluator import evaluate
 from specdistill.drafts import load_trained_draft
-from specdistill.models.eagle3 import Eagle3Head, build_eagle3
+from specdistill.drafts.eagle3.model import Eagle3Head, build_eagle3
 from tests.conftest import make_tiny_lm, make_tokenizer
 
 PROMPTS = [[{"role": "user", "content": "tell me about the cat and the dog"}],

@@ -5,9 +5,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdistill.export import (ExportResult, expected_tensors, export_eagle3, load_exported, read_checkpoint,
-                                validate_export)
-from specdistill.models.eagle3 import Eagle3Head, build_eagle3
+from specdistill.drafts.eagle3.export import (ExportResult, expected_tensors, export_eagle3, load_exported,
+                                              read_checkpoint, validate_export)
+from specdistill.drafts.eagle3.model import Eagle3Head, build_eagle3
 from tests.conftest import make_tiny_lm
 
 V, H, L, MAX_POS = 97, 32, 4, 777

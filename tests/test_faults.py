@@ -45,8 +45,8 @@ def eagle3_checkpoint(tiny_target_dir, tmp_path_factory):
     which leaves out embed_tokens."""
     from transformers import AutoModelForCausalLM
 
-    from specdistill.export import export_eagle3
-    from specdistill.models.eagle3 import build_eagle3
+    from specdistill.drafts.eagle3.export import export_eagle3
+    from specdistill.drafts.eagle3.model import build_eagle3
 
     root = tmp_path_factory.mktemp("eagle3")
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
@@ -83,7 +83,7 @@ def test_an_export_without_embeddings_reads_back_as_its_checkpoint(eagle3_checkp
 def test_a_warm_start_from_an_export_takes_the_targets_embeddings(eagle3_checkpoint, tiny_target_dir):
     from types import SimpleNamespace
 
-    from specdistill.drafts.eagle3 import build_eagle3_draft
+    from specdistill.drafts.eagle3.adapter import build_eagle3_draft
     from specdistill.models.target import Target
 
     draft_dir, export_dir = eagle3_checkpoint
@@ -96,7 +96,7 @@ def test_a_warm_start_from_an_export_takes_the_targets_embeddings(eagle3_checkpo
 
 def test_a_speculators_export_is_refused_by_name(eagle3_checkpoint, tiny_target_dir, tmp_path):
     from specdistill.eval.run import load_draft
-    from specdistill.export import export_eagle3
+    from specdistill.drafts.eagle3.export import export_eagle3
 
     out = tmp_path / "speculators"
     export_eagle3(eagle3_checkpoint[0], out, fmt="speculators", target_path=str(tiny_target_dir))

@@ -9,7 +9,7 @@ import torch
 
 from specdistill.drafts import draft_adapter
 from specdistill.drafts.base import cast_for_decoding, decoding_precision
-from specdistill.models.eagle3 import TTTMask, _ttt_attend
+from specdistill.drafts.eagle3.model import TTTMask, _ttt_attend
 from specdistill.models.target import Target
 from specdistill.objectives import Models
 from specdistill.objectives.draft_opd import DraftOPDObjective
@@ -96,7 +96,7 @@ def _saved_storages(head, aux, ids, am, steps) -> list[int]:
 def test_the_fused_unroll_keeps_no_score_matrix_for_backward(target, monkeypatch):
     """The naive unroll keeps a (B, heads, T, T) softmax per step; the fused one keeps q/k/v-sized tensors and one
     (B, 1, T, T + steps) mask for the whole unroll, so what it holds grows as T, not as heads x T^2 per step."""
-    from specdistill.models import eagle3
+    from specdistill.drafts.eagle3 import model as eagle3
 
     head = _head(target).train()
     T, steps, nh = 256, 7, head.config.num_attention_heads

@@ -104,9 +104,9 @@ KIND_CHECKS = re.compile(
     r"|\.kind\s*[=!]=|\.kind\]"                             # branching on, or indexing by, DraftAdapter.kind
     r"|export_eagle3\("                                     # the head's export, bypassing DraftAdapter.export
 )
-# drafts/ is where kinds are told apart; the EAGLE-3 head's own model, its serving formats and their CLI are that
-# kind's implementation, not dispatch.
-KIND_OWNERS = ("drafts/", "models/eagle3.py", "export.py", "cli/export.py")
+# drafts/ is where kinds are told apart: each kind's folder (drafts/eagle3/, drafts/dflash/) holds its model, drafter,
+# adapter and serving formats, which are that kind's implementation, not dispatch; so is the export CLI.
+KIND_OWNERS = ("drafts/", "cli/export.py")
 
 
 def kind_check_offenders(root: Path = PACKAGE) -> list[str]:

@@ -130,7 +130,7 @@ def test_evaluate_refuses_a_corrupt_draft_by_name(finished, tiny_target_dir, tmp
 
 
 def _eagle3_head_dir(tmp_path):
-    from specdistill.models.eagle3 import build_eagle3
+    from specdistill.drafts.eagle3.model import build_eagle3
 
     target = make_tiny_lm(97, layers=4, hidden=32, seed=1)
     target.save_pretrained(tmp_path / "target")
@@ -141,7 +141,7 @@ def _eagle3_head_dir(tmp_path):
 
 
 def test_export_refuses_a_truncated_head_by_name(tmp_path):
-    from specdistill.export import export_eagle3
+    from specdistill.drafts.eagle3.export import export_eagle3
 
     head, _ = _eagle3_head_dir(tmp_path)
     _truncate(head / "model.safetensors")
@@ -152,7 +152,7 @@ def test_export_refuses_a_truncated_head_by_name(tmp_path):
 
 
 def test_exports_and_checkpoints_follow_the_umask(finished, tmp_path):
-    from specdistill.export import export_eagle3
+    from specdistill.drafts.eagle3.export import export_eagle3
 
     head, target = _eagle3_head_dir(tmp_path)
     old = os.umask(0o022)

@@ -1,6 +1,7 @@
 r"""`specdistill-export`: a trained EAGLE-3 head written for vLLM, SGLang (midlayer format) or vllm-project/speculators
 
-Thin CLI; the work is specdistill.export.export_eagle3, which validates every tensor and writes nothing on any problem.
+Thin CLI; the work is the draft kind's export (drafts/<kind>/export.py), which validates every tensor and writes
+nothing on any problem.
 
   specdistill-export --draft outputs/eagle3/checkpoints/step-0000100/draft --format vllm \
       --target embedded:smollm2-135m-instruct --out exported/eagle3-smollm2
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_threads(a.threads, "--threads")
 
-    from specdistill.export import validate_export
+    from specdistill.drafts.eagle3.export import validate_export
 
     try:
         if a.check:

@@ -1,7 +1,6 @@
 """Speculative decoding shared by evaluation and on-policy training: propose (drafters), verify, generate -> Rollout."""
 
 from .drafters import Drafter, LMDrafter, NGramDrafter, Proposal
-from .eagle3_drafter import Eagle3Drafter
 from .generate import (DynamicGamma, FixedGamma, GammaPolicy, RoundRecord, Rollout, speculative_generate,
                        target_generate)
 from .kv import CacheMode
@@ -14,7 +13,7 @@ from .verify import Verdict, verify_greedy, verify_sampling
 
 __all__ = [
     "CacheMode",
-    "Drafter", "Eagle3Drafter", "LMDrafter", "NGramDrafter", "Proposal",
+    "Drafter", "LMDrafter", "NGramDrafter", "Proposal",
     "DynamicGamma", "FixedGamma", "GammaPolicy", "RoundRecord", "Rollout", "speculative_generate", "target_generate",
     "DEFAULT_DRAFT_POLICY", "DRAFT_POLICIES", "Sampler", "check_draft_policy", "draft_temperature",
     "probs_from_logits", "sample",

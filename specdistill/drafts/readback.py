@@ -108,7 +108,7 @@ FITS: dict[str, Callable] = {"eagle3": check_eagle3_head, "dflash": _dflash_fits
 def check_readable(path) -> None:
     """Refuse, by name, a folder that no draft kind reads back: a speculators-format export (vLLM serves it; the
     speculators library loads it), which would otherwise be opened as a plain causal LM and fail in transformers."""
-    from specdistill.export import SPECULATORS_ARCH
+    from specdistill.drafts.eagle3.export import SPECULATORS_ARCH
 
     try:
         raw = json.loads((Path(path).expanduser() / "config.json").read_text())

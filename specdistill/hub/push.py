@@ -2,7 +2,7 @@
 
 What a push uploads (one commit): the checkpoint's HF-format draft at the repository root, README.md (the model card,
 card.py), specdistill/config.yaml and specdistill/metrics.json and, for EAGLE-3 heads, the serving exports written by
-specdistill.export under serving/vllm and serving/sglang. The folder is staged from the complete checkpoint (hard links,
+the kind's export under serving/vllm and serving/sglang. The folder is staged from the complete checkpoint (hard links,
 so pruning old checkpoints cannot touch it) and uploaded on the main process in a background thread, so training goes
 on (and other ranks never wait on the network). A push is retried with exponential backoff a bounded number of times;
 a push that still fails is reported (printed and hub/push_log.jsonl) and its staging folder kept for a manual upload.

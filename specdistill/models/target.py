@@ -185,7 +185,7 @@ class Target(torch.nn.Module):
         From stored features this rebuilds only the Vd kept rows of the output layer (V/Vd times fewer FLOPs than
         full logits); the argmax comes from the stored `target_argmax` when the batch has it (regenerated greedy
         data: the target's argmax is the token it emitted), else from full logits at `positions` only."""
-        from specdistill.models.eagle3 import restrict_to_draft_vocab
+        from specdistill.models.vocab import restrict_to_draft_vocab
 
         if "final_hidden" in batch:
             h = batch["final_hidden"][positions]  # (N, Ht)

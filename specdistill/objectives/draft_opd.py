@@ -20,7 +20,7 @@ so it is NOT a prefix of the final trajectory. Each such round adds one "branch"
 drafts + the round's drafts); the draft runs on it with grad like on any other row, so every position is trained on
 exactly the context it was proposed in. Extra draft compute for an LM draft: one row per round with a rejection
 before its last draft (about rounds x context tokens); an EAGLE-3 head runs its step 0 once per trajectory and a
-branch costs only its round's drafting steps (drafts/eagle3.py: eagle3_logits_at with `shares`).
+branch costs only its round's drafting steps (drafts/eagle3/adapter.py: eagle3_logits_at with `shares`).
 off_trajectory=drop skips those positions instead.
 
 Normalisation: the loss is a mean over positions (fresh + replayed + data tokens when kd_weight > 0). That count is
@@ -36,8 +36,8 @@ with state_dict() / load_state_dict().
 
 EAGLE-3 heads (draft=eagle3): rollouts through Eagle3Drafter; the loss forward is the head's training-time-test
 unroll on its own features at each round's drafting slot, branch rows and replayed positions included
-(drafts/eagle3.py; a replayed position carries its trajectory's cached target features). For a head the kd_weight
-term is recipe eagle3's own loss on the data batch (objectives/eagle3.py: the TTT unroll over gamma steps).
+(drafts/eagle3/adapter.py: a replayed position carries its trajectory's cached target features). For a head the
+kd_weight term is recipe eagle3's own loss on the data batch (objectives/eagle3.py: the TTT unroll over gamma steps).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from specdistill.constraints import bounded, check_fields
-from specdistill.models.eagle3 import restrict_to_draft_vocab
+from specdistill.models.vocab import restrict_to_draft_vocab
 from specdistill.objectives.base import Models, Objective, StepOutput
 from specdistill.tensors import shift_left, unwrap
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from specdistill.models.eagle3 import build_eagle3
-from specdistill.decoding import Eagle3Drafter, probs_from_logits, speculative_generate, target_generate
+from specdistill.decoding import probs_from_logits, speculative_generate, target_generate
+from specdistill.drafts.eagle3 import Eagle3Drafter, build_eagle3
 from specdistill.decoding.kv import BatchKV
 from specdistill.decoding.sampling import Sampler
 from tests.conftest import make_tiny_lm

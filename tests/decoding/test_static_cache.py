@@ -6,7 +6,8 @@ import gc
 import pytest
 import torch
 
-from specdistill.decoding import CacheMode, Eagle3Drafter, LMDrafter, speculative_generate, target_generate
+from specdistill.decoding import CacheMode, LMDrafter, speculative_generate, target_generate
+from specdistill.drafts.eagle3 import Eagle3Drafter
 from specdistill.decoding.kv import BatchKV
 from tests.decoding.test_architectures import CASES, MAX_NEW, NOISE, _perturbed, _prompts
 from tests.decoding.test_eagle3_drafter import _head, _target

@@ -4,8 +4,9 @@ attention in the head hides siblings, g is the parent's output, positions by dep
 import pytest
 import torch
 
-import specdistill.decoding.eagle3_drafter as eagle3_drafter
-from specdistill.decoding import Eagle3Drafter, target_generate
+import specdistill.drafts.eagle3.drafter as eagle3_drafter
+from specdistill.decoding import target_generate
+from specdistill.drafts.eagle3 import Eagle3Drafter
 from specdistill.decoding.tree import TreeShape, grow
 from specdistill.decoding.tree_generate import tree_generate
 from tests.decoding.test_eagle3_drafter import _head, _prompts, _target

@@ -123,7 +123,7 @@ def test_dense_concat_draft_has_the_moe_drafts_parameter_count(tiny_moe):
 
 
 def test_eagle3_mlp_from_hot_experts(tiny_moe, tmp_path):
-    from specdistill.models.eagle3 import Eagle3Head, build_eagle3
+    from specdistill.drafts.eagle3.model import Eagle3Head, build_eagle3
 
     target = _identical_experts(tiny_moe)
     prof = profile_routing(target, [random_batch(target.config.vocab_size)])

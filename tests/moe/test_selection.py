@@ -101,7 +101,7 @@ def test_config_path_records_the_selection(tiny_moe_dirs, tiny_data_file, tmp_pa
 
 
 def test_eagle3_mlp_takes_the_selected_experts(tiny_moe):
-    from specdistill.models.eagle3 import build_eagle3
+    from specdistill.drafts.eagle3.model import build_eagle3
     from specdistill.moe.build import init_eagle3_mlp_from_experts, mass_weights, merge_experts
 
     prof = profile_routing(tiny_moe, [random_batch(tiny_moe.config.vocab_size)])

@@ -8,10 +8,11 @@ from specdistill.objectives import Models
 from specdistill.losses import divergence
 from specdistill.objectives.draft_opd import DraftOPDObjective
 from specdistill.objectives.eagle3 import Eagle3Objective
-from specdistill.drafts.eagle3 import eagle3_alpha, eagle3_logits_at
+from specdistill.drafts.eagle3.adapter import eagle3_alpha, eagle3_logits_at
 from specdistill.onpolicy.rollout import AFTER_REJECTION, FIRST_REJECTED, collect_rollout
 from specdistill.onpolicy.weights import reach_weights
-from specdistill.decoding import Eagle3Drafter, speculative_generate
+from specdistill.decoding import speculative_generate
+from specdistill.drafts.eagle3 import Eagle3Drafter
 from tests.conftest import make_tiny_lm, noisy_eagle3_head
 from tests.onpolicy.conftest import CountingTarget, perturb
 

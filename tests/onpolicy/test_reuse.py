@@ -6,8 +6,8 @@ import copy
 import pytest
 import torch
 
-from specdistill.decoding import Eagle3Drafter, LMDrafter, speculative_generate
-from specdistill.models.eagle3 import build_eagle3
+from specdistill.decoding import LMDrafter, speculative_generate
+from specdistill.drafts.eagle3 import Eagle3Drafter, build_eagle3
 from specdistill.objectives import Models
 from specdistill.objectives.draft_opd import DraftOPDObjective
 from specdistill.onpolicy.rollout import AFTER_REJECTION, FIRST_REJECTED, collect_rollout

@@ -169,7 +169,7 @@ def draft_vocab(draft_cfg, target, data) -> Optional[torch.Tensor]:
         raise ValueError(f"draft.draft_vocab_size={Vd} keeps the training data's most frequent tokens, and there is no "
                          "training data here: set draft.draft_vocab_size=null (the whole vocabulary) or load a trained "
                          "draft (eval.draft_path)")
-    from specdistill.models.eagle3 import frequent_token_vocab
+    from specdistill.models.vocab import frequent_token_vocab
 
     return frequent_token_vocab(data.train, V, Vd)
 

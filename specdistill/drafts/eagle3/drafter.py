@@ -1,6 +1,6 @@
 """EAGLE-3 drafting (Li et al. 2025, arXiv 2503.01840): the one-layer head reads the target's fused hidden states.
 
-Bookkeeping, in the head's training semantics (models/eagle3.py): slot t pairs the fused target feature g_t (the
+Bookkeeping, in the head's training semantics (model.py): slot t pairs the fused target feature g_t (the
 target's aux hidden states at position t) with the embedding of token t+1, predicts token t+2, RoPE position t.
 With context x_0 .. x_{N-1} where x_{N-1} is pending (the target has seen x_0 .. x_{N-2}), the head's cache holds
 the slots 0 .. N-3 and slot N-2 (g_{N-2} with the pending x_{N-1}) is the first draft step: it predicts d_1.
@@ -20,12 +20,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdistill.models.eagle3 import Eagle3Head
+from specdistill.decoding.drafters import Drafter, Proposal, check_confidence, unsure
+from specdistill.decoding.kv import BatchKV
+from specdistill.decoding.sampling import Sampler
+from specdistill.decoding.tree import Tree, TreeShape, grow
 
-from .drafters import Drafter, Proposal, check_confidence, unsure
-from .kv import BatchKV
-from .sampling import Sampler
-from .tree import Tree, TreeShape, grow
+from .model import Eagle3Head
 
 
 class Eagle3Drafter(Drafter):

@@ -1,7 +1,7 @@
 """Draft adapter for EAGLE-3 heads (arXiv 2503.01840): drafting through Eagle3Drafter, and, for Draft-OPD
 (arXiv 2605.29343), the with-grad loss forward as the head's training-time-test unroll on its own features.
 
-Bookkeeping (models/eagle3.py, decoding/eagle3_drafter.py): with context x_0 .. x_{N-1} (x_{N-1} pending), the head
+Bookkeeping (model.py, drafter.py): with context x_0 .. x_{N-1} (x_{N-1} pending), the head
 drafts d_1 from slot N-2 (target feature g_{N-2} with token x_{N-1}), and draft step i stays on slot N-2, feeds d_i
 with the head's own previous output, RoPE position N-2+i. The TTT unroll `head(aux, ids, mask, steps)` computes
 exactly this at every slot t and step j (slot t, step j reads token t+1+j): drafted position i of a round whose
@@ -24,16 +24,18 @@ from typing import Optional
 
 import torch
 
-from specdistill.decoding import Drafter, Eagle3Drafter, probs_from_logits
+from specdistill.decoding import Drafter, probs_from_logits
 from specdistill.decoding.kv import logits_dim
 from specdistill.drafts.base import DraftAdapter
 from specdistill.drafts.readback import check_eagle3_head
-from specdistill.export import FORMATS, export_eagle3
-from specdistill.models.eagle3 import (ChainQuery, Eagle3Head, build_eagle3, default_aux_layer_ids,
-                                       frequent_token_vocab, restrict_to_draft_vocab)
+from specdistill.models.vocab import frequent_token_vocab, restrict_to_draft_vocab
 from specdistill.moe.draft import init_eagle3_from_config
 from specdistill.tensors import pad_rows, shift_left, unwrap
 from specdistill.tokens import check_vocab_compatible
+
+from .drafter import Eagle3Drafter
+from .export import FORMATS, export_eagle3
+from .model import ChainQuery, Eagle3Head, build_eagle3, default_aux_layer_ids
 
 
 class Eagle3Draft(DraftAdapter):
