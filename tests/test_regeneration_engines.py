@@ -239,6 +239,8 @@ def test_vllm_answers_equal_the_decoders_outside_near_ties(tmp_path):
     the target's top-2 logits are within TIE (kernels may break such a tie the other way)."""
     from specdistill.assets import resolve_model_path
     from specdistill.models.target import load_causal_lm, load_tokenizer
+    from specdistill.pipeline.engines import descendants
+    from specdistill.pipeline.near_ties import TieMargin, compare_answers
 
     TIE = 1e-3
     path = resolve_model_path("embedded:smollm2-135m-instruct")
@@ -250,18 +252,14 @@ def test_vllm_answers_equal_the_decoders_outside_near_ties(tmp_path):
                 "Name three prime numbers.")]
     sampling = Sampling(24, 0.0, 0, (tok.eos_token_id,))
     ours = HFEngine(model, pad_id(tok)).answers(prompts, sampling)
-    theirs = VLLMEngine(path, "float32", {"enforce_eager": True}).answers(prompts, sampling)
-    near_ties = 0
-    for p, a, b in zip(prompts, ours, theirs):
-        if a == b:
-            continue
-        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([p + a[:k]])).logits[0, -1]
-        top2 = logits.topk(2).values
-        assert float(top2[0] - top2[1]) < TIE, f"vLLM differs at answer token {k} outside a near-tie"
-        near_ties += 1
-    print(f"[vllm] {near_ties} of {len(prompts)} prompts differ at a near-tie")
+    engine = VLLMEngine(path, "float32", {"enforce_eager": True})
+    started = set(engine.processes)
+    theirs = engine.answers(prompts, sampling)
+    engine.close()
+    assert started and not started & descendants()  # vLLM's engine-core processes end with the engine
+    cmp = compare_answers(model, prompts, ours, theirs, TieMargin(absolute=TIE, relative=0.0))
+    assert not cmp.real, f"vLLM differs outside a near-tie: {cmp.real}"
+    print(f"[vllm] {len(cmp.near_ties)} of {len(prompts)} prompts differ at a near-tie")
 
 
 def test_each_part_records_its_answer_and_feature_time_and_the_store_sums_them(tiny, tiny_data_file, tmp_path):
@@ -369,3 +367,105 @@ def test_sigterm_during_vllm_regeneration_ends_the_engines_processes(tiny, tiny_
     assert fake.alive() == [False] and len(fake.shutdowns) == 1
     assert signal.getsignal(signal.SIGTERM) is before
     assert not list(tmp_path.glob("*/part-*"))
+
+
+class Bigram(torch.nn.Module):
+    """A target whose next-token logits depend on the last token only: row t of `table` (V, V)."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = torch.nn.Parameter(table, requires_grad=False)
+
+    def forward(self, input_ids, **kw):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.table[input_ids])  # (B, T, V)
+
+    def greedy(self, prompt, n):
+        out = []
+        for _ in range(n):
+            out.append(int(self.table[(out or prompt)[-1]].argmax()))
+        return out
+
+
+class FlipsOnce:
+    """A fake engine: the target's greedy answers, with row r's token at answer position k replaced by `token`."""
+
+    def __init__(self, target: Bigram, flips: dict):
+        self.target, self.flips = target, flips
+
+    def answers(self, prompts, n):
+        out = []
+        for r, p in enumerate(prompts):
+            if r not in self.flips:
+                out.append(self.target.greedy(p, n))
+                continue
+            k, token = self.flips[r]
+            head = self.target.greedy(p, k) + [token]
+            out.append(head + self.target.greedy(head, n - k - 1))
+        return out
+
+
+def test_a_flip_at_a_near_tie_is_told_from_a_real_mismatch():
+    from specdistill.pipeline.near_ties import TieMargin, compare_answers
+
+    V = 10
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(V, V, generator=g) * 0.1
+    table[torch.arange(V), (torch.arange(V) + 1) % V] = 5.0  # after t the target says t + 1, by a wide margin
+    table[3, 4], table[3, 8] = 5.0, 5.0 - 1e-5  # ... except after 3: 4 and 8 are within 1e-5
+    target = Bigram(table)
+    prompts = [[1, 3], [2, 5], [6]]  # row 0 is answered from 3 first: a near-tie at answer position 0
+    ours = [target.greedy(p, 5) for p in prompts]
+    assert ours[0][0] == 4 and ours[1][:2] == [6, 7]
+    engine = FlipsOnce(target, {0: (0, 8), 1: (1, 2)})  # row 1: 2 instead of 7, 4.9 below the best logit
+    theirs = engine.answers(prompts, 5)
+    cmp = compare_answers(target, prompts, ours, theirs, TieMargin(absolute=1e-3, relative=0.0))
+    assert (cmp.prompts, cmp.identical, len(cmp.mismatches)) == (3, 1, 2)
+    (tie,), (real,) = cmp.near_ties, cmp.real
+    assert (tie.row, tie.position, tie.ref_token, tie.other_token, tie.top2_tokens) == (0, 0, 4, 8, (4, 8))
+    assert tie.gap == pytest.approx(1e-5, rel=0.1)
+    assert (real.row, real.position, real.ref_token, real.other_token, real.near_tie) == (1, 1, 7, 2, False)
+    assert real.gap > 4
+    # the margin decides: with none, the near-tie is a mismatch too; relative margins scale with the best logit
+    assert len(compare_answers(target, prompts, ours, theirs, TieMargin(0.0, 0.0)).real) == 2
+    assert len(compare_answers(target, prompts, ours, theirs, TieMargin(0.0, 1e-5)).near_ties) == 1
+    # an answer that stops where the other goes on is a real mismatch, with no tie to judge
+    cut = compare_answers(target, prompts[2:], ours[2:], [ours[2][:3]])
+    assert cut.real[0].position == 3 and cut.real[0].other_token is None and cut.real[0].gap is None
+
+
+def test_regen_compare_counts_the_prompts_an_engine_answered_otherwise(tiny_target_dir, tiny_data_file, tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    from specdistill.models.target import load_causal_lm, load_tokenizer
+
+    spec = importlib.util.spec_from_file_location(
+        "regen_compare", Path(__file__).parent.parent / "scripts" / "regen_compare.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    model, tok = load_causal_lm(str(tiny_target_dir), "float32").eval(), load_tokenizer(str(tiny_target_dir))
+
+    class Flipping(HFEngine):  # our decoder, with answer token 1 of each part's first row changed
+        def answers(self, prompts, sampling):
+            out = super().answers(prompts, sampling)
+            out[0][1] = (out[0][1] + 1) % len(tok)
+            return out
+
+    ref, n = regenerate_store(_cfg(tiny_data_file, tmp_path / "hf"), model, tok, str(tiny_target_dir), AUX, **QUIET)
+    other, _ = regenerate_store(_cfg(tiny_data_file, tmp_path / "flip", max_new_tokens=8), model, tok,
+                                str(tiny_target_dir), AUX, engine=Flipping(model, pad_id(tok)), **QUIET)
+    assert script.main(["--ref", str(ref), "--other", str(ref), "--out", str(tmp_path / "same")]) == 0
+    same = json.loads((tmp_path / "same" / "regen_compare.json").read_text())
+    assert (same["prompts"], same["identical"], same["mismatching"]) == (12, 12, 0)
+    assert same["command"].startswith("python scripts/regen_compare.py --ref")
+    # our decoder re-run on the flipped store's prompts: one mismatch per part, at answer position 1
+    assert script.main(["--other", str(other), "--rerun", "--abs-margin", "0", "--rel-margin", "0",
+                        "--out", str(tmp_path / "rerun")]) == 1
+    rep = json.loads((tmp_path / "rerun" / "regen_compare.json").read_text())
+    assert (rep["prompts"], rep["mismatching"], rep["real_mismatches"]) == (12, n, n)
+    assert [m["position"] for m in rep["mismatches"]] == [1] * n
+    assert "| 0 | 1 |" in (tmp_path / "rerun" / "regen_compare.md").read_text()
+    with pytest.raises(SystemExit, match=r"other settings \(max_new_tokens: 6 \(stored\) vs 8"):
+        script.main(["--ref", str(ref), "--other", str(other), "--out", str(tmp_path / "x")])

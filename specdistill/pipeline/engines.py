@@ -81,11 +81,15 @@ def engine_session(make: Callable[[], AnswerEngine]) -> Iterator[AnswerEngine]:
             close_engine(engine)
 
 
-def _descendants() -> set[int]:
-    """Pids of this process's children and their children."""
+def descendants() -> set[int]:
+    """Pids of this process's children and their children, except multiprocessing's resource tracker (started on
+    first use by whoever needs it, vLLM included, and shared by the whole process; read from a private attribute, as
+    multiprocessing has no public accessor)."""
     import psutil
+    from multiprocessing import resource_tracker
 
-    return {c.pid for c in psutil.Process().children(recursive=True)}
+    tracker = getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
+    return {c.pid for c in psutil.Process().children(recursive=True)} - {tracker}
 
 
 def end_processes(pids: set[int], grace_s: float = 5.0) -> list[int]:
@@ -161,15 +165,15 @@ class VLLMEngine:
             # vLLM's CPU backend reserves gpu_memory_utilization (0.92) of the node's memory and refuses to start when
             # that much is not free; a fixed KV cache skips the check. 2 GiB holds ~45k tokens of a 135M target.
             args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-        before = _descendants()
+        before = descendants()
         self.llm = None
         try:
             self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=0, **args)
         except BaseException:  # a failed or interrupted start leaves none of its processes behind
-            end_processes(_descendants() - before)
+            end_processes(descendants() - before)
             raise
         # vLLM's EngineCore (and its workers) run in processes of their own; they are ended with the engine
-        self._processes = _descendants() - before
+        self.processes = descendants() - before
         self._pid = os.getpid()  # a forked child never closes its parent's engine
         atexit.register(self.close)
 
@@ -196,7 +200,7 @@ class VLLMEngine:
             import gc
 
             gc.collect()
-            end_processes(self._processes, grace_s)
+            end_processes(self.processes, grace_s)
             import torch
 
             if torch.cuda.is_available():
