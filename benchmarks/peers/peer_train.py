@@ -1,0 +1,254 @@
+"""Train one EAGLE-3 head with a peer's own code, inside that peer's venv (benchmarks/peers/install.py).
+
+    <peer venv>/bin/python benchmarks/peers/peer_train.py <spec.json>
+
+The spec (written by benchmarks/peers/run.py) names the peer, the arm's settings (arms.py), the data the writers made,
+the target folder, the output folder, the epochs and an optional wall-clock deadline. It writes <out>/head (the head
+as the peer saves it) and <out>/train_report.json (wall time, optimizer steps, peak RSS, the loss curve when the
+peer's loop is driven here). Only the standard library, torch and the peer are imported: no specdistill.
+speculators runs its own trainer (speculators.train.cli.main); SpecForge and ModelOpt have no trainer usable offline
+on one CPU process, so their model, loss, data reader and (SpecForge) optimizer run in the short loop below.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    frac = (step - warmup) / max(1, total - warmup)
+    return max(0.0, 1.0 - frac) if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
+
+
+def target_tensor(target: str, names: tuple[str, ...]):
+    """The first of `names` found in the target's safetensors files (lm_head, or the embeddings when tied)."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(target).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for n in names:
+                if n in h.keys():
+                    return h.get_tensor(n)
+    raise KeyError(f"none of {names} in {target}")
+
+
+# ---------------------------------------------------------------------------------------------------- speculators
+def train_speculators(spec: dict) -> dict:
+    from shims import speculators as shim
+
+    shim.apply(spec.get("deadline"))
+    from speculators.train.cli import main
+    from speculators.train.config import TrainConfig
+
+    s, d, out = spec["settings"], spec["data"], Path(spec["out"])
+    ckpt = out / "ckpt"
+    argv = ["--verifier-name-or-path", spec["target"], "--data-path", d["root"], "--save-path", str(ckpt),
+            "--epochs", str(spec["epochs"]), "--lr", str(s["lr"]), "--optimizer", s["optimizer"],
+            "--weight-decay", str(s["weight_decay"]), "--ttt-steps", str(s["ttt_steps"]),
+            "--ttt-step-loss-decay", str(s["step_decay"]), "--draft-vocab-size", str(spec["draft_vocab_size"]),
+            "--d2t-path", d["d2t_path"], "--t2d-path", d["t2d_path"], "--target-layer-ids",
+            *[str(k) for k in spec["peer_aux_ids"]], "--num-layers", "1", "--draft-arch", "llama",
+            "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--hidden-states-dtype", "float32",
+            "--total-seq-len", str(spec["tokens_per_step"]), "--train-data-ratio", str(d["train_data_ratio"]),
+            "--num-workers", "0", "--no-resume-from-checkpoint", "--log-dir", str(out / "logs"),
+            "--seed", str(spec["seed"]), "--scheduler-type", {"constant": "none"}.get(s["schedule"], s["schedule"]),
+            "--loss-fn", "kl_div"]
+    if s["warmup_steps"]:
+        argv += ["--scheduler-warmup-steps", str(s["warmup_steps"])]
+    norms = s["norms"]
+    argv.append("--norm-before-residual" if norms.get("norm_before_residual", True) else "--no-norm-before-residual")
+    argv.append("--norm-before-fc" if norms.get("norm_before_fc", True) else "--no-norm-before-fc")
+    argv.append("--norm-output" if norms.get("norm_output", True) else "--no-norm-output")
+    if spec["arm"] == "ours":
+        argv += ["--full-attention-indices", "0"]
+    print("[peers/speculators] speculators train " + " ".join(argv), flush=True)
+    t0 = time.perf_counter()
+    main(TrainConfig.resolve(argv))
+    wall = time.perf_counter() - t0
+    epochs = sorted((p for p in ckpt.iterdir() if p.name.isdigit() and (p / "model.safetensors").exists()),
+                    key=lambda p: int(p.name))
+    if not epochs:
+        raise RuntimeError(f"speculators saved no checkpoint under {ckpt}")
+    shutil.copytree(epochs[-1], out / "head", dirs_exist_ok=True)
+    return {"wall_s": wall, "epochs_saved": len(epochs), "command": "speculators train " + " ".join(argv)}
+
+
+# ------------------------------------------------------------------------------------------------------ specforge
+def train_specforge(spec: dict) -> dict:
+    from shims import specforge as shim
+
+    shim.apply()
+    import torch
+    from transformers import LlamaConfig
+
+    from specforge.algorithms.eagle3.data import normalize_offline_sample
+    from specforge.algorithms.eagle3.model import OnlineEagle3Model
+    from specforge.data.utils import DataCollatorWithPadding
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    from specforge.optimizer import BF16Optimizer
+    from specforge.utils import padding
+
+    s, d, out = spec["settings"], spec["data"], Path(spec["out"])
+    tcfg = json.loads((Path(spec["target"]) / "config.json").read_text())
+    shape = spec["shape"]
+    dcfg = {**tcfg, "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
+            "intermediate_size": shape["intermediate_size"], "num_attention_heads": shape["num_attention_heads"],
+            "num_key_value_heads": shape["num_key_value_heads"], "draft_vocab_size": spec["draft_vocab_size"],
+            "target_hidden_size": tcfg["hidden_size"], "tie_word_embeddings": False,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": spec["peer_aux_ids"]}}
+    torch.manual_seed(spec["seed"])
+    draft = LlamaForCausalLMEagle3(LlamaConfig(**dcfg), attention_backend="sdpa").float()
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(target_tensor(spec["target"], ("model.embed_tokens.weight",)))
+    draft.freeze_embedding()
+    draft.load_vocab_mapping(d["vocab_map"])
+    model = OnlineEagle3Model(draft, length=s["ttt_steps"], attention_backend="sdpa")
+    lm_head = target_tensor(spec["target"], ("lm_head.weight", "model.embed_tokens.weight")).float()  # (V, H)
+    files = sorted(str(p) for p in Path(d["features"]).glob("*.ckpt"))
+    per_step = s["rows_per_step"]
+    steps_per_epoch = max(1, len(files) // per_step)
+    total = steps_per_epoch * spec["epochs"]
+    warmup_ratio = s["norms"].get("warmup_ratio", s["warmup_steps"] / max(1, total))
+    opt = BF16Optimizer(draft, lr=s["lr"], weight_decay=s["weight_decay"], max_grad_norm=s["max_grad_norm"] or 1e9,
+                        total_steps=total, warmup_ratio=warmup_ratio,
+                        lr_scheduler="cosine" if s["schedule"] == "cosine" else "constant")
+    for g in opt.optimizer.param_groups:
+        g["betas"] = tuple(s["betas"])
+    collate = DataCollatorWithPadding()
+    rng = random.Random(spec["seed"])
+    curve, step, t0 = [], 0, time.perf_counter()
+    for _ in range(spec["epochs"]):
+        order = list(range(len(files)))
+        rng.shuffle(order)
+        for b in range(steps_per_epoch):
+            if spec.get("deadline") and time.time() > spec["deadline"]:
+                break
+            rows = [normalize_offline_sample(torch.load(files[i], weights_only=True), spec["max_len"])
+                    for i in order[b * per_step:(b + 1) * per_step]]
+            batch = collate(rows)
+            target = padding(batch["target"].float() @ lm_head.T, left=False)  # (B, T, V): position t+1's logits
+            input_ids = padding(batch["input_ids"], left=False)
+            plosses, *_ = model(input_ids=input_ids, attention_mask=batch["attention_mask"],
+                                loss_mask=batch["loss_mask"][..., None], target=target,
+                                hidden_states=batch["hidden_state"].float())
+            loss = sum(s["step_decay"] ** i * p for i, p in enumerate(plosses))
+            loss.backward()
+            opt.step()
+            draft.zero_grad(set_to_none=True)
+            step += 1
+            curve.append([time.perf_counter() - t0, step, float(loss)])
+    wall = time.perf_counter() - t0
+    draft.save_pretrained(out / "head")
+    return {"wall_s": wall, "steps": step, "curve": curve}
+
+
+# ------------------------------------------------------------------------------------------------------- modelopt
+def train_modelopt(spec: dict) -> dict:
+    from shims import modelopt as shim
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import modelopt.torch.speculative as mtsp
+    from modelopt.torch.speculative.config import EAGLE3_DEFAULT_CFG
+    from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
+    from modelopt.torch.speculative.plugins.hf_eagle import HFEagleModel
+
+    s, d, out = spec["settings"], spec["data"], Path(spec["out"])
+    tcfg = json.loads((Path(spec["target"]) / "config.json").read_text())
+    shape = spec["shape"]
+    torch.manual_seed(spec["seed"])
+    model = AutoModelForCausalLM.from_pretrained(spec["target"], dtype=torch.float32)
+    cfg = copy.deepcopy(EAGLE3_DEFAULT_CFG["config"])
+    cfg.update(shim.config_overrides())
+    cfg.update(eagle_ttt_steps=s["ttt_steps"], eagle_loss_decay_factor=s["step_decay"])
+    rope = dict(tcfg.get("rope_parameters") or {"rope_type": "default",
+                                                 "rope_theta": tcfg.get("rope_theta", 10000.0)})
+    heads = shape["num_attention_heads"]
+    cfg["eagle_architecture_config"].update(
+        head_dim=tcfg.get("head_dim") or tcfg["hidden_size"] // tcfg["num_attention_heads"],
+        num_attention_heads=heads, num_key_value_heads=shape["num_key_value_heads"],
+        intermediate_size=shape["intermediate_size"], rms_norm_eps=tcfg["rms_norm_eps"], rope_scaling=rope,
+        rope_theta=rope.get("rope_theta"), max_position_embeddings=tcfg["max_position_embeddings"],
+        draft_vocab_size=spec["draft_vocab_size"], eagle_aux_hidden_state_layer_ids=spec["peer_aux_ids"],
+        torch_dtype="float32", **{k: v for k, v in s["norms"].items()})
+    mtsp.convert(model, [("eagle", cfg)])
+    HFEagleModel.load_draft_vocab_cache(model, d["d2t_path"])
+    model.float().train()
+    params = [p for n, p in model.named_parameters() if p.requires_grad and "eagle_module" in n]
+    opt = torch.optim.AdamW(params, lr=s["lr"], betas=tuple(s["betas"]), weight_decay=s["weight_decay"])
+    files = sorted(str(p) for p in Path(d["dump"]).glob("*.pt"))
+    ds = OfflineSupervisedDataset(files, answer_only_loss=True)
+    per_step = s["rows_per_step"]
+    steps_per_epoch = max(1, len(files) // per_step)
+    total = steps_per_epoch * spec["epochs"]
+    rng = random.Random(spec["seed"])
+    curve, step, t0 = [], 0, time.perf_counter()
+    for _ in range(spec["epochs"]):
+        order = list(range(len(files)))
+        rng.shuffle(order)
+        for b in range(steps_per_epoch):
+            if spec.get("deadline") and time.time() > spec["deadline"]:
+                break
+            items = [ds[i] for i in order[b * per_step:(b + 1) * per_step]]
+            batch = EagleOfflineDataCollator(train_len=max(len(it["input_ids"]) for it in items))(items)
+            batch["base_model_outputs"] = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v)
+                                           for k, v in batch["base_model_outputs"].items()}
+            for g in opt.param_groups:
+                g["lr"] = s["lr"] * lr_factor(step, total, s["warmup_steps"], s["schedule"])
+            out_ = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         loss_mask=batch["loss_mask"], labels=batch["labels"],
+                         base_model_outputs=batch["base_model_outputs"])
+            out_.loss.backward()
+            if s["max_grad_norm"]:
+                torch.nn.utils.clip_grad_norm_(params, s["max_grad_norm"])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            curve.append([time.perf_counter() - t0, step, float(out_.loss)])
+    wall = time.perf_counter() - t0
+    (out / "head").mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items() if k.startswith("eagle_module.")},
+              str(out / "head" / "model.safetensors"))
+    arch = dict(cfg["eagle_architecture_config"])
+    arch.update(vocab_size=tcfg["vocab_size"])
+    (out / "head" / "config.json").write_text(json.dumps(arch, indent=1, default=str))
+    return {"wall_s": wall, "steps": step, "curve": curve}
+
+
+TRAINERS = {"speculators": train_speculators, "specforge": train_specforge, "modelopt": train_modelopt}
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(spec["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", spec.get("threads", 1))))
+    report = TRAINERS[spec["peer"]](spec)
+    report.update(peak_rss_mb=peak_rss_mb(), peer=spec["peer"], arm=spec["arm"])
+    (out / "train_report.json").write_text(json.dumps(report, indent=1))
+    print(f"[peers/{spec['peer']}] {spec['arm']}: trained in {report['wall_s']:.1f} s -> {out / 'head'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""The peers benchmark, one command: the same EAGLE-3 head trained by specdistill, speculators, SpecForge and ModelOpt
+on the same regenerated store, converted to the vLLM midlayer format and scored by specdistill's evaluator.
+
+    python -m benchmarks.peers.run --tiny                       # whole pipeline on a tiny random Llama, ~minutes
+    python -m benchmarks.peers.run --epochs 6                   # SmolLM2-135M-Instruct, equal loss tokens
+    python -m benchmarks.peers.run --wall-seconds 1800          # equal wall time per arm
+
+Steps (docs/peers.md): install the peers' venvs (install.py) -> train specdistill's head with recipe=eagle3_serve,
+which writes the store -> write the store in each peer's format (writers.py) -> train every arm in its peer's venv
+(peer_train.py) -> convert each head to our vLLM export with the target's embeddings (converters.py) -> evaluate each
+export with scripts/evaluate.py -> results.json, results.md and peers.png in --out, with the command that made them.
+Budgets: --epochs E gives every arm E passes over the same rows (equal loss tokens); --wall-seconds S also stops
+every arm's training after S seconds of training (equal wall time: specdistill through trainer.max_minutes, the peers
+through a deadline in peer_train.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from benchmarks.peers import arms, install
+from benchmarks.peers.arms import HeadShape
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+
+def log(msg: str) -> None:
+    print(f"[peers] {msg}", flush=True)
+
+
+def child_env(threads: int) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "WANDB_MODE": "offline",
+            "HF_HUB_OFFLINE": "1", "TORCHDYNAMO_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_logged(cmd: list[str], logfile: Path, threads: int, timeout: float | None = None) -> tuple[int, float]:
+    """Run cmd niced, output into logfile; returns (rc, wall seconds)."""
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with logfile.open("w") as f:
+        f.write("$ " + shlex.join(cmd) + "\n")
+        f.flush()
+        try:
+            rc = subprocess.run(["nice", "-n", "19", *cmd], stdout=f, stderr=subprocess.STDOUT, env=child_env(threads),
+                                cwd=REPO, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    return rc, time.perf_counter() - t0
+
+
+def tail(path: Path, n: int = 15) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
+
+
+# --------------------------------------------------------------------------------------------------------- target
+def make_tiny_target(folder: Path) -> Path:
+    """A random 4-layer Llama (hidden 64) with SmolLM2's tokenizer and chat template: real prompts, seconds to run."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdistill.assets import resolve_model_path
+
+    if (folder / "config.json").exists():
+        return folder
+    src = Path(resolve_model_path("embedded:smollm2-135m-instruct"))
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template", "generation_config")):
+            shutil.copy(f, folder / f.name)
+    torch.manual_seed(0)
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def tiny_shape(target: Path) -> HeadShape:
+    from specdistill.drafts.eagle3.model import default_aux_layer_ids
+
+    c = json.loads((target / "config.json").read_text())
+    return HeadShape(aux_layer_ids=tuple(default_aux_layer_ids(c["num_hidden_layers"])), draft_vocab_size=512,
+                     intermediate_size=c["intermediate_size"], num_attention_heads=c["num_attention_heads"],
+                     num_key_value_heads=c["num_key_value_heads"])
+
+
+# ----------------------------------------------------------------------------------------------------- our arm
+def train_ours(a, target: str, shape: HeadShape, out: Path) -> dict:
+    """recipe=eagle3_serve on the target: regenerates (or reuses) the store, trains, exports. Its final evaluation is
+    left to the common scoring step."""
+    run_dir = out / "arms" / "specdistill"
+    over = [f"target.path={target}", "target=local", "run_name=peers_specdistill", f"trainer.output_dir={run_dir}",
+            f"trainer.epochs={a.epochs}", f"data.regenerate.max_prompts={a.prompts}", "eval.spec_eval=false",
+            f"draft.draft_vocab_size={shape.draft_vocab_size}", f"draft.intermediate_size={shape.intermediate_size}",
+            f"target.aux_layer_ids=[{','.join(str(k) for k in shape.aux_layer_ids)}]", "trainer.export_formats=[vllm]",
+            f"trainer.threads={a.threads}", "trainer.resume=auto"]
+    if a.wall_seconds:
+        over.append(f"trainer.max_minutes={a.wall_seconds / 60:.6g}")
+    if a.tiny:
+        over += ["data.regenerate.max_new_tokens=24", "data.regenerate.batch_size=8", "trainer.micro_batch_size=4",
+                 "trainer.eval_every=0", "trainer.save_every=1000", "data.heldout_size=4", "eval.max_batches=1"]
+    cmd = [sys.executable, str(REPO / "train.py"), "recipe=eagle3_serve", *over]
+    log("specdistill: " + shlex.join(cmd))
+    rc, wall = run_logged(cmd, out / "logs" / "specdistill.log", a.threads)
+    if rc != 0:
+        raise SystemExit(f"specdistill's run failed (rc {rc}); its log ends:\n{tail(out / 'logs' / 'specdistill.log')}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    report = json.loads((run_dir / "data_report.json").read_text())
+    return {"command": shlex.join(cmd), "wall_s": summary.get("wall_s"), "process_s": wall, "run_dir": str(run_dir),
+            "export": str(run_dir / "export" / "vllm"), "store": report["source"].removeprefix("regenerated:"),
+            "heldout": report.get("heldout_examples", 0), "train_loss_tokens": report.get("train_loss_tokens"),
+            "steps": summary.get("step")}
+
+
+# ------------------------------------------------------------------------------------------------------- peer data
+def write_peer_data(a, ours: dict, target: str, out: Path, peers: list[str]) -> dict:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks.peers import writers
+    from specdistill.tokens import pad_id
+
+    rows = writers.read_rows(ours["store"])
+    train, held = rows[: len(rows) - ours["heldout"]], rows[len(rows) - ours["heldout"]:]
+    sd = load_file(str(Path(ours["export"]) / "model.safetensors"))
+    d2t, t2d = sd["d2t"], sd["t2d"]  # the same draft vocabulary for every arm
+    data = {}
+    if "speculators" in peers:
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+        pad = pad_id(AutoTokenizer.from_pretrained(target))
+        meta = writers.write_speculators(train, held, out / "data" / "speculators", model, pad, d2t, t2d, log=log)
+        data["speculators"] = {**meta, "root": str(out / "data" / "speculators")}
+    if "specforge" in peers:
+        data["specforge"] = writers.write_specforge(train, out / "data" / "specforge", d2t, t2d, log=log)
+    if "modelopt" in peers:
+        data["modelopt"] = writers.write_modelopt(train, out / "data" / "modelopt", d2t, log=log)
+    lengths = [len(r.ids) for r in train]
+    return {"data": data, "rows": len(train), "loss_tokens": writers.answer_tokens(train),
+            "mean_len": sum(lengths) / len(lengths), "max_len": max(lengths)}
+
+
+def train_peer(a, peer: str, kind: str, shape: HeadShape, target: str, pdata: dict, out: Path) -> dict:
+    s = arms.settings_for(peer, kind)
+    arm_dir = out / "arms" / f"{peer}-{kind}"
+    tokens_per_step = s.tokens_per_step or max(pdata["max_len"], int(s.rows_per_step * pdata["mean_len"]))
+    spec = {"peer": peer, "arm": kind, "settings": asdict(s), "shape": asdict(shape), "target": target,
+            "data": pdata["data"][peer], "out": str(arm_dir), "epochs": a.epochs, "seed": a.seed,
+            "deadline": (time.time() + a.wall_seconds) if a.wall_seconds else None,
+            "draft_vocab_size": shape.draft_vocab_size, "peer_aux_ids": arms.peer_aux_ids(peer, shape.aux_layer_ids),
+            "tokens_per_step": tokens_per_step, "max_len": pdata["max_len"], "threads": a.threads}
+    arm_dir.mkdir(parents=True, exist_ok=True)
+    spec_file = arm_dir / "spec.json"
+    spec_file.write_text(json.dumps(spec, indent=1))
+    cmd = [str(install.venv_python(peer)), str(HERE / "peer_train.py"), str(spec_file)]
+    log(f"{peer}/{kind}: " + shlex.join(cmd))
+    rc, wall = run_logged(cmd, out / "logs" / f"{peer}-{kind}.log", a.threads, timeout=a.arm_timeout)
+    rec = {"command": shlex.join(cmd), "rc": rc, "process_s": wall, "arm_dir": str(arm_dir)}
+    if rc != 0:
+        rec["error"] = tail(out / "logs" / f"{peer}-{kind}.log")
+        log(f"{peer}/{kind} failed (rc {rc}):\n{rec['error']}")
+        return rec
+    rec.update(json.loads((arm_dir / "train_report.json").read_text()))
+    return rec
+
+
+def convert_peer(peer: str, rec: dict, target: str, target_model) -> dict:
+    from benchmarks.peers.converters import CONVERTERS, export_converted, read_peer_head
+
+    sd, config = read_peer_head(Path(rec["arm_dir"]) / "head")
+    conv = CONVERTERS[peer](sd, config)
+    return export_converted(conv, target_model, target, Path(rec["arm_dir"]) / "export_vllm")
+
+
+def evaluate(a, name: str, export: str, target: str, out: Path) -> dict:
+    eval_dir = out / "eval" / name
+    cmd = [sys.executable, str(REPO / "scripts" / "evaluate.py"), "target=local", f"target.path={target}",
+           f"eval.draft_path={export}", f"eval.num_prompts={a.eval_prompts}", f"eval.max_new_tokens={a.eval_tokens}",
+           f"eval.gamma={a.gamma}", f"eval.temperature={a.temperature}", f"eval.output_dir={eval_dir}",
+           "eval.overwrite=true"]
+    rc, wall = run_logged(cmd, out / "logs" / f"eval-{name}.log", a.threads)
+    if rc != 0:
+        return {"command": shlex.join(cmd), "rc": rc, "error": tail(out / "logs" / f"eval-{name}.log")}
+    r = json.loads((eval_dir / "results.json").read_text())
+    return {"command": shlex.join(cmd), "rc": 0, "tau": r["mean_accept_len"],
+            "accept_rate_per_pos": r["accept_rate_per_pos"], "greedy_mismatches": r.get("greedy_mismatches"),
+            "results": str(eval_dir / "results.json"), "eval_s": wall}
+
+
+# --------------------------------------------------------------------------------------------------------- report
+def write_report(out: Path, results: dict) -> None:
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    lines = [f"# Peers benchmark ({results['mode']})", "", f"Command: `{results['command']}`", "",
+             f"Budget: {results['budget']}; {results['rows']} training rows, {results['loss_tokens']} answer (loss) "
+             "tokens per epoch, the same for every arm.", "",
+             "| arm | tau | a_1..a_4 | loss tokens/s | train wall s | peak RSS MB | exact in served layout |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in results["arms"].items():
+        e = r.get("eval") or {}
+        acc = ", ".join(f"{x:.3f}" for x in (e.get("accept_rate_per_pos") or [])[:4])
+        tau = f"{e['tau']:.4f}" if "tau" in e else f"failed: {str(r.get('error') or e.get('error', ''))[-80:]!r}"
+        tps = f"{r['loss_tokens_per_s']:.1f}" if r.get("loss_tokens_per_s") else "-"
+        wall = f"{r['wall_s']:.1f}" if r.get("wall_s") else "-"
+        rss = f"{r['peak_rss_mb']:.0f}" if r.get("peak_rss_mb") else "-"
+        exact = r.get("conversion", {}).get("exact", True)
+        note = "yes" if exact else "approx: " + "; ".join(x.split(":")[0] for x in r["conversion"]["inexact"])
+        lines.append(f"| {name} | {tau} | {acc} | {tps} | {wall} | {rss} | {note} |")
+    lines += ["", "Loss tokens/s = epochs x answer tokens of the training rows / the trainer's own wall time. tau is "
+              "specdistill's evaluator on each head's vLLM export (the target's embeddings), same prompts and gamma."]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        names = [n for n, r in results["arms"].items() if "tau" in (r.get("eval") or {})]
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        ax1.bar(names, [results["arms"][n]["eval"]["tau"] for n in names])
+        ax1.set(ylabel="tau", title="acceptance length (same decoder)")
+        ax2.bar(names, [results["arms"][n].get("loss_tokens_per_s") or 0 for n in names])
+        ax2.set(ylabel="loss tokens / s", title="training throughput")
+        for ax in (ax1, ax2):
+            ax.tick_params(axis="x", rotation=45)
+        fig.tight_layout()
+        fig.savefig(out / "peers.png", dpi=120)
+        plt.close(fig)
+    except Exception as e:  # the table and JSON stand without the plot
+        log(f"plot not written: {e}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="a tiny random Llama, a few prompts and steps: smoke test")
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default outputs/peers[-tiny])")
+    ap.add_argument("--peers", nargs="+", default=list(arms.PEERS), choices=arms.PEERS)
+    ap.add_argument("--arms", nargs="+", default=list(arms.ARM_KINDS), choices=arms.ARM_KINDS)
+    ap.add_argument("--epochs", type=int, default=None, help="passes over the rows for every arm (equal loss tokens)")
+    ap.add_argument("--wall-seconds", type=float, default=None, help="stop each peer arm's training after this long")
+    ap.add_argument("--prompts", type=int, default=None, help="regenerated prompts (default 800; tiny 16)")
+    ap.add_argument("--eval-prompts", type=int, default=None, help="MT-bench prompts scored (default 80; tiny 2)")
+    ap.add_argument("--eval-tokens", type=int, default=None, help="new tokens per prompt (default 128; tiny 8)")
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--arm-timeout", type=float, default=None, help="kill a peer arm after this many seconds")
+    ap.add_argument("--skip-install", action="store_true", help="use the peer venvs as they are")
+    a = ap.parse_args(argv)
+    a.epochs = a.epochs or (1 if a.tiny else 6)
+    a.prompts = a.prompts or (16 if a.tiny else 800)
+    a.eval_prompts = a.eval_prompts or (2 if a.tiny else 80)
+    a.eval_tokens = a.eval_tokens or (8 if a.tiny else 128)
+    out = (a.out or REPO / "outputs" / ("peers-tiny" if a.tiny else "peers")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    command = shlex.join([sys.executable, "-m", "benchmarks.peers.run", *(argv if argv is not None else sys.argv[1:])])
+    t_start = time.perf_counter()
+
+    if not a.skip_install:
+        for peer in a.peers:
+            install.install(peer)
+    if a.tiny:
+        target = str(make_tiny_target(out / "tiny_target"))
+        shape = tiny_shape(Path(target))
+    else:
+        from specdistill.assets import resolve_model_path
+
+        target, shape = resolve_model_path("embedded:smollm2-135m-instruct"), HeadShape()
+
+    ours = train_ours(a, target, shape, out)
+    pdata = write_peer_data(a, ours, target, out, a.peers)
+    budget = f"{a.wall_seconds:g} s of training per peer arm" if a.wall_seconds else f"{a.epochs} epoch(s) per arm"
+    results = {"mode": "tiny" if a.tiny else "SmolLM2-135M-Instruct", "command": command, "budget": budget,
+               "target": target, "shape": asdict(shape), "rows": pdata["rows"], "loss_tokens": pdata["loss_tokens"],
+               "store": ours["store"], "arms": {}}
+    loss_tokens = pdata["loss_tokens"] * a.epochs
+    per_s = loss_tokens / ours["wall_s"] if ours.get("wall_s") and not a.wall_seconds else None
+    results["arms"]["specdistill"] = {**ours, "record": {"settings": asdict(arms.OURS)}, "loss_tokens_per_s": per_s}
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    target_model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    for peer in a.peers:
+        for kind in a.arms:
+            name = f"{peer}-{kind}"
+            rec = train_peer(a, peer, kind, shape, target, pdata, out)
+            rec["record"] = arms.arm_record(peer, kind, shape)
+            if rec.get("rc") == 0:
+                if not a.wall_seconds and rec.get("wall_s"):
+                    rec["loss_tokens_per_s"] = loss_tokens / rec["wall_s"]
+                try:
+                    rec["conversion"] = convert_peer(peer, rec, target, target_model)
+                except Exception as e:  # named in the report, the other arms go on
+                    rec["error"] = f"conversion: {type(e).__name__}: {e}"
+                    log(f"{name}: {rec['error']}")
+            results["arms"][name] = rec
+            write_report(out, results)
+    for name, rec in results["arms"].items():
+        export = rec.get("export") if name == "specdistill" else (rec.get("conversion") or {}).get("export")
+        if export:
+            rec["eval"] = evaluate(a, name, export, target, out)
+            log(f"{name}: tau {rec['eval'].get('tau')}")
+        write_report(out, results)
+    results["total_s"] = time.perf_counter() - t_start
+    write_report(out, results)
+    log(f"done in {results['total_s']:.0f} s: {out / 'results.md'}")
+    print((out / "results.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
