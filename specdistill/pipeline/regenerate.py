@@ -295,15 +295,15 @@ def _check_size(cfg: RegenerateConfig, root: Path, batches: list[list[list[int]]
                 log: Callable[[str], None]) -> None:
     """Say how large the parts to write can get, and refuse them when the disk cannot hold that much."""
     from specdistill.data.regenerated import FEATURE_DTYPE
-    from specdistill.pipeline.telemetry import check_free_space, estimate_store_size, free_bytes, gib
+    from specdistill.pipeline.telemetry import check_free_space, estimate_store_size, free_bytes, size_text
 
     if not batches:
         return
     size = estimate_store_size([len(p) for b in batches for p in b], len(batches), cfg.max_new_tokens, feature_width,
                                FEATURE_DTYPE.itemsize)
     free = free_bytes(root)
-    log(f"[regenerate] the {size.parts} parts to write take up to {gib(size.bytes)} ({size.rows} rows, <= "
-        f"{size.tokens} tokens x {size.bytes_per_token} bytes); {gib(free)} free in {root}")
+    log(f"[regenerate] the {size.parts} parts to write take up to {size_text(size.bytes)} ({size.rows} rows, <= "
+        f"{size.tokens} tokens x {size.bytes_per_token} bytes); {size_text(free)} free in {root}")
     check_free_space(size, root, free, cfg.max_prompts, cfg.max_new_tokens)
 
 
@@ -404,10 +404,12 @@ def _log_summary(root: Path, parts: int, log: Callable[[str], None], processes: 
     from specdistill.pipeline.telemetry import write_summary
 
     for engine, st in write_summary(root, parts)["stages"].items():
-        log(f"[regenerate] {engine}: {st['parts']} parts, {st['answer_tokens']} answer tokens; answers "
-            f"{st['answer_s']:.0f} s ({st['answer_tok_s'] or '-'} tok/s), features {st['recapture_s']:.0f} s "
-            f"({st['recapture_tok_s'] or '-'} tok/s)" + (" (every process so far)" if processes > 1 else "")
-            + f"; {root / 'timing.json'}")
+        answers = (f"answers {st['answer_s']:.0f} s ({st['answer_tok_s']} tok/s)" if st["answer_s"] else
+                   "answers from a store of other layers")
+        features = (f"features by prefill {st['recapture_s']:.0f} s ({st['recapture_tok_s']} tok/s)"
+                    if st["recapture_s"] else "features captured while decoding")
+        log(f"[regenerate] {engine}: {st['parts']} parts, {st['answer_tokens']} answer tokens; {answers}, {features}"
+            + (" (every process so far)" if processes > 1 else "") + f"; {root / 'timing.json'}")
 
 
 def build_regenerated_data(cfg, target, tokenizer, log=print, share: Callable[[Path], WorkShare] = alone):

@@ -47,8 +47,9 @@ def free_bytes(folder: Path) -> int:
     return shutil.disk_usage(p).free
 
 
-def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def size_text(n: float) -> str:
+    """Bytes as GiB, or MiB below one GiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def check_free_space(size: StoreSize, folder: Path, free: int, max_prompts: int, max_new_tokens: int) -> None:
@@ -57,11 +58,12 @@ def check_free_space(size: StoreSize, folder: Path, free: int, max_prompts: int,
         return
     from specdistill.files import WriteFailed
 
-    raise WriteFailed(errno.ENOSPC, f"the regenerated store's {size.parts} missing parts take up to {gib(size.bytes)} "
-                                    f"({size.rows} rows x <= {max_new_tokens} new tokens, {size.bytes_per_token} bytes "
-                                    f"a token) and {folder} has {gib(free)} free. Lower data.regenerate.max_prompts "
-                                    f"({max_prompts}) or data.regenerate.max_new_tokens ({max_new_tokens}), or move "
-                                    "the store with data.regenerate.store_dir=<a larger disk>")
+    raise WriteFailed(errno.ENOSPC, f"the regenerated store's {size.parts} missing parts take up to "
+                                    f"{size_text(size.bytes)} ({size.rows} rows x <= {max_new_tokens} new tokens, "
+                                    f"{size.bytes_per_token} bytes a token) and {folder} has {size_text(free)} free. "
+                                    f"Lower data.regenerate.max_prompts ({max_prompts}) or "
+                                    f"data.regenerate.max_new_tokens ({max_new_tokens}), or move the store with "
+                                    "data.regenerate.store_dir=<a larger disk>")
 
 
 @dataclass(frozen=True)
