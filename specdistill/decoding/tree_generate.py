@@ -9,24 +9,72 @@ A round mirrors generate.speculative_generate's, with a tree where the chain was
   3. commit   both caches keep the accepted path (BatchKV.commit_path gathers its columns to the front of the tail;
               the rest of the tree is dropped), next_token becomes the pending token
 Rollout counters are by depth: position_proposed[d] counts row-rounds whose tree reaches depth d+1,
-position_accepted[d] those whose accepted path does (acceptance by depth); RoundRecord.draft_tokens holds the
-accepted path's drafts (then PAD), and gamma the tree's depth.
+position_accepted[d] those whose accepted path does (acceptance by depth). Each round is a TreeRound: a RoundRecord
+whose draft_tokens hold the accepted path's drafts (then PAD) and gamma the tree's depth, plus the tree itself, the
+accepted path and node_prob, the target's probability of each node's token at its parent (the cost model's tree search
+replays trees from it: eval/tree_search.py); record=True adds the target's logits at every node the draft fed
+(on-policy training on the tree: onpolicy/tree_positions.py).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
 from .drafters import Drafter
-from .generate import (RoundRecord, Rollout, _cache_length, _check_inputs, _clock, _counters, _emit_counts, _eos,
-                       _pad_id, _check_draft_vocab)
+from .generate import (RoundRecord, Rollout, _cache_length, _check_inputs, _check_draft_vocab, _clock, _counters,
+                       _emit_counts, _eos, _KeptFeatures, _pad_id)
 from .kv import CacheMode, TokenBuffer, device_of
 from .sampling import DEFAULT_DRAFT_POLICY, Sampler, check_draft_policy
-from .tree import TreeShape
+from .tree import Tree, TreeShape
 from .tree_verify import verify_tree_greedy, verify_tree_sampling
 from .verify import PAD
+
+
+@dataclass
+class TreeRound(RoundRecord):
+    """One tree round (a RoundRecord whose draft_tokens are the accepted path's drafts, gamma the tree's depth)."""
+
+    tree: Tree | None = None              # the round's proposal: N nodes under the root (the pending token)
+    path: torch.Tensor | None = None      # (B, D+1) long node ids from the root to the last accepted node, 0-padded
+    # (B, N) the target's probability of node i's token at its parent, processed at the decoding temperature (greedy:
+    # 1.0 where it is the target's argmax there, else 0): verification reaches a node with the product along its path
+    # (recursive rejection accepts a top-k child x with probability p(x): tree_verify.py)
+    node_prob: torch.Tensor | None = None
+    # record=True only: the contexts the draft proposed children at, the root (0) and every node with a child in the
+    # tree, in node order then padded with -1 (B, C); target_logits (inherited) holds the target's raw logits there
+    # (B, C, V)
+    contexts: torch.Tensor | None = None
+
+
+def proposes_trees(drafter: Drafter) -> bool:
+    """Whether the drafter scores alternatives and grows token trees (it overrides Drafter.propose_tree: LM drafts and
+    EAGLE-3 heads do; n-gram lookup and block drafters propose one token per position)."""
+    return type(drafter).propose_tree is not Drafter.propose_tree
+
+
+def node_probs(tree: Tree, logits: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+    """(B, N) the target's probability of each node's token at its parent: logits (B, N+1, V) of [root, nodes];
+    probs the processed distribution (B, N+1, V), or None for greedy decoding (then 1.0 at the argmax, else 0)."""
+    parents, tokens = tree.parents.to(logits.device), tree.tokens.to(logits.device)
+    if probs is None:
+        return (logits.argmax(-1).gather(1, parents) == tokens).float()
+    V = probs.shape[-1]
+    return probs.flatten(1).gather(1, parents * V + tokens).float()
+
+
+def tree_contexts(tree: Tree) -> torch.Tensor:
+    """(B, C) long: the root (0) and every node with a child in the tree, in node order, padded with -1."""
+    B, N = tree.tokens.shape
+    has_child = torch.zeros(B, N + 1, dtype=torch.bool, device=tree.tokens.device)
+    has_child.scatter_(1, tree.parents, True)
+    has_child[:, 0] = True
+    C = int(has_child.sum(1).max())
+    order = torch.sort((~has_child).int(), dim=1, stable=True).indices[:, :C]          # context nodes first, in order
+    return torch.where(has_child.gather(1, order), order, -1)
 
 
 def _path_hidden(hidden_states, path: torch.Tensor):
@@ -52,9 +100,15 @@ def tree_generate(
     generator: torch.Generator | None = None,
     draft_policy: str = DEFAULT_DRAFT_POLICY,
     cache: CacheMode = CacheMode(),
+    record: bool = False,
+    capture_layers: list[int] | None = None,
 ) -> Rollout:
     """Generate from target_model with token trees from `drafter`; lossless as speculative_generate is: greedy
     output equals target-only greedy, sampled output is distributed as the target's.
+
+    record: each TreeRound also keeps the target's raw logits at the round's contexts (on-policy training).
+    capture_layers: HF hidden_states ids whose features of every kept token come back in Rollout.hidden, as
+    speculative_generate's (the verify forward's columns of the accepted path).
 
     draft_policy: trees draft each node's top-k children, deterministic given the context and verified as one-hot
     proposals, which is the "greedy" policy; "sample" is refused (sampling children and keeping the best would
@@ -69,7 +123,7 @@ def tree_generate(
     _check_draft_vocab(target_model, drafter)
     B = input_ids.shape[0]
     eos = _eos(eos_token_id, device)
-    hidden = {"output_hidden_states": True} if drafter.needs_hidden_states else {}
+    hidden = {"output_hidden_states": True} if drafter.needs_hidden_states or capture_layers else {}
     out = TokenBuffer(B, max_new_tokens, device, fill=_pad_id(eos_token_id))
     D = tree.max_depth
     stats = _counters(B, D, device)
@@ -82,6 +136,8 @@ def tree_generate(
     target = new_kv(target_model)
     prefill = target.prefill(input_ids[:, :-1], attention_mask[:, :-1], **hidden)
     drafter.start(input_ids, attention_mask, target_hidden=getattr(prefill, "hidden_states", None), new_kv=new_kv)
+    kept = (_KeptFeatures(capture_layers, prefill, B, input_ids.shape[1], max_new_tokens, device) if capture_layers
+            else None)
     pending = input_ids[:, -1]                                              # (B,)
     active = torch.ones(B, dtype=torch.bool, device=device)
     max_remaining = max_new_tokens
@@ -98,20 +154,23 @@ def tree_generate(
         out_t = target.step(torch.cat([pending[:, None], nodes], dim=1), positions=target.length[:, None] + depths,
                             tail_visible=proposal.ancestors().to(device), **hidden)
         logits = out_t.logits                                               # (B, N+1, V)
+        probs = None if sampler.greedy else sampler.probs(logits)          # (B, N+1, V) processed
         verdict = (verify_tree_greedy(proposal, logits) if sampler.greedy
-                   else verify_tree_sampling(proposal, sampler.probs(logits), None, generator))
+                   else verify_tree_sampling(proposal, probs, None, generator))
         n = verdict.num_accepted                                            # (B,)
 
         # 4. Emit the accepted path + next token, cut at EOS and at max_new_tokens.
         offset = out.length
         count, done = _emit_counts(verdict.tokens, verdict.num_emitted, offset, max_new_tokens, eos, active)
         out.append(verdict.tokens, count)
+        path_hidden = _path_hidden(getattr(out_t, "hidden_states", None), verdict.path)  # (B, D+1, H) per layer
+        if kept is not None:
+            kept.add(SimpleNamespace(hidden_states=path_hidden), offset, count)
         going = active & ~done
 
         # 5. Commit: rows that go on keep [root, accepted path]; next_token becomes their pending token.
         target.commit_path(verdict.path, (n + 1) * going)
-        drafter.commit_path(verdict.path, n, verdict.next_token, going,
-                            target_hidden=_path_hidden(getattr(out_t, "hidden_states", None), verdict.path))
+        drafter.commit_path(verdict.path, n, verdict.next_token, going, target_hidden=path_hidden)
         pending = torch.where(going, verdict.next_token, pending)
 
         # 6. Counters by depth, from sums over active rows.
@@ -123,10 +182,14 @@ def tree_generate(
         stats["position_proposed"][:K] += (reached & active[:, None]).sum(0)
         stats["position_accepted"][:K] += accepted.sum(0)
         stats["position_alpha"][:K] += (verdict.alpha * active[:, None]).sum(0)
-        rounds.append(RoundRecord(
+        contexts = tree_contexts(proposal).to(device) if record else None
+        rounds.append(TreeRound(
             gamma=K, active=active, offset=offset, draft_tokens=torch.where(accepted, verdict.tokens[:, :K], PAD),
             accepted=accepted, num_accepted=n * active, next_token=verdict.next_token, num_emitted=count,
-            alpha=verdict.alpha * active[:, None]))
+            alpha=verdict.alpha * active[:, None], tree=proposal, path=verdict.path,
+            node_prob=node_probs(proposal, logits, probs), contexts=contexts,
+            target_logits=None if contexts is None else logits.gather(
+                1, contexts.clamp(min=0)[..., None].expand(-1, -1, logits.shape[-1]))))
 
         # Loop control in one host sync.
         remaining = torch.where(going, max_new_tokens - out.length, 0).max()
@@ -139,4 +202,5 @@ def tree_generate(
             break
 
     return Rollout(sequences=out.tokens[:, :max_new_tokens], num_new_tokens=out.length, rounds=rounds,
-                   prefill_seconds=t_start - t0, round_seconds=round_seconds, **stats)
+                   prefill_seconds=t_start - t0, round_seconds=round_seconds,
+                   hidden=None if kept is None else kept.result(), **stats)

@@ -38,7 +38,7 @@ from specdistill.decoding import (CacheMode, Drafter, DynamicGamma, FixedGamma, 
                                   check_draft_policy, speculative_generate, target_generate)
 from specdistill.decoding.kv import device_of, max_positions
 from specdistill.decoding.tree import TreeShape
-from specdistill.decoding.tree_generate import tree_generate
+from specdistill.decoding.tree_generate import proposes_trees, tree_generate
 from specdistill.drafts import draft_adapter
 from specdistill.eval.batches import PromptBatch, make_batches
 from specdistill.eval.hf_baseline import HF_MODES, hf_generate, hf_runners, hf_summary  # noqa: F401  (re-exported)
@@ -46,7 +46,7 @@ from specdistill.eval.metrics import (SpecCounts, category_summary, leviathan_sp
                                      weighted_percentiles)
 from specdistill.eval.results import CostRatio, EvalResult, SweepPoint  # noqa: F401  (re-exported)
 from specdistill.eval.timing import Run, Runner, Throughput, measure_cost, run_pass, timed  # noqa: F401
-from specdistill.eval import tree_cost
+from specdistill.eval import tree_cost, tree_search
 from specdistill.tokens import eos_ids, pad_id as pad_id_of
 
 
@@ -430,36 +430,170 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
     sweep = _batch_sweep(dec, prompt_ids, main_point, progress)
     result = _assemble(cfg, drafter_name, source, len(prompt_ids), tot, cost, mismatches, sweep, hf_result,
                        _environment(dec, load_before), samples)
-    return _with_cost_model(dec, batches, result, tcost, progress)
+    return _with_cost_model(dec, batches, prompt_ids, result, runs, tot, tcost, progress, log)
 
 
-def _with_cost_model(dec: _Decoders, batches: list[PromptBatch], result: EvalResult,
-                     tcost: Optional[tree_cost.TreeCost], progress: bool) -> EvalResult:
+def _with_cost_model(dec: _Decoders, batches: list[PromptBatch], prompt_ids: list[list[int]], result: EvalResult,
+                     runs: dict[str, list[Run]], tot: _Totals, tcost: Optional[tree_cost.TreeCost], progress: bool,
+                     log: Callable[[str], None]) -> EvalResult:
     """Add the tree's report and the cost model: v(k) for k up to 32 and the predicted speedup of each setting that
-    the measured acceptance predicts (every chain length up to gamma, or the tree as run), naming the best;
-    eval.measure_recommended decodes the prompts again with a recommended chain length other than gamma."""
+    the measured acceptance predicts (every chain length up to gamma, or the tree as run), naming the best.
+    eval.measure_recommended searches tree shapes too and decodes the prompts with the recommended setting
+    (_recommend)."""
     shape = tree_shape(dec.cfg)
     if shape is not None:
         result.tree = tree_cost.tree_report(shape, tcost)
     if result.cost is None:
         return result
     curve = tree_cost.verify_curve(dec.target_model, batches[0], cache=dec.cache())
+    if dec.cfg.measure_recommended:
+        result.cost_model = _recommend(dec, batches, prompt_ids, result, runs, tot, tcost, curve, progress, log)
+        return result
     settings = (tree_cost.chain_settings(result.accept_rate_per_pos, result.cost.c, curve) if shape is None
                 else [tree_cost.tree_setting(shape, result.mean_accept_len, tcost)])
     result.cost_model = tree_cost.cost_model_report(curve, settings)
-    rec = tree_cost.best(settings)
-    if dec.cfg.measure_recommended:
-        measured = {"name": rec.name, "speedup": result.speedup, "mean_accept_len": result.mean_accept_len,
-                    "mean_gamma": result.mean_gamma}
-        if rec.gamma is not None and (rec.gamma != dec.cfg.gamma or dec.cfg.dynamic_gamma):
-            again = replace(dec, cfg=replace(dec.cfg, gamma=rec.gamma, dynamic_gamma=False))
-            policy = again.policy()
-            runs = run_pass(batches, again.pair(dec.cfg.max_new_tokens, policy), f"eval {rec.name}", progress)
-            tot = _totals(runs, policy.max_gamma, dec.cfg.position_bucket)
-            measured |= {"speedup": tot.speedup(), "mean_accept_len": tot.counts.tau(),
-                         "mean_gamma": tot.counts.mean_gamma()}
-        result.cost_model["measured"] = measured
     return result
+
+
+def _main_setting(cfg: EvalConfig) -> str:
+    shape = tree_shape(cfg)
+    return shape.name if shape is not None else f"chain{cfg.gamma}" + ("-dynamic" if cfg.dynamic_gamma else "")
+
+
+def _recommend(dec: _Decoders, batches: list[PromptBatch], prompt_ids: list[list[int]], result: EvalResult,
+               runs: dict[str, list[Run]], tot: _Totals, tcost: Optional[tree_cost.TreeCost],
+               curve: tree_cost.VerifyCurve, progress: bool, log: Callable[[str], None]) -> dict:
+    """eval.measure_recommended: every chain length up to gamma (a chain run) and, for drafts that score alternatives,
+    every tree shape of topk 1..4, depth 1..eval.tree.search_depth and nodes + 1 <= 32 (tau by replay on a probe
+    decode: eval/tree_search.py), each costed from this machine's measured draft, verify and per-round bookkeeping
+    times; the best one is decoded on every prompt (one pass, against the measured pass's target-only runs; not
+    again when it is the configured setting) and its measured speedup set beside the prediction."""
+    cfg = dec.cfg
+    step = curve.step_ms
+    baseline = 1000 * tot.target.decode / max(tot.target.rounds, 1) / step   # target-only decoding, in target steps
+    spec_round = 1000 * tot.spec.decode / max(tot.spec.rounds, 1) / step      # the measured pass's round
+    notes: list[str] = []
+    settings: list[tree_cost.Setting] = []
+    main = tree_shape(cfg)
+    if main is None:
+        settings += _chain_candidates(dec, batches[0], result, curve, spec_round, baseline)
+    else:
+        notes.append(f"chains: the measured pass decoded trees ({main.name}); trees of topk 1 are the chains")
+    search = _tree_candidates(dec, prompt_ids, batches[0], curve, baseline, progress, notes)
+    settings += search
+    if not settings:
+        settings = [tree_cost.tree_setting(main, result.mean_accept_len, tcost)]
+    model = tree_cost.cost_model_report(curve, settings)
+    rec = tree_cost.best(settings)
+    main_name = _main_setting(cfg)
+    model["baseline"] = baseline
+    model["notes"] = notes
+    model["main"] = {"name": main_name, "speedup": result.speedup, "decode_speedup": result.decode_speedup,
+                     "mean_accept_len": result.mean_accept_len, "mean_gamma": result.mean_gamma}
+    same = rec.name == main_name or (main is not None and rec.shape == main)
+    measured = dict(model["main"], name=rec.name, decoded=False)
+    if not same:
+        measured = _measure(dec, batches, runs, tot, rec, progress)
+    measured["predicted_speedup"] = rec.predicted_speedup
+    measured["ratio"] = measured["decode_speedup"] / rec.predicted_speedup
+    measured["within_10pct"] = abs(measured["ratio"] - 1) <= 0.10
+    model["measured"] = measured
+    flags = " ".join(f"{k} {v}" for k, v in rec.flags.items())
+    log(f"[eval] cost model: recommended {rec.name} ({flags}): predicted {rec.predicted_speedup:.3f}x, measured "
+        f"{measured['decode_speedup']:.3f}x decode / {measured['speedup']:.3f}x overall (ratio {measured['ratio']:.2f}"
+        f"{'' if measured['within_10pct'] else ', off by more than 10%'}); {main_name} measured {result.speedup:.3f}x")
+    return model
+
+
+def _chain_candidates(dec: _Decoders, batch: PromptBatch, result: EvalResult, curve: tree_cost.VerifyCurve,
+                      spec_round: float, baseline: float) -> list[tree_cost.Setting]:
+    """Chain lengths 1 .. gamma: tau from the measured a_k; a round's draft cost on the line through propose(1) and
+    propose(gamma), both timed (linear in the length for a draft that drafts token by token, flat for a block
+    drafter); the bookkeeping o is the measured pass's round beyond its draft and verify forwards."""
+    cfg = dec.cfg
+    gamma = max(1, round(result.mean_gamma)) if cfg.dynamic_gamma else cfg.gamma
+    step = curve.step_ms
+    d_gamma = result.cost.draft_token_ms * cfg.gamma / step
+    d_one = d_gamma if cfg.gamma == 1 else _cost_at(dec, batch, 1).draft_token_ms / step
+    draft = tree_cost.linear(1, d_one, cfg.gamma, d_gamma)
+    overhead = max(0.0, spec_round - draft(gamma) - curve.v(min(gamma + 1, len(curve.ms))))
+    return tree_cost.chain_settings(result.accept_rate_per_pos, result.cost.c, curve, draft, overhead, baseline)
+
+
+def _cost_at(dec: _Decoders, batch: PromptBatch, gamma: int) -> CostRatio:
+    cfg = dec.cfg
+    return measure_cost(dec.target_model, dec.drafter, batch, gamma,
+                        Sampler(cfg.temperature, cfg.top_p, dec.generator()).for_drafts(cfg.draft_policy),
+                        cache=dec.cache())
+
+
+def _tree_candidates(dec: _Decoders, prompt_ids: list[list[int]], batch: PromptBatch, curve: tree_cost.VerifyCurve,
+                     baseline: float, progress: bool, notes: list[str]) -> list[tree_cost.Setting]:
+    """Tree shapes from a probe decode (eval/tree_search.py), or none, with the reason in `notes`."""
+    cfg = dec.cfg
+    if not proposes_trees(dec.drafter):
+        notes.append(f"trees not searched: {type(dec.drafter).__name__} cannot score alternatives (it drafts one "
+                     "token per position), so the recommended setting is a chain length")
+        return []
+    if cfg.temperature > 0 and cfg.draft_policy == "sample":
+        notes.append("trees not searched: eval.draft_policy=sample draws chains; trees propose top-k children "
+                     "(eval.draft_policy=greedy)")
+        return []
+    if cfg.tree.probe_prompts == 0:
+        notes.append("trees not searched: eval.tree.probe_prompts=0")
+        return []
+    D = cfg.tree.search_depth
+    probe = TreeShape(tree_search.MAX_TOPK, D)
+    probe_batches = dec.batches(prompt_ids[: cfg.tree.probe_prompts], cfg.batch_size)
+    runs = run_pass(probe_batches, {"probe": dec.tree(cfg.max_new_tokens, probe)}, f"probe {probe.name}", progress)
+    rounds = [r for run in runs["probe"] for r in run.rollout.rounds]
+    trees = tree_search.probe_trees(probe, rounds)
+    if trees is None:
+        notes.append(f"trees not searched: every round of the probe {probe.name} was cut short by "
+                     f"eval.max_new_tokens={cfg.max_new_tokens} (raise it above eval.tree.search_depth={D})")
+        return []
+    step = curve.step_ms
+    ends = {}
+    for k in range(1, tree_search.MAX_TOPK + 1):
+        for d in sorted({1, D}):
+            ends[k, d] = tree_cost.measure_tree_cost(dec.target_model, dec.drafter, batch, TreeShape(k, d),
+                                                     cache=dec.cache())
+    lines = {k: tree_cost.linear(1, ends[k, 1].draft_round_ms / step, D, ends[k, D].draft_round_ms / step)
+             for k in range(1, tree_search.MAX_TOPK + 1)}
+    probe_round = 1000 * sum(sum(run.rollout.round_seconds) for run in runs["probe"]) / max(
+        sum(len(run.rollout.round_seconds) for run in runs["probe"]), 1) / step
+    top = ends[tree_search.MAX_TOPK, D]
+    overhead = max(0.0, probe_round - lines[tree_search.MAX_TOPK](D) - top.verify_ms / step)
+    notes.append(f"trees searched: probe {probe.name} on {len(probe_batches)} batch(es) of the first "
+                 f"{min(cfg.tree.probe_prompts, len(prompt_ids))} prompts, {trees.rounds} row-rounds; a tree's "
+                 f"draft cost on the line through depth 1 and {D} (timed per topk), its bookkeeping o from the "
+                 "probe's rounds")
+    return tree_search.tree_settings(trees, lambda k, d: lines[k](d), curve, overhead, baseline)
+
+
+def _measure(dec: _Decoders, batches: list[PromptBatch], runs: dict[str, list[Run]], tot: _Totals,
+             rec: tree_cost.Setting, progress: bool) -> dict:
+    """Decode every prompt with the recommended setting (speculative only: the measured pass's target-only runs are
+    the baseline and the greedy reference)."""
+    cfg = dec.cfg
+    if rec.shape is not None:
+        runner, max_gamma = dec.tree(cfg.max_new_tokens, rec.shape), rec.shape.max_depth
+    else:
+        again = replace(dec, cfg=replace(cfg, gamma=rec.gamma, dynamic_gamma=False, tree=replace(cfg.tree, topk=0)))
+        runner, max_gamma = again.spec(cfg.max_new_tokens, FixedGamma(rec.gamma)), rec.gamma
+    spec_runs = run_pass(batches, {"spec": runner}, f"eval recommended {rec.name}", progress)["spec"]
+    spec, counts = Throughput(), SpecCounts(max_gamma, cfg.position_bucket)
+    for run in spec_runs:
+        spec.add(run)
+        counts.add(run.rollout)
+    out = {"name": rec.name, "decoded": True, "speedup": spec.tokens_per_s() / tot.target.tokens_per_s(),
+           "decode_speedup": spec.decode_tokens_per_s() / tot.target.decode_tokens_per_s(),
+           "mean_accept_len": counts.tau(), "mean_gamma": counts.mean_gamma(), "tokens_per_s": spec.tokens_per_s(),
+           "accept_rate_per_pos": counts.accept_rate_per_pos()}
+    if cfg.temperature == 0:
+        out["greedy_mismatches"] = sum(a != b for rs, rt in zip(spec_runs, runs["target"])
+                                       for a, b in zip(rs.tokens, rt.tokens))
+    return out
 
 
 def for_training(cfg: EvalConfig) -> EvalConfig:

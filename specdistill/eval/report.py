@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from specdistill.eval.evaluator import EvalResult
+from specdistill.eval.tree_cost import cost_model_markdown
 
 REQUIRED_KEYS = ("mean_accept_len", "accept_rate_per_pos", "tokens_per_s", "target_only_tokens_per_s", "speedup",
                  "gamma", "temperature", "draft_policy", "num_prompts", "new_tokens")
@@ -128,16 +129,7 @@ def _tree_and_cost_model(r: EvalResult) -> list[str]:
             lines.append(f"Draft {_f(t['draft_round_ms'], 2)} ms per round (d = {_f(t['d'])} target steps), verify of "
                          f"{t['nodes'] + 1} tokens {_f(t['verify_ms'], 2)} ms (v = {_f(t['v'])}).")
     if r.cost_model:
-        m = r.cost_model
-        lines += ["", "## Cost model", "", "predicted speedup = tau / (draft + v(width)), in target steps", "",
-                  "| setting | tau | draft | width | v(width) | predicted speedup |", "|---|---|---|---|---|---|"]
-        lines += [f"| {s['name']} | {_f(s['tau'])} | {_f(s['draft'])} | {s['width']} | {_f(s['verify'])} "
-                  f"| {_f(s['predicted_speedup'])} |" for s in m["settings"]]
-        measured = m.get("measured")
-        lines += ["", f"Recommended: **{m['recommended']}**, predicted {_f(m['recommended_predicted_speedup'])}x"
-                  + ("" if measured is None else f", measured {_f(measured['speedup'])}x (tau "
-                                                 f"{_f(measured['mean_accept_len'])})") + ".",
-                  "", "v(k) for k = 1..32: " + ", ".join(_f(v, 2) for v in m["v_curve"])]
+        lines += cost_model_markdown(r.cost_model)
     return lines
 
 

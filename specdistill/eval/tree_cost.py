@@ -2,15 +2,20 @@
 per round, and the setting (chain length or tree shape) with the highest predicted speed.
 
 Units are target steps (one KV-cached forward of 1 token per row). A setting whose rounds emit tau tokens, cost the
-draft d steps and verify k tokens runs at
-    predicted speedup = tau / (d + v(k))          (target-only decoding makes 1 token per step)
-a chain of gamma: d = gamma * c, k = gamma + 1; a tree of N nodes: d = its propose_tree time, k = N + 1.
+draft d steps, verify k tokens and spend o steps on the round's bookkeeping (verification, cache commits, host syncs)
+runs at
+    predicted speedup = tau * b / (d + v(k) + o)
+where b is one step of target-only decoding, its bookkeeping included (b = 1, o = 0 when neither was measured:
+the plain cost model of every evaluation). A chain of gamma: d = gamma * c, k = gamma + 1; a tree of N nodes: d = its
+propose_tree time, k = N + 1.
 Chains' tau for every gamma up to the measured one follows from the measured acceptance rates a_k:
 tau(gamma) = 1 + sum_{k <= gamma} prod_{i <= k} a_i (every round drafting gamma, no row stopping mid-round).
+eval.measure_recommended searches tree shapes too (eval/tree_search.py) and measures the recommended setting.
 """
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -49,10 +54,27 @@ class Setting:
     verify: float         # v(width)
     flags: dict = field(default_factory=dict)  # SGLang's flags for a tree
     gamma: int | None = None  # a chain's length (None: a tree)
+    overhead: float = 0.0     # the round's bookkeeping beyond the draft and verify forwards, in target steps
+    baseline: float = 1.0     # one step of target-only decoding (its bookkeeping included), in target steps
+    shape: TreeShape | None = None  # a tree's shape (None: a chain)
+    coverage: float | None = None   # a searched tree: the share of its scored nodes the probe's trees held
 
     @property
     def predicted_speedup(self) -> float:
-        return self.tau / (self.draft + self.verify)
+        return self.tau * self.baseline / (self.draft + self.verify + self.overhead)
+
+    def to_dict(self) -> dict:
+        out = {"name": self.name, "tau": self.tau, "draft": self.draft, "width": self.width, "verify": self.verify,
+               "overhead": self.overhead, "predicted_speedup": self.predicted_speedup}
+        if self.flags:
+            out["sglang"] = self.flags
+        if self.gamma is not None:
+            out["gamma"] = self.gamma
+        if self.shape is not None:
+            out |= {"topk": self.shape.topk, "depth": self.shape.depth, "nodes": self.shape.size}
+        if self.coverage is not None:
+            out["coverage"] = self.coverage
+        return out
 
 
 def chain_taus(accept_rate_per_pos: list[float]) -> list[float]:
@@ -64,11 +86,24 @@ def chain_taus(accept_rate_per_pos: list[float]) -> list[float]:
     return taus
 
 
-def chain_settings(accept_rate_per_pos: list[float], c: float, curve: VerifyCurve) -> list[Setting]:
-    """Every chain length 1 .. len(a) (within the curve), tau predicted from the measured a_k."""
+def chain_settings(accept_rate_per_pos: list[float], c: float, curve: VerifyCurve,
+                   draft: Callable[[int], float] | None = None, overhead: float = 0.0,
+                   baseline: float = 1.0) -> list[Setting]:
+    """Every chain length 1 .. len(a) (within the curve), tau predicted from the measured a_k. draft(g): a round's
+    draft cost in target steps (None: g * c); overhead, baseline: Setting's."""
     taus = chain_taus(accept_rate_per_pos)
     top = min(len(accept_rate_per_pos), len(curve.ms) - 1)
-    return [Setting(f"chain{g}", taus[g], g * c, g + 1, curve.v(g + 1), gamma=g) for g in range(1, top + 1)]
+    cost = draft or (lambda g: g * c)
+    return [Setting(f"chain{g}", taus[g], cost(g), g + 1, curve.v(g + 1), flags=TreeShape(1, g).sglang_flags(),
+                    gamma=g, overhead=overhead, baseline=baseline) for g in range(1, top + 1)]
+
+
+def linear(x1: int, y1: float, x2: int, y2: float) -> Callable[[int], float]:
+    """The line through (x1, y1) and (x2, y2) (constant y1 when x1 == x2): a round's draft cost between two measured
+    lengths (an LM draft or a head: one forward per depth; a block drafter: one forward whatever the length)."""
+    if x1 == x2:
+        return lambda x: y1
+    return lambda x: y1 + (x - x1) * (y2 - y1) / (x2 - x1)
 
 
 def best(settings: list[Setting]) -> Setting:
@@ -163,7 +198,7 @@ def measure_tree_cost(target_model, drafter: Drafter, batch: PromptBatch, shape:
 
 
 def tree_setting(shape: TreeShape, tau: float, cost: TreeCost) -> Setting:
-    return Setting(shape.name, tau, cost.d, shape.size + 1, cost.v, flags=shape.sglang_flags())
+    return Setting(shape.name, tau, cost.d, shape.size + 1, cost.v, flags=shape.sglang_flags(), shape=shape)
 
 
 # ------------------------------------------------------------------------------------------------ the report
@@ -173,10 +208,49 @@ def cost_model_report(curve: VerifyCurve, settings: list[Setting]) -> dict:
     rec = best(settings)
     return {"target_step_ms": curve.step_ms, "context_tokens": curve.context_tokens,
             "v_curve": curve.ratios, "v_curve_ms": curve.ms,
-            "settings": [{"name": s.name, "tau": s.tau, "draft": s.draft, "width": s.width, "verify": s.verify,
-                          "predicted_speedup": s.predicted_speedup, **({"sglang": s.flags} if s.flags else {})}
-                         for s in settings],
-            "recommended": rec.name, "recommended_predicted_speedup": rec.predicted_speedup}
+            "settings": [s.to_dict() for s in settings],
+            "recommended": rec.name, "recommended_predicted_speedup": rec.predicted_speedup,
+            **({"recommended_sglang": rec.flags} if rec.flags else {})}
+
+
+def _f(x, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def cost_model_markdown(m: dict) -> list[str]:
+    """results.md's cost-model section: the candidates (the measured ones marked), the recommended setting with its
+    SGLang flags, predicted against measured, and v(k)."""
+    measured = m.get("measured")
+    marks = {} if measured is None else {measured["name"]: measured}
+    if m.get("main"):
+        marks.setdefault(m["main"]["name"], m["main"])
+    lines = ["", "## Cost model", "", "predicted speedup = tau * b / (draft + v(width) + o), in target steps "
+             f"(b = {_f(m.get('baseline', 1.0))}: a step of target-only decoding; o: the round's bookkeeping)", "",
+             "| setting | predicted tau | draft | width | v(width) | o | predicted speedup | measured |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in m["settings"]:
+        mk = marks.get(s["name"])
+        seen = "-" if mk is None else f"**{_f(mk['decode_speedup'])}x** (tau {_f(mk['mean_accept_len'])})"
+        lines.append(f"| {s['name']} | {_f(s['tau'])} | {_f(s['draft'])} | {s['width']} | {_f(s['verify'])} "
+                     f"| {_f(s.get('overhead', 0.0))} | {_f(s['predicted_speedup'])} | {seen} |")
+    flags = m.get("recommended_sglang")
+    serve = "" if not flags else " (SGLang: `" + " ".join(f"{k} {v}" for k, v in flags.items()) + "`)"
+    lines += ["", f"Recommended: **{m['recommended']}**{serve}, predicted {_f(m['recommended_predicted_speedup'])}x"
+              + ("" if measured is None else f", measured {_f(measured['speedup'])}x (tau "
+                                             f"{_f(measured['mean_accept_len'])})") + "."]
+    if measured is not None and measured.get("ratio") is not None:
+        verdict = ("within 10% of the prediction" if measured["within_10pct"] else
+                   "**off by more than 10%: the cost model mispredicts this setting on this machine**")
+        lines.append(f"Decode speedup (prefill excluded) measured {_f(measured['decode_speedup'])}x against predicted "
+                     f"{_f(measured['predicted_speedup'])}x: ratio {_f(measured['ratio'])}, {verdict}.")
+    if m.get("main") and measured is not None:
+        main = m["main"]
+        lines.append(f"Against the configured {main['name']}: {_f(measured['speedup'])}x vs {_f(main['speedup'])}x "
+                     "measured (prefill included).")
+    for note in m.get("notes", []):
+        lines.append(f"Note: {note}")
+    lines += ["", "v(k) for k = 1..32: " + ", ".join(_f(v, 2) for v in m["v_curve"])]
+    return lines
 
 
 def tree_report(shape: TreeShape, cost: TreeCost | None) -> dict:

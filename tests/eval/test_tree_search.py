@@ -1,0 +1,165 @@
+"""The cost model's tree search: replaying a candidate's expansion on a probe tree gives the candidate's own tree, and
+eval.measure_recommended names the setting of highest predicted speed, decodes it once and reports predicted against
+measured (chains only, said so, for drafters that cannot score alternatives: n-gram lookup, DFlash)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specdistill.config import EvalConfig, TreeEvalConfig
+from specdistill.decoding.tree import TreeShape, grow
+from specdistill.eval.evaluator import evaluate
+from specdistill.eval.report import markdown
+from specdistill.eval.tree_cost import VerifyCurve
+from specdistill.eval.tree_search import probe_trees, replay, tree_settings
+
+V = 12
+
+
+def _markov(seed: int):
+    """A draft whose logits after a node depend on the node's token and depth only, and a target likewise: trees are
+    then determined by tokens, so a candidate grown for real can be compared with its replay on a probe tree."""
+    g = torch.Generator().manual_seed(seed)
+    draft = torch.randn(8, V, V, generator=g) * 2.0           # [depth, token] -> logits
+    target = (torch.randn(8, V + 1, V, generator=g) * 2.0).softmax(-1)  # [depth, parent token (V: the root)] -> p
+    return draft, target
+
+
+def _grow(shape: TreeShape, draft, root: torch.Tensor):
+    """grow() with the Markov draft: root (B,) tokens."""
+    def feed(tokens, visible, d, parent):
+        return draft[d][tokens]                                  # (B, k, V)
+    return grow(shape, draft[0][root], feed)
+
+
+def _reach(tree, target, root):
+    """(B, N+1) probability that verification reaches each node under the Markov target, and node_prob (B, N)."""
+    tokens = torch.nn.functional.pad(tree.tokens, (1, 0), value=V)      # the root's token column: V
+    parent_tok = tokens.gather(1, tree.parents)                          # (B, N)
+    prob = target[tree.depth - 1, parent_tok, tree.tokens]               # (B, N)
+    R = torch.ones(tree.tokens.shape[0], tree.num_nodes + 1)
+    for _ in range(tree.max_depth):
+        R = torch.cat([R[:, :1], prob * R.gather(1, tree.parents)], dim=1)
+    return R, prob
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_replayed_candidate_is_the_candidate_grown_for_real(seed):
+    draft, target = _markov(seed)
+    B, D = 16, 4
+    root = torch.randint(0, V, (B,), generator=torch.Generator().manual_seed(seed))
+    probe_shape = TreeShape(4, D)
+    probe = _grow(probe_shape, draft, root)
+    _, prob = _reach(probe, target, root)
+    trees = probe_trees(probe_shape, [SimpleNamespace(tree=probe, node_prob=prob, active=torch.ones(B, dtype=bool))])
+    assert trees.rounds == B
+    checked = 0
+    for k in (1, 2, 3, 4):
+        rep = replay(trees, k)
+        for d in range(1, D + 1):
+            accepted = rep.accepted(d)
+            if k == 4:
+                assert rep.coverage(d) == 1.0  # the probe's own pool
+            if rep.coverage(d) < 1.0:
+                continue
+            for n in sorted({1, 3, rep.pool(d) // 2, rep.pool(d)} & set(range(1, rep.pool(d) + 1))):
+                shape = TreeShape(k, d, None if n == rep.pool(d) else n)
+                real = _grow(shape, draft, root)
+                R, _ = _reach(real, target, root)
+                assert accepted[n - 1].item() == pytest.approx(R[:, 1:].sum(1).mean().item(), rel=1e-5), shape
+                checked += 1
+    assert checked > 20
+
+
+def test_tree_settings_pick_the_node_count_of_highest_predicted_speed():
+    draft, target = _markov(3)
+    root = torch.arange(V).repeat(2)
+    probe = _grow(TreeShape(4, 3), draft, root)
+    _, prob = _reach(probe, target, root)
+    trees = probe_trees(TreeShape(4, 3), [SimpleNamespace(tree=probe, node_prob=prob,
+                                                          active=torch.ones(len(root), dtype=bool))])
+    curve = VerifyCurve(10.0, [10.0 + 0.5 * k for k in range(32)], 5)
+    settings = tree_settings(trees, lambda k, d: 0.1 * d, curve, overhead=0.2, baseline=1.1)
+    assert len(settings) == 4 * 3 and all(s.width <= 32 for s in settings)
+    for s in settings:
+        rep = replay(trees, s.shape.topk)
+        n = s.shape.size
+        assert s.tau == pytest.approx(1 + rep.accepted(s.shape.depth)[n - 1].item())
+        assert s.predicted_speedup == pytest.approx(s.tau * 1.1 / (0.1 * s.shape.depth + curve.v(n + 1) + 0.2))
+        assert s.flags["--speculative-num-draft-tokens"] == n + 1
+
+
+def _cfg(**kw):
+    base = dict(gamma=3, max_new_tokens=16, batch_size=1, batch_sizes=[1], warmup_prompts=1, ignore_eos=True,
+                measure_cost=True, measure_recommended=True, tree=TreeEvalConfig(probe_prompts=2, search_depth=3))
+    return EvalConfig(**(base | kw))
+
+
+def test_the_recommended_setting_is_searched_over_chains_and_trees_and_measured(target, draft, tok, prompts):
+    logs = []
+    r = evaluate(target, tok, draft, prompts[:3], _cfg(), progress=False, log=logs.append)
+    m = r.cost_model
+    names = [s["name"] for s in m["settings"]]
+    assert names[:3] == ["chain1", "chain2", "chain3"] and len(names) == 3 + 4 * 3  # best node count per topk, depth
+    assert m["recommended"] == max(m["settings"], key=lambda s: s["predicted_speedup"])["name"]
+    assert m["recommended_sglang"]["--speculative-eagle-topk"] in (1, 2, 3, 4)
+    measured = m["measured"]
+    assert measured["name"] == m["recommended"] and measured["decode_speedup"] > 0
+    assert measured["ratio"] == pytest.approx(measured["decode_speedup"] / measured["predicted_speedup"])
+    assert measured["within_10pct"] == (abs(measured["ratio"] - 1) <= 0.1)
+    if measured["decoded"]:
+        assert measured["greedy_mismatches"] == 0
+    assert m["main"]["name"] == "chain3" and any(n.startswith("trees searched") for n in m["notes"])
+    md = markdown(r)
+    assert f"Recommended: **{m['recommended']}** (SGLang: `--speculative-eagle-topk" in md
+    assert "ratio" in md and ("within 10%" in md or "off by more than 10%" in md)
+    assert any("[eval] cost model: recommended" in line for line in logs)
+
+
+def test_a_tree_run_searches_trees_only(target, draft, tok, prompts):
+    r = evaluate(target, tok, draft, prompts[:2], _cfg(tree=TreeEvalConfig(topk=2, depth=2, probe_prompts=1,
+                                                                          search_depth=2)), progress=False)
+    m = r.cost_model
+    assert all(s["name"].startswith("tree") for s in m["settings"]) and m["main"]["name"] == "tree2x2"
+    assert m["measured"]["name"] == m["recommended"]
+
+
+def test_drafters_that_cannot_score_alternatives_get_chain_lengths_and_say_so(target, tok, prompts):
+    r = evaluate(target, tok, "ngram", prompts[:2], _cfg(), progress=False)
+    m = r.cost_model
+    assert [s["name"] for s in m["settings"]] == ["chain1", "chain2", "chain3"]
+    assert any("NGramDrafter cannot score alternatives" in n for n in m["notes"])
+    assert "Note: trees not searched" in markdown(r)
+
+
+def test_a_dflash_draft_gets_its_chain_length_without_trees():
+    from tests.conftest import make_tokenizer
+    from tests.dflash.conftest import tiny_dflash, tiny_target
+
+    tok = make_tokenizer()
+    target = tiny_target()
+    target.resize_token_embeddings(len(tok))
+    draft = tiny_dflash(target, 4)
+    msgs = [[{"role": "user", "content": "tell me about the cat and the dog"}]]
+    r = evaluate(target, tok, draft, msgs, _cfg(gamma=3), progress=False)
+    m = r.cost_model
+    assert [s["name"] for s in m["settings"]] == ["chain1", "chain2", "chain3"]
+    assert any("DFlashDrafter cannot score alternatives" in n for n in m["notes"])
+    assert m["measured"]["name"] == m["recommended"]
+    # a block drafter's round costs one forward whatever the length: its draft cost is not gamma-proportional
+    drafts = [s["draft"] for s in m["settings"]]
+    assert drafts[0] > drafts[2] / 3
+
+
+def test_bad_search_settings_are_refused_by_name(target, tok, prompts):
+    with pytest.raises(ValueError, match="eval.tree.search_depth"):
+        evaluate(target, tok, "target", prompts, _cfg(tree=TreeEvalConfig(search_depth=17)), progress=False)
+    with pytest.raises(ValueError, match="eval.tree.probe_prompts"):
+        evaluate(target, tok, "target", prompts, _cfg(tree=TreeEvalConfig(probe_prompts=-1)), progress=False)
+
+
+def test_a_budget_too_short_for_the_probe_skips_trees_and_says_so(target, draft, tok, prompts):
+    r = evaluate(target, tok, draft, prompts[:1], _cfg(max_new_tokens=3), progress=False)
+    m = r.cost_model
+    assert [s["name"] for s in m["settings"]] == ["chain1", "chain2", "chain3"]
+    assert any("cut short by eval.max_new_tokens=3" in n for n in m["notes"])
