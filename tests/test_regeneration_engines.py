@@ -282,6 +282,16 @@ def test_each_part_records_its_answer_and_feature_time_and_the_store_sums_them(t
     # our decoder writes answers and features in one pass: its recapture time is zero
     decoded, _ = regenerate_store(_cfg(tiny_data_file, tmp_path / "d"), model, tok, "tiny", AUX, **QUIET)
     assert all(t.engine == "hf" and t.recapture_s == 0 and t.answer_s > 0 for t in read_parts(decoded))
+    # the run's data report carries the stages, so a user reads regeneration and recapture apart
+    from types import SimpleNamespace as NS
+
+    from specdistill.pipeline.regenerate import build_regenerated_data
+
+    cfg = NS(data=NS(regenerate=_cfg(tiny_data_file, tmp_path / "e"), heldout_size=0), target=NS(path="tiny"),
+             eval=NS(static_cache=False, compile=False))
+    report = build_regenerated_data(cfg, NS(config=model.config, aux_layer_ids=AUX, model=model), tok,
+                                    log=lambda *_: None).report
+    assert report["regeneration_stages"] == json.loads((root / "timing.json").read_text())["stages"]
 
 
 def test_the_stores_size_is_said_before_writing_and_a_full_disk_refuses_it_by_setting(tiny, tiny_data_file, tmp_path,
