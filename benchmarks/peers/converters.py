@@ -180,6 +180,16 @@ def to_head(conv: Converted, target_model):
     return head
 
 
+def agreement(head, ids: torch.Tensor, aux: torch.Tensor, peer_argmax: list[int]) -> float:
+    """Fraction of slots where the converted head's step-0 prediction (specdistill's forward) equals the peer's own
+    forward's (peer_train.py probes): 1.0 for an exact conversion, below it by what the dropped pieces changed."""
+    with torch.no_grad():
+        logits = head(aux[None].float(), ids[None], torch.ones(1, len(ids), dtype=torch.long), steps=1)[0]
+    ours = logits[0, : len(ids) - 1].argmax(-1)  # slot t reads token t+1: slots 0 .. T-2, as the probes
+    theirs = torch.tensor(peer_argmax[: len(ours)])
+    return float((ours[: len(theirs)] == theirs).float().mean())
+
+
 def export_converted(conv: Converted, target_model, target_path: str, out_dir, head_dir: Optional[Path] = None,
                      overwrite: bool = True) -> dict:
     """Write the head folder and its validated vLLM export with the target's embeddings; returns what was written."""
@@ -192,4 +202,4 @@ def export_converted(conv: Converted, target_model, target_path: str, out_dir, h
     res = export_eagle3(head_dir, out_dir, fmt="vllm", target_path=target_path, include_embeddings=True,
                         overwrite=overwrite)
     return {"export": str(out_dir), "head": str(head_dir), "exact": conv.exact, "inexact": conv.inexact,
-            "aux_layer_ids": conv.aux_layer_ids, "warnings": res.warnings}
+            "aux_layer_ids": conv.aux_layer_ids, "warnings": res.warnings, "_head": head}

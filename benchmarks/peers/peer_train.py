@@ -231,10 +231,82 @@ def train_modelopt(spec: dict) -> dict:
     arch = dict(cfg["eagle_architecture_config"])
     arch.update(vocab_size=tcfg["vocab_size"])
     (out / "head" / "config.json").write_text(json.dumps(arch, indent=1, default=str))
-    return {"wall_s": wall, "steps": step, "curve": curve}
+    return {"wall_s": wall, "steps": step, "curve": curve, "_model": model}
 
 
 TRAINERS = {"speculators": train_speculators, "specforge": train_specforge, "modelopt": train_modelopt}
+
+
+# -------------------------------------------------------------------------------------------------------- probes
+# The trained head's step-0 predictions on one row through the PEER's own forward, so the driver can check that the
+# converted head (specdistill's forward on the same row) predicts the same tokens. A probe is a list of draft-vocabulary
+# argmaxes for slots t = 0 .. T-2: slot t reads aux(t) and token t+1 and predicts token t+2.
+def probe_speculators(spec: dict, ids, aux) -> list[int]:
+    import torch
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    head = Path(spec["out"]) / "head"
+    config = Eagle3SpeculatorConfig.from_pretrained(head)
+    config.transformer_layer_config._attn_implementation = "sdpa"
+    model = Eagle3DraftModel.from_pretrained(head, config=config, verifier=spec["target"]).float().eval()
+    T = len(ids)
+    with torch.no_grad():  # its shift_batch: slot s holds token s+1 and features of s, positions from 1
+        tokens = model(hidden_states=aux[None, :-1].float(), input_ids=ids[None, 1:],
+                       document_ids=torch.zeros(1, T - 1, dtype=torch.long),
+                       position_ids=torch.arange(1, T)[None], ttt_steps=1)
+    return tokens[0][0].tolist()
+
+
+def probe_specforge(spec: dict, ids, aux) -> list[int]:
+    import torch
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+
+    model = LlamaForCausalLMEagle3.from_pretrained(Path(spec["out"]) / "head", attention_backend="sdpa").float()
+    with torch.no_grad():
+        embeds = model.embed_input_ids(torch.cat([ids[1:], ids[:1]])[None])  # slot t reads token t+1
+        h = model(hidden_states=aux[None].float(), inputs_embeds=embeds, ttt_length=1)  # normed
+        return model.lm_head(h)[0, :-1].argmax(-1).tolist()
+
+
+def probe_modelopt(spec: dict, ids, aux, model) -> list[int]:
+    import torch
+
+    captured = {}
+    original = model._eagle_forward
+
+    def capture(*args, **kwargs):
+        out = original(*args, **kwargs)
+        captured.setdefault("logits", out[2])
+        return out
+
+    model._eagle_forward = capture
+    model.eval()
+    T = len(ids)
+    with torch.no_grad():
+        model(input_ids=ids[None], attention_mask=torch.ones(1, T, dtype=torch.long),
+              base_model_outputs={"base_model_hidden_states": torch.zeros(1, T, aux.shape[-1] // 3),
+                                  "aux_hidden_states": aux[None].float(),
+                                  "base_model_logits": torch.zeros(1, T, model.config.vocab_size)})
+    model._eagle_forward = original
+    return captured["logits"][0, :-1].argmax(-1).tolist()
+
+
+def probe_row(spec: dict):
+    """The first training row in the peer's own data files: (ids (T,), aux (T, 3H))."""
+    import torch
+
+    d = spec["data"]
+    if spec["peer"] == "speculators":
+        from safetensors.torch import load_file
+
+        hs = load_file(str(Path(d["root"]) / "hidden_states" / "hs_0.safetensors"))["hidden_states"]
+        ids = load_file(str(Path(d["root"]) / "hidden_states" / "hs_0.safetensors"))["token_ids"]
+        return ids, hs[:, :-1].flatten(1)
+    if spec["peer"] == "specforge":
+        row = torch.load(sorted(Path(d["features"]).glob("*.ckpt"))[0], weights_only=True)
+        return row["input_ids"], row["aux_hidden_state"][0]
+    row = torch.load(sorted(Path(d["dump"]).glob("*.pt"))[0], weights_only=True)
+    return row["input_ids"], row["aux_hidden_states"]
 
 
 def main() -> None:
@@ -245,6 +317,14 @@ def main() -> None:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", spec.get("threads", 1))))
     report = TRAINERS[spec["peer"]](spec)
+    model = report.pop("_model", None)
+    try:
+        ids, aux = probe_row(spec)
+        argmax = (probe_modelopt(spec, ids, aux, model) if spec["peer"] == "modelopt"
+                  else {"speculators": probe_speculators, "specforge": probe_specforge}[spec["peer"]](spec, ids, aux))
+        (out / "probe.json").write_text(json.dumps({"row": 0, "draft_argmax": argmax}))
+    except Exception as e:  # the arm stands; the driver reports the probe as missing, with this reason
+        (out / "probe.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
     report.update(peak_rss_mb=peak_rss_mb(), peer=spec["peer"], arm=spec["arm"])
     (out / "train_report.json").write_text(json.dumps(report, indent=1))
     print(f"[peers/{spec['peer']}] {spec['arm']}: trained in {report['wall_s']:.1f} s -> {out / 'head'}", flush=True)

@@ -148,7 +148,7 @@ def write_peer_data(a, ours: dict, target: str, out: Path, peers: list[str]) -> 
         data["modelopt"] = writers.write_modelopt(train, out / "data" / "modelopt", d2t, log=log)
     lengths = [len(r.ids) for r in train]
     return {"data": data, "rows": len(train), "loss_tokens": writers.answer_tokens(train),
-            "mean_len": sum(lengths) / len(lengths), "max_len": max(lengths)}
+            "mean_len": sum(lengths) / len(lengths), "max_len": max(lengths), "first_row": train[0]}
 
 
 def train_peer(a, peer: str, kind: str, shape: HeadShape, target: str, pdata: dict, out: Path) -> dict:
@@ -175,12 +175,23 @@ def train_peer(a, peer: str, kind: str, shape: HeadShape, target: str, pdata: di
     return rec
 
 
-def convert_peer(peer: str, rec: dict, target: str, target_model) -> dict:
-    from benchmarks.peers.converters import CONVERTERS, export_converted, read_peer_head
+def convert_peer(peer: str, rec: dict, target: str, target_model, probe_row) -> dict:
+    """The peer's head as our vLLM export, and how often it predicts what the peer's own forward predicts on the
+    first training row (probe.json from peer_train.py)."""
+    from benchmarks.peers.converters import CONVERTERS, agreement, export_converted, read_peer_head
 
     sd, config = read_peer_head(Path(rec["arm_dir"]) / "head")
     conv = CONVERTERS[peer](sd, config)
-    return export_converted(conv, target_model, target, Path(rec["arm_dir"]) / "export_vllm")
+    res = export_converted(conv, target_model, target, Path(rec["arm_dir"]) / "export_vllm")
+    head = res.pop("_head")
+    probe = json.loads((Path(rec["arm_dir"]) / "probe.json").read_text()) if (Path(rec["arm_dir"]) /
+                                                                              "probe.json").exists() else {}
+    if "draft_argmax" in probe:
+        res["agreement_with_peer_forward"] = agreement(head, probe_row.ids, probe_row.aux, probe["draft_argmax"])
+    else:
+        res["agreement_with_peer_forward"] = None
+        res["probe_error"] = probe.get("error", "no probe.json")
+    return res
 
 
 def evaluate(a, name: str, export: str, target: str, out: Path) -> dict:
@@ -204,8 +215,8 @@ def write_report(out: Path, results: dict) -> None:
     lines = [f"# Peers benchmark ({results['mode']})", "", f"Command: `{results['command']}`", "",
              f"Budget: {results['budget']}; {results['rows']} training rows, {results['loss_tokens']} answer (loss) "
              "tokens per epoch, the same for every arm.", "",
-             "| arm | tau | a_1..a_4 | loss tokens/s | train wall s | peak RSS MB | exact in served layout |",
-             "|---|---|---|---|---|---|---|"]
+             "| arm | tau | a_1..a_4 | loss tokens/s | train wall s | peak RSS MB | agrees with peer forward | "
+             "exact in served layout |", "|---|---|---|---|---|---|---|---|"]
     for name, r in results["arms"].items():
         e = r.get("eval") or {}
         acc = ", ".join(f"{x:.3f}" for x in (e.get("accept_rate_per_pos") or [])[:4])
@@ -215,9 +226,13 @@ def write_report(out: Path, results: dict) -> None:
         rss = f"{r['peak_rss_mb']:.0f}" if r.get("peak_rss_mb") else "-"
         exact = r.get("conversion", {}).get("exact", True)
         note = "yes" if exact else "approx: " + "; ".join(x.split(":")[0] for x in r["conversion"]["inexact"])
-        lines.append(f"| {name} | {tau} | {acc} | {tps} | {wall} | {rss} | {note} |")
+        agree = r.get("conversion", {}).get("agreement_with_peer_forward")
+        agree = "-" if name == "specdistill" else (f"{agree:.3f}" if agree is not None else "no probe")
+        lines.append(f"| {name} | {tau} | {acc} | {tps} | {wall} | {rss} | {agree} | {note} |")
     lines += ["", "Loss tokens/s = epochs x answer tokens of the training rows / the trainer's own wall time. tau is "
-              "specdistill's evaluator on each head's vLLM export (the target's embeddings), same prompts and gamma."]
+              "specdistill's evaluator on each head's vLLM export (the target's embeddings), same prompts and gamma. "
+              "'agrees with peer forward': the fraction of slots of the first training row where the converted head's "
+              "step-0 prediction equals the peer's own forward's (1.000 for an exact conversion)."]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -300,7 +315,7 @@ def main(argv=None) -> None:
                 if not a.wall_seconds and rec.get("wall_s"):
                     rec["loss_tokens_per_s"] = loss_tokens / rec["wall_s"]
                 try:
-                    rec["conversion"] = convert_peer(peer, rec, target, target_model)
+                    rec["conversion"] = convert_peer(peer, rec, target, target_model, pdata["first_row"])
                 except Exception as e:  # named in the report, the other arms go on
                     rec["error"] = f"conversion: {type(e).__name__}: {e}"
                     log(f"{name}: {rec['error']}")
