@@ -323,7 +323,7 @@ class _Spawning:
     """A fake vllm module whose LLM starts a child process (as vLLM's EngineCore) and whose engine-core shutdown
     leaves it running (the case the pid fallback exists for); generate can raise SIGTERM in this process."""
 
-    def __init__(self, sigterm_in_generate: bool = False):
+    def __init__(self, signal_in_generate=None):
         import subprocess
         import types
 
@@ -336,12 +336,11 @@ class _Spawning:
                     engine_core=types.SimpleNamespace(shutdown=lambda timeout=None: fake.shutdowns.append(timeout)))
 
             def generate(self, prompts, params, use_tqdm):
-                if sigterm_in_generate:
+                if signal_in_generate is not None:
                     import os
-                    import signal
                     import time
 
-                    os.kill(os.getpid(), signal.SIGTERM)
+                    os.kill(os.getpid(), signal_in_generate)
                     time.sleep(30)  # the handler raises here
                 return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[5, 6])]) for _ in prompts]
 
@@ -364,18 +363,21 @@ def test_the_vllm_engine_is_shut_down_once_its_parts_are_written(tiny, tiny_data
     assert fake.alive() == [False, False] and len(fake.shutdowns) == 2
 
 
-def test_sigterm_during_vllm_regeneration_ends_the_engines_processes(tiny, tiny_data_file, tmp_path, monkeypatch):
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
+def test_a_kill_during_vllm_regeneration_ends_the_engines_processes(signame, tiny, tiny_data_file, tmp_path,
+                                                                    monkeypatch):
     import signal
 
     model, tok = tiny
-    fake = _Spawning(sigterm_in_generate=True)
+    sig = getattr(signal, signame)
+    fake = _Spawning(signal_in_generate=sig)
     monkeypatch.setitem(sys.modules, "vllm", fake.module)
-    before = signal.getsignal(signal.SIGTERM)
+    before = signal.getsignal(sig)
     with pytest.raises(SystemExit) as ended:
         regenerate_store(_cfg(tiny_data_file, tmp_path, engine="vllm"), model, tok, "tiny", AUX, **QUIET)
-    assert ended.value.code == 128 + signal.SIGTERM
+    assert ended.value.code == 128 + sig
     assert fake.alive() == [False] and len(fake.shutdowns) == 1
-    assert signal.getsignal(signal.SIGTERM) is before
+    assert signal.getsignal(sig) is before
     assert not list(tmp_path.glob("*/part-*"))
 
 

@@ -4,7 +4,7 @@ An engine knows nothing about stores or features: pipeline/regenerate.py writes 
 recomputes their features by one prefill per part (recapture_rows). Two engines: HFEngine, specdistill's own batched
 decoder (decoding.target_generate), and VLLMEngine, vLLM's offline LLM.generate on token-id prompts (an optional extra).
 An engine that holds processes or memory of its own has close(); engine_session frees it when regeneration ends, and
-on SIGTERM / SIGINT, so neither training nor a killed run is left with an idle engine's processes.
+on SIGINT, SIGTERM and SIGHUP, so neither training nor a killed run is left with an idle engine's processes.
 """
 from __future__ import annotations
 
@@ -54,28 +54,34 @@ def close_engine(engine) -> None:
         close()
 
 
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # signals whose default action ends the process, skipping cleanup
+
+
 @contextmanager
-def sigterm_exits() -> Iterator[None]:
-    """While the block runs, SIGTERM raises SystemExit(143) in the main thread, so every `finally` and context exit
-    on the way out runs (Python's default for SIGTERM ends the process at once, skipping them); the previous handler
-    is back afterwards. SIGINT already raises KeyboardInterrupt."""
-    old = None
+def signals_exit() -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGHUP raise SystemExit(128 + signal number) in the main thread, so every
+    `finally` and context exit on the way out runs (their default action ends the process at once, skipping them).
+    Only a signal left at its default is taken (one ignored under nohup, or handled by the caller, stays as it is);
+    the previous handlers are back afterwards. SIGINT already raises KeyboardInterrupt."""
+    old = {}
     if threading.current_thread() is threading.main_thread():
         def stop(signum, frame):
             raise SystemExit(128 + signum)
-        old = signal.signal(signal.SIGTERM, stop)
+        for s in ENDING_SIGNALS:
+            if signal.getsignal(s) is signal.SIG_DFL:
+                old[s] = signal.signal(s, stop)
     try:
         yield
     finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 @contextmanager
 def engine_session(make: Callable[[], AnswerEngine]) -> Iterator[AnswerEngine]:
     """The engine `make()` builds, closed when the block is left in any way: at its end (regeneration is over and
-    training should not share the machine with an idle engine), on an error, on SIGINT and on SIGTERM."""
-    with sigterm_exits():
+    training should not share the machine with an idle engine), on an error, on SIGINT, SIGTERM and SIGHUP."""
+    with signals_exit():
         engine = make()
         try:
             yield engine

@@ -282,7 +282,7 @@ def _fill(cfg: RegenerateConfig, target_model, tokenizer, root: Path, inputs: di
         from specdistill.pipeline.engines import VLLMEngine, engine_session
 
         make = partial(VLLMEngine, resolve_model_path(target_path), inputs["target_dtype"], dict(cfg.engine_args))
-        with engine_session(make) as made:  # closed when the parts are written, on an error, SIGINT or SIGTERM
+        with engine_session(make) as made:  # closed when the parts are written or on the way out
             log(f"[regenerate] vLLM engine started (its processes: {sorted(made.processes)}); it is shut down when "
                 "this run's parts are written")
             _fill_from_engine(cfg, made, target_model, tokenizer, root, batches, missing, layers, A, log, progress)
