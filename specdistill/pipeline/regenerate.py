@@ -4,6 +4,8 @@ With data.regenerate.engine=hf it decodes with the shared decoder (decoding.targ
 while decoding; with another answer engine (pipeline/engines.py: vLLM) the engine writes the answers and one prefill
 per part recaptures their features. It writes the store that data/regenerated.py reads and sits above both, so the
 data package never imports decoding. data.regenerate.shard=i/n makes a process write only the parts p % n == i.
+Before writing it says how large the parts can get (and refuses them when the disk cannot hold that much); each part
+records its answer and feature-recapture seconds in the store (pipeline/telemetry.py).
 """
 from __future__ import annotations
 
