@@ -1,5 +1,5 @@
-"""Draft kinds behind one interface (drafts/base.py): standalone LMs and EAGLE-3 heads. A new kind is one file,
-listed in KINDS."""
+"""Draft kinds behind one interface (drafts/base.py): standalone LMs (lm.py), EAGLE-3 heads (eagle3/) and DFlash block
+drafters (dflash/). A new kind is one folder (model, drafter, adapter, export), its adapter listed in KINDS."""
 from __future__ import annotations
 
 import torch

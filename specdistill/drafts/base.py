@@ -1,8 +1,9 @@
 """The draft adapter interface: everything training, decoding, evaluation and export need from one kind of draft.
 
-One subclass per kind (drafts/lm.py: standalone causal LMs; drafts/eagle3/: EAGLE-3 heads), registered in
-drafts/__init__.py. Callers ask `draft_adapter(model)` (a built draft) or `kind_for_init(init)` (a config) and never
-test a draft's type themselves, so a new kind (MTP heads, block drafters) is one new file. This package knows
+One subclass per kind (drafts/lm.py: standalone causal LMs; drafts/eagle3/: EAGLE-3 heads; drafts/dflash/: DFlash
+block drafters), registered in drafts/__init__.py. Callers ask `draft_adapter(model)` (a built draft) or
+`kind_for_init(init)` (a config) and never test a draft's type themselves, so a new kind (MTP heads) is one new folder
+(model.py, drafter.py, adapter.py, export.py). This package knows
 nothing of objectives, rollouts or the evaluator: they sit above it.
 """
 from __future__ import annotations
