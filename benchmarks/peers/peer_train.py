@@ -123,7 +123,8 @@ def train_specforge(spec: dict) -> dict:
     per_step = s["rows_per_step"]
     steps_per_epoch = max(1, len(files) // per_step)
     total = steps_per_epoch * spec["epochs"]
-    warmup_ratio = s["norms"].get("warmup_ratio", s["warmup_steps"] / max(1, total))
+    warmup_ratio = s["norms"].get("warmup_ratio", min(s["warmup_steps"], total - 1) / total)  # its scheduler
+    warmup_ratio = min(warmup_ratio, (total - 1) / total)  # refuses warmup_steps >= total_steps
     opt = BF16Optimizer(draft, lr=s["lr"], weight_decay=s["weight_decay"], max_grad_norm=s["max_grad_norm"] or 1e9,
                         total_steps=total, warmup_ratio=warmup_ratio,
                         lr_scheduler="cosine" if s["schedule"] == "cosine" else "constant")
@@ -261,11 +262,23 @@ def probe_specforge(spec: dict, ids, aux) -> list[int]:
     import torch
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
 
-    model = LlamaForCausalLMEagle3.from_pretrained(Path(spec["out"]) / "head", attention_backend="sdpa").float()
-    with torch.no_grad():
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
+    head = Path(spec["out"]) / "head"
+    # built and loaded by hand: from_pretrained leaves the RoPE buffer of its attention uninitialised (NaN logits)
+    model = LlamaForCausalLMEagle3(LlamaConfig.from_pretrained(head), attention_backend="sdpa").float()
+    model.load_state_dict(load_file(str(head / "model.safetensors")))
+    T = len(ids)
+    with torch.no_grad():  # the calls its training step makes (OnlineEagle3Model, step 0); its forward() gives NaN
         embeds = model.embed_input_ids(torch.cat([ids[1:], ids[:1]])[None])  # slot t reads token t+1
-        h = model(hidden_states=aux[None].float(), inputs_embeds=embeds, ttt_length=1)  # normed
-        return model.lm_head(h)[0, :-1].argmax(-1).tolist()
+        hs = model.project_hidden_states(aux[None].float())
+        mask = model.prepare_decoder_attention_mask(attention_mask=torch.ones(1, T, dtype=torch.long),
+                                                    hidden_states=hs, batch_size=1, seq_length=T,
+                                                    past_key_values_length=0)
+        h = model.backbone(input_embeds=embeds, hidden_states=hs, cache_hidden=[[], []], attention_mask=mask,
+                           position_ids=torch.arange(T)[None], past_key_values=None, use_cache=True)
+        return model.compute_logits(h)[0, :-1].argmax(-1).tolist()
 
 
 def probe_modelopt(spec: dict, ids, aux, model) -> list[int]:
