@@ -117,7 +117,7 @@ def report_md(result: dict) -> str:
                      f"{r['recapture_tok_s'] or '- (while decoding)'} | {r['total_answer_tok_s']} | {r['answer_s']} | "
                      f"{r['recapture_s']} | {r['wall_s']} |")
     by = {r["engine"]: r for r in result["engines"]}
-    if {"hf", "vllm"} <= set(by):
+    if {"hf", "vllm"} <= set(by) and all(by[e]["answer_tok_s"] and by[e]["total_answer_tok_s"] for e in by):
         hf, vl = by["hf"], by["vllm"]
         lines += ["", f"vllm against hf: answers {vl['answer_tok_s'] / hf['answer_tok_s']:.2f}x, answers + features "
                       f"{vl['total_answer_tok_s'] / hf['total_answer_tok_s']:.2f}x, wall "

@@ -509,3 +509,42 @@ def test_setup_vllm_installs_the_build_for_the_machine_into_its_own_venv(gpu, tm
     plain = subprocess.run(["bash", "scripts/setup.sh", "--dry-run"], cwd=repo, env=env, capture_output=True,
                            text=True, check=True).stdout
     assert str(tmp_path / "v") not in plain
+
+
+def test_bench_regenerate_reports_both_engines_stage_by_stage(tiny_target_dir, tiny_data_file, tmp_path, monkeypatch):
+    """scripts/bench_regenerate.py --tiny on the tiny target, vLLM faked (answers [5, 6, 7] to every prompt)."""
+    import importlib.machinery
+    import importlib.util
+    import types
+    from pathlib import Path
+
+    class LLM:
+        def __init__(self, **kw):
+            pass
+
+        def generate(self, prompts, params, use_tqdm):
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[5, 6, 7])]) for _ in prompts]
+
+    fake = types.ModuleType("vllm")
+    fake.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
+    fake.LLM, fake.SamplingParams = LLM, lambda **kw: kw
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    spec = importlib.util.spec_from_file_location(
+        "bench_regenerate", Path(__file__).parent.parent / "scripts" / "bench_regenerate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "out"
+    assert script.main(["--tiny", "--threads", "1", "--out", str(out), "--override", f"target.path={tiny_target_dir}",
+                        "target.dtype=float32", f"data.regenerate.prompts={tiny_data_file}"]) == 0
+    rep = json.loads((out / "bench_regenerate.json").read_text())
+    assert rep["command"].endswith(f"scripts/bench_regenerate.py --tiny --threads 1 --out {out} --override "
+                                   f"target.path={tiny_target_dir} target.dtype=float32 "
+                                   f"data.regenerate.prompts={tiny_data_file}")
+    hf, vl = rep["engines"]
+    assert (hf["engine"], vl["engine"]) == ("hf", "vllm") and hf["parts"] == vl["parts"] == 2
+    assert hf["recapture_s"] == 0 and hf["answer_tok_s"] > 0
+    assert vl["answer_tokens"] == 4 * 3 and vl["recapture_s"] > 0 and vl["recapture_tok_s"] > 0
+    assert rep["comparison"]["prompts"] == 4 and rep["comparison"]["identical"] == 0
+    md = (out / "bench_regenerate.md").read_text()
+    assert "| hf | 2 |" in md and "| vllm | 2 | 12 |" in md and "vllm against hf" in md
+    assert not (out / "stores").exists()  # temporary stores are removed unless --keep-stores

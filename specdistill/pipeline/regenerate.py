@@ -408,8 +408,8 @@ def _log_summary(root: Path, parts: int, log: Callable[[str], None], processes: 
     from specdistill.pipeline.telemetry import write_summary
 
     for engine, st in write_summary(root, parts)["stages"].items():
-        answers = (f"answers {st['answer_s']:.0f} s ({st['answer_tok_s']} tok/s)" if st["answer_s"] else
-                   "answers from a store of other layers")
+        answers = ("answers from a store of other layers" if engine == "donor" else
+                   f"answers {st['answer_s']:.0f} s ({st['answer_tok_s']} tok/s)")
         features = (f"features by prefill {st['recapture_s']:.0f} s ({st['recapture_tok_s']} tok/s)"
                     if st["recapture_s"] else "features captured while decoding")
         log(f"[regenerate] {engine}: {st['parts']} parts, {st['answer_tokens']} answer tokens; {answers}, {features}"

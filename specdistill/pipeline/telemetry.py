@@ -142,12 +142,12 @@ def stage_timing(records: list[PartTiming]) -> dict:
         e["answer_s"] += t.answer_s
         e["recapture_s"] += t.recapture_s
     for e in by.values():
-        e["answer_s"], e["recapture_s"] = round(e["answer_s"], 3), round(e["recapture_s"], 3)
-        e["total_s"] = round(e["answer_s"] + e["recapture_s"], 3)
-        e["answer_tok_s"] = round(e["answer_tokens"] / e["answer_s"], 1) if e["answer_s"] else None
+        a, r = e["answer_s"], e["recapture_s"]
         tokens = e["prompt_tokens"] + e["answer_tokens"]
-        e["recapture_tok_s"] = round(tokens / e["recapture_s"], 1) if e["recapture_s"] else None
-        e["answer_tok_s_overall"] = round(e["answer_tokens"] / e["total_s"], 1) if e["total_s"] else None
+        e.update(answer_s=round(a, 4), recapture_s=round(r, 4), total_s=round(a + r, 4),
+                 answer_tok_s=round(e["answer_tokens"] / a, 1) if a > 0 else None,
+                 recapture_tok_s=round(tokens / r, 1) if r > 0 else None,
+                 answer_tok_s_overall=round(e["answer_tokens"] / (a + r), 1) if a + r > 0 else None)
     return by
 
 
