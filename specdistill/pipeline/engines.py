@@ -89,28 +89,24 @@ def engine_session(make: Callable[[], AnswerEngine]) -> Iterator[AnswerEngine]:
             close_engine(engine)
 
 
-def descendants() -> set[int]:
-    """Pids of this process's children and their children, except multiprocessing's resource tracker (started on
-    first use by whoever needs it, vLLM included, and shared by the whole process; read from a private attribute, as
-    multiprocessing has no public accessor)."""
+def descendants() -> set:
+    """This process's children and their children (psutil.Process objects: equal only for the same pid and start
+    time, so a pid reused later by another process is never taken for one of them), except multiprocessing's
+    resource tracker (started on first use by whoever needs it, vLLM included, and shared by the whole process; read
+    from a private attribute, as multiprocessing has no public accessor)."""
     import psutil
     from multiprocessing import resource_tracker
 
     tracker = getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
-    return {c.pid for c in psutil.Process().children(recursive=True)} - {tracker}
+    return {c for c in psutil.Process().children(recursive=True) if c.pid != tracker}
 
 
-def end_processes(pids: set[int], grace_s: float = 5.0) -> list[int]:
-    """SIGTERM each of `pids` still alive, SIGKILL those alive `grace_s` later; returns the pids that had to be
-    ended. Only pids this process started are passed here (the engine's own processes)."""
+def end_processes(procs: set, grace_s: float = 5.0) -> list[int]:
+    """SIGTERM each of `procs` (psutil.Process) still running, SIGKILL those running `grace_s` later; returns the
+    pids that were still running. Only processes this process started are passed here (the engine's own)."""
     import psutil
 
-    alive = []
-    for pid in sorted(pids):
-        try:
-            alive.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            continue
+    alive = [p for p in procs if p.is_running()]  # is_running is False for a pid now held by another process
     for p in alive:
         try:
             p.terminate()
@@ -123,7 +119,7 @@ def end_processes(pids: set[int], grace_s: float = 5.0) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(left, timeout=grace_s)
-    return [p.pid for p in alive]
+    return sorted(p.pid for p in alive)
 
 
 class HFEngine:
@@ -181,7 +177,7 @@ class VLLMEngine:
             end_processes(descendants() - before)
             raise
         # vLLM's EngineCore (and its workers) run in processes of their own; they are ended with the engine
-        self.processes = descendants() - before
+        self.processes = descendants() - before  # psutil.Process objects
         self._pid = os.getpid()  # a forked child never closes its parent's engine
         atexit.register(self.close)
 

@@ -285,8 +285,8 @@ def _fill(cfg: RegenerateConfig, target_model, tokenizer, root: Path, inputs: di
 
         make = partial(VLLMEngine, resolve_model_path(target_path), inputs["target_dtype"], dict(cfg.engine_args))
         with engine_session(make) as made:  # closed when the parts are written or on the way out
-            log(f"[regenerate] vLLM engine started (its processes: {sorted(made.processes)}); it is shut down when "
-                "this run's parts are written")
+            log(f"[regenerate] vLLM engine started (its processes: {sorted(q.pid for q in made.processes)}); it is "
+                "shut down when this run's parts are written")
             _fill_from_engine(cfg, made, target_model, tokenizer, root, batches, missing, layers, A, log, progress)
     elif missing:
         _fill_by_decoding(cfg, target_model, tokenizer, root, batches, missing, layers, A, log, progress, cache)
