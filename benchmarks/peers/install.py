@@ -73,8 +73,10 @@ def venv_python(peer: str) -> Path:
 
 
 def _record(spec: PeerSpec) -> dict:
-    return {"spec": asdict(spec), "torch": CPU_CONSTRAINTS.read_text().split("torch==")[-1].split()[0],
-            "python": f"{sys.version_info.major}.{sys.version_info.minor}"}
+    """What a venv was made from, as its JSON reads back (tuples as lists), so a record compares equal to itself."""
+    rec = {"spec": asdict(spec), "torch": CPU_CONSTRAINTS.read_text().split("torch==")[-1].split()[0],
+           "python": f"{sys.version_info.major}.{sys.version_info.minor}"}
+    return json.loads(json.dumps(rec))
 
 
 def is_installed(peer: str) -> bool:

@@ -130,3 +130,19 @@ def test_every_arm_shares_the_head_and_ours_uses_our_settings():
         assert arms.arm_record(peer, "defaults", arms.HeadShape())["shape"]["draft_vocab_size"] == 8192
     with pytest.raises(ValueError, match="kinds"):
         arms.settings_for("speculators", "best")
+
+
+def test_install_record_is_reused_and_a_changed_spec_rebuilds(tmp_path, monkeypatch):
+    import json
+
+    from benchmarks.peers import install
+
+    monkeypatch.setenv("SPECDISTILL_PEERS_DIR", str(tmp_path))
+    py = install.venv_python("specforge")
+    py.parent.mkdir(parents=True)
+    py.touch()
+    assert not install.is_installed("specforge")  # no record: the venv is rebuilt
+    (tmp_path / "specforge" / "installed.json").write_text(json.dumps(install._record(install.PEERS["specforge"])))
+    assert install.is_installed("specforge")  # the record as JSON reads it back matches: reused
+    monkeypatch.setitem(install.PEERS, "specforge", install.PeerSpec("specforge", "specforge==0.2.1", deps=()))
+    assert not install.is_installed("specforge")
