@@ -3,7 +3,8 @@
     <peer venv>/bin/python benchmarks/peers/peer_train.py <spec.json>
 
 The spec (written by benchmarks/peers/run.py) names the peer, the arm's settings (arms.py), the data the writers made,
-the target folder, the output folder, the epochs and an optional wall-clock deadline. It writes <out>/head (the head
+the target folder, the output folder, the epochs and an optional training wall-time budget (wall_seconds, counted
+from the start of training). It writes <out>/head (the head
 as the peer saves it) and <out>/train_report.json (wall time, optimizer steps, peak RSS, the loss curve when the
 peer's loop is driven here). Only the standard library, torch and the peer are imported: no specdistill.
 speculators runs its own trainer (speculators.train.cli.main); SpecForge and ModelOpt have no trainer usable offline
@@ -51,7 +52,7 @@ def target_tensor(target: str, names: tuple[str, ...]):
 def train_speculators(spec: dict) -> dict:
     from shims import speculators as shim
 
-    shim.apply(spec.get("deadline"))
+    shim.apply(time.time() + spec["wall_seconds"] if spec.get("wall_seconds") else None)
     from speculators.train.cli import main
     from speculators.train.config import TrainConfig
 
@@ -121,7 +122,7 @@ def train_specforge(spec: dict) -> dict:
     lm_head = target_tensor(spec["target"], ("lm_head.weight", "model.embed_tokens.weight")).float()  # (V, H)
     files = sorted(str(p) for p in Path(d["features"]).glob("*.ckpt"))
     per_step = s["rows_per_step"]
-    steps_per_epoch = max(1, len(files) // per_step)
+    steps_per_epoch = -(-len(files) // per_step)  # every row once per epoch (equal loss tokens): a short last batch
     total = steps_per_epoch * spec["epochs"]
     warmup_ratio = s["norms"].get("warmup_ratio", min(s["warmup_steps"], total - 1) / total)  # its scheduler
     warmup_ratio = min(warmup_ratio, (total - 1) / total)  # refuses warmup_steps >= total_steps
@@ -133,11 +134,12 @@ def train_specforge(spec: dict) -> dict:
     collate = DataCollatorWithPadding()
     rng = random.Random(spec["seed"])
     curve, step, t0 = [], 0, time.perf_counter()
+    deadline = time.time() + spec["wall_seconds"] if spec.get("wall_seconds") else None
     for _ in range(spec["epochs"]):
         order = list(range(len(files)))
         rng.shuffle(order)
         for b in range(steps_per_epoch):
-            if spec.get("deadline") and time.time() > spec["deadline"]:
+            if deadline is not None and time.time() > deadline:
                 break
             rows = [normalize_offline_sample(torch.load(files[i], weights_only=True), spec["max_len"])
                     for i in order[b * per_step:(b + 1) * per_step]]
@@ -197,15 +199,16 @@ def train_modelopt(spec: dict) -> dict:
     files = sorted(str(p) for p in Path(d["dump"]).glob("*.pt"))
     ds = OfflineSupervisedDataset(files, answer_only_loss=True)
     per_step = s["rows_per_step"]
-    steps_per_epoch = max(1, len(files) // per_step)
+    steps_per_epoch = -(-len(files) // per_step)  # every row once per epoch (equal loss tokens): a short last batch
     total = steps_per_epoch * spec["epochs"]
     rng = random.Random(spec["seed"])
     curve, step, t0 = [], 0, time.perf_counter()
+    deadline = time.time() + spec["wall_seconds"] if spec.get("wall_seconds") else None
     for _ in range(spec["epochs"]):
         order = list(range(len(files)))
         rng.shuffle(order)
         for b in range(steps_per_epoch):
-            if spec.get("deadline") and time.time() > spec["deadline"]:
+            if deadline is not None and time.time() > deadline:
                 break
             items = [ds[i] for i in order[b * per_step:(b + 1) * per_step]]
             batch = EagleOfflineDataCollator(train_len=max(len(it["input_ids"]) for it in items))(items)

@@ -3,7 +3,7 @@ on the same regenerated store, converted to the vLLM midlayer format and scored 
 
     python -m benchmarks.peers.run --tiny                       # whole pipeline on a tiny random Llama, ~minutes
     python -m benchmarks.peers.run --epochs 6                   # SmolLM2-135M-Instruct, equal loss tokens
-    python -m benchmarks.peers.run --wall-seconds 1800          # equal wall time per arm
+    python -m benchmarks.peers.run --epochs 100 --wall-seconds 1800   # equal wall time: 30 min of training each
 
 Steps (docs/peers.md): install the peers' venvs (install.py) -> train specdistill's head with recipe=eagle3_serve,
 which writes the store -> write the store in each peer's format (writers.py) -> train every arm in its peer's venv
@@ -157,7 +157,7 @@ def train_peer(a, peer: str, kind: str, shape: HeadShape, target: str, pdata: di
     tokens_per_step = s.tokens_per_step or max(pdata["max_len"], int(s.rows_per_step * pdata["mean_len"]))
     spec = {"peer": peer, "arm": kind, "settings": asdict(s), "shape": asdict(shape), "target": target,
             "data": pdata["data"][peer], "out": str(arm_dir), "epochs": a.epochs, "seed": a.seed,
-            "deadline": (time.time() + a.wall_seconds) if a.wall_seconds else None,
+            "wall_seconds": a.wall_seconds,
             "draft_vocab_size": shape.draft_vocab_size, "peer_aux_ids": arms.peer_aux_ids(peer, shape.aux_layer_ids),
             "tokens_per_step": tokens_per_step, "max_len": pdata["max_len"], "threads": a.threads}
     arm_dir.mkdir(parents=True, exist_ok=True)
