@@ -211,21 +211,17 @@ DRAFTERS = ("draft", "ngram", "target")  # eval.drafter
 
 
 @dataclass
-class TreeConfig:
-    """A token-tree shape (specdistill/decoding/tree.py): each round grows the draft's topk best children per beam for
-    `depth` steps and keeps the `nodes` best by cumulative probability (null: all of them, topk + (depth-1) * topk^2).
-    SGLang serves the same shape with --speculative-eagle-topk=topk, --speculative-num-steps=depth,
-    --speculative-num-draft-tokens=nodes+1."""
-    topk: int = bounded(0, ">= 0")  # 0: chains of gamma drafts; 1: a chain of `depth`
+class TreeEvalConfig:
+    """Token-tree decoding in the evaluator (specdistill/decoding/tree.py): each round grows the draft's topk best
+    children per beam for `depth` steps and keeps the `nodes` best by cumulative probability (null: all of them,
+    topk + (depth-1) * topk^2). SGLang serves the same shape with --speculative-eagle-topk=topk,
+    --speculative-num-steps=depth, --speculative-num-draft-tokens=nodes+1.
+    With eval.measure_recommended the cost model also searches tree shapes (specdistill/eval/tree_search.py): a probe
+    decode with a topk-4 tree of search_depth steps on the first probe_prompts prompts, then every shape of topk 1..4,
+    depth <= search_depth and nodes + 1 <= 32."""
+    topk: int = bounded(0, ">= 0")  # 0: chains of eval.gamma drafts; 1: a chain of `depth`
     depth: int = bounded(4, ">= 1")
     nodes: Optional[int] = bounded(None, ">= 1")
-
-
-@dataclass
-class TreeEvalConfig(TreeConfig):
-    """eval.tree: token trees instead of chains (topk > 0), and the cost model's search over tree shapes when
-    eval.measure_recommended (specdistill/eval/tree_search.py): a probe decode with a topk-4 tree of search_depth
-    steps on the first probe_prompts prompts, then every shape of topk 1..4, depth <= search_depth, nodes + 1 <= 32."""
     probe_prompts: int = bounded(8, ">= 0")  # 0: no tree search (chain lengths only)
     search_depth: int = bounded(6, "[1, 16]")
 

@@ -30,6 +30,12 @@ micro-batch at a time and rescales the gradients by the step's global count afte
 (train/loop.py: accumulate). The replay buffer's updates of a step's micro-batches (priorities, new rejections) wait
 for end_step(), so every micro-batch of a step samples the buffer as it was when the step began, whatever the split.
 
+Token trees (objective.tree_topk > 0): rollouts decode with trees through the evaluator's tree decoder
+(decoding/tree_generate.py); every context of a tree (the root and each node with a child: the accepted path, the
+rejected siblings and the nodes under them) is one position, trained on its own context (off-path ones on branch
+rows), weighted by reach, the probability that verification reaches its node (onpolicy/tree_positions.py,
+tree_opd_loss below).
+
 Config and state: DraftOPDObjective's fields mirror conf/objective/draft_opd.yaml; everything a run accumulates
 (replay buffer, counters, the rollout RNG, a cached rollout, the prompt cursor) is a DraftOPDState (`objective.state`)
 with state_dict() / load_state_dict().
@@ -57,9 +63,10 @@ from specdistill.objectives.base import Models, Objective, StepOutput, keep_posi
 from specdistill.onpolicy.replay import ReplayBuffer, ReplayItem, pack_prefixes
 from specdistill.onpolicy.positions import CATEGORIES, FIRST_REJECTED, DraftedPositions, TargetLogits
 from specdistill.onpolicy.rollout import collect_rollout, left_pad, prompts_from_batch
-from specdistill.onpolicy.weights import WEIGHTINGS, position_weights
+from specdistill.onpolicy.weights import WEIGHTINGS, position_weights, tree_reach_weights
 from specdistill.decoding import check_draft_policy, draft_temperature
 from specdistill.decoding.kv import max_positions
+from specdistill.decoding.tree import TreeShape
 from specdistill.tensors import unwrap, unwrap_target
 from specdistill.tokens import eos_ids, pad_id
 
@@ -189,11 +196,42 @@ class DraftOPDObjective(Objective):
     # off-policy mix: + kd_weight x divergence on the data batch's loss tokens (heads: eagle3's loss)
     kd_weight: float = bounded(0.0, ">= 0")
     seed: int = 0                       # rollout sampling
+    # rollouts decode token trees when tree_topk > 0 (gamma unused): each round grows the draft's tree_topk best
+    # children per beam for tree_depth steps, keeping the tree_nodes best (0: all; decoding/tree.py, as eval.tree).
+    # The loss trains every context of each tree (the accepted path, the rejected siblings and the nodes under them),
+    # weighed by the probability that verification reaches it (weighting=reach) or 1 (none)
+    tree_topk: int = bounded(0, ">= 0")
+    tree_depth: int = bounded(4, ">= 1")
+    tree_nodes: int = bounded(0, ">= 0")
 
     def __post_init__(self):
         check_fields(self, "objective")  # the ranges and choices on the fields above
         check_draft_policy(self.draft_policy, "objective.draft_policy")
         self.mix = parse_divergence(self.divergence)
+        self._check_tree()
+
+    def tree_shape(self) -> Optional[TreeShape]:
+        """The rollouts' token-tree shape; None: chains of gamma drafts (objective.tree_topk=0)."""
+        if self.tree_topk == 0:
+            return None
+        try:
+            return TreeShape(self.tree_topk, self.tree_depth, self.tree_nodes or None)
+        except ValueError as e:
+            raise ValueError(f"objective.tree_topk/tree_depth/tree_nodes: {e}") from None
+
+    def _check_tree(self) -> None:
+        if self.tree_shape() is None:
+            return
+        if self.weighting == "decay":
+            raise ValueError("objective.weighting=decay counts positions after a chain's first rejection; token-tree "
+                             "rollouts (objective.tree_topk > 0) weigh by reach (the probability that verification "
+                             "reaches each node) or none")
+        if not self.assist:
+            raise ValueError("token-tree rollouts (objective.tree_topk > 0) are verified by the target: keep "
+                             "objective.assist=true, or set objective.tree_topk=0 for the draft-only ablation")
+        if self.draft_policy == "sample" and self.temperature > 0:
+            raise ValueError("token-tree rollouts propose each node's top-k children: use objective.draft_policy="
+                             "greedy with objective.tree_topk > 0")
 
     @property
     def state(self) -> DraftOPDState:
@@ -232,8 +270,9 @@ class DraftOPDObjective(Objective):
         #      at the loss temperature (replay priorities; soft at any decoding temperature).
         loss, alpha_roll, priority = self._score(fresh, replay, models)                        # (P + Q,) each
         with torch.no_grad():
-            weight_fresh = position_weights(self.weighting, alpha=alpha_roll[:P], category=fresh.category,
-                                            round_id=fresh.round_id, index=fresh.index, decay=self.decay)
+            weight_fresh = (tree_position_weights(self.weighting, fresh) if fresh.parent is not None else
+                            position_weights(self.weighting, alpha=alpha_roll[:P], category=fresh.category,
+                                             round_id=fresh.round_id, index=fresh.index, decay=self.decay))
             weight = torch.cat([weight_fresh, torch.full((len(replay),), self.replay_weight, device=device)])
             update = _BufferUpdate([it.uid for it in replay], priority[P:])
             if prep.add_to_buffer and self.replay:
@@ -398,7 +437,7 @@ class DraftOPDObjective(Objective):
                                        temperature=self.temperature, draft_policy=self.draft_policy,
                                        assist=self.assist, eos_token_id=eos,
                                        generator=generator, pad_id=pad, top_k=self.target_top_k,
-                                       branches=self.off_trajectory == "branch",
+                                       branches=self.off_trajectory == "branch", tree=self.tree_shape(),
                                        cache=models.decoding or CacheMode())
         finally:
             draft.train(was_training)
@@ -421,6 +460,27 @@ class DraftOPDObjective(Objective):
         state.prompt_pos = (state.prompt_pos + n) % len(state.prompt_ids)
         ids, mask, _ = left_pad(picked, pad)
         return ids, mask
+
+
+def tree_position_weights(kind: str, positions: DraftedPositions) -> torch.Tensor:
+    """(P,) weights of a tree rollout's contexts: reach, the probability that verification reaches the context's
+    node (the product of edge along its path: onpolicy/weights.py), or 1 (none). Detached."""
+    if kind == "reach":
+        return tree_reach_weights(positions.parent, positions.edge)
+    if kind == "none":
+        return torch.ones(positions.parent.shape, dtype=torch.float, device=positions.parent.device)
+    raise ValueError(f"objective.weighting={kind!r} with token-tree rollouts: choose reach or none")
+
+
+def tree_opd_loss(p_logits: torch.Tensor, q_logits: torch.Tensor, parent: torch.Tensor, edge: torch.Tensor,
+                  div: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Draft-OPD's loss on one tree rollout's contexts, as a scalar: sum_u reach(u) D(p_u || q_u) / P.
+
+    p_logits (P, V) the target's logits at each context (the node's row of the verify forward), q_logits (P, V) the
+    draft's there (with grad); parent (P,) long, edge (P,): DraftedPositions' (tree_positions.py); div(p, q) -> (P,)
+    per-position divergence. reach(u) = prod of edge along u's path (detached). The objective returns the same
+    terms per position (StepOutput: loss (P,), weight (P,)) and the loop divides by the global count."""
+    return (div(p_logits, q_logits) * tree_reach_weights(parent, edge)).sum() / max(p_logits.shape[0], 1)
 
 
 def _positions_to(p: DraftedPositions, device) -> DraftedPositions:

@@ -4,8 +4,9 @@ from specdistill.onpolicy.replay import ReplayBuffer, ReplayItem
 from specdistill.onpolicy.positions import (ACCEPTED, AFTER_REJECTION, CATEGORIES, FIRST_REJECTED, DraftedPositions,
                                            RolloutStats, TargetLogits)
 from specdistill.onpolicy.rollout import collect_rollout, prompts_from_batch
-from specdistill.onpolicy.weights import decay_weights, reach_weights
+from specdistill.onpolicy.tree_positions import positions_from_tree_rounds
+from specdistill.onpolicy.weights import decay_weights, reach_weights, tree_reach_weights
 
 __all__ = ["ACCEPTED", "AFTER_REJECTION", "CATEGORIES", "FIRST_REJECTED", "DraftedPositions", "ReplayBuffer",
            "ReplayItem", "RolloutStats", "TargetLogits", "collect_rollout", "decay_weights",
-           "prompts_from_batch", "reach_weights"]
+           "positions_from_tree_rounds", "prompts_from_batch", "reach_weights", "tree_reach_weights"]

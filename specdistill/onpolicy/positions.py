@@ -89,6 +89,10 @@ class DraftedPositions:
     stats: RolloutStats = field(default_factory=RolloutStats)
     source: Optional[list[int]] = None   # R: the trajectory each row comes from (a branch: its round's row)
     aux: Optional[torch.Tensor] = None   # EAGLE-3 heads: (R, L, n_aux * Ht) the target's aux hidden states per row
+    # token-tree rollouts (onpolicy/tree_positions.py): each position's parent position (-1 at a round's root) and
+    # the probability that verification moves from it to this context's node; None for chains
+    parent: Optional[torch.Tensor] = None  # (P,) long
+    edge: Optional[torch.Tensor] = None    # (P,) float
 
     def __len__(self) -> int:
         return self.row.shape[0]

@@ -27,10 +27,13 @@ import torch
 
 from specdistill.decoding import (DEFAULT_DRAFT_POLICY, CacheMode, draft_temperature, probs_from_logits,
                                   speculative_generate, target_generate, verify_greedy, verify_sampling)
+from specdistill.decoding.tree import TreeShape
+from specdistill.decoding.tree_generate import tree_generate
 from specdistill.drafts import draft_adapter
 from specdistill.onpolicy.positions import (ACCEPTED, AFTER_REJECTION, FIRST_REJECTED, DraftedPositions,
                                            RolloutStats, TargetLogits, assemble_positions, positions_from_rounds,
                                            row_features, trajectories)
+from specdistill.onpolicy.tree_positions import positions_from_tree_rounds
 from specdistill.tensors import pad_rows, position_ids
 
 
@@ -140,7 +143,8 @@ def collect_rollout(target_model, draft_model, prompt_ids: torch.Tensor, prompt_
                     gamma: int, max_new_tokens: int, temperature: float = 1.0,
                     draft_policy: str = DEFAULT_DRAFT_POLICY, assist: bool = True,
                     eos_token_id=None, generator: Optional[torch.Generator] = None, pad_id: int = 0,
-                    top_k: int = 0, branches: bool = True, cache: Optional[CacheMode] = None) -> DraftedPositions:
+                    top_k: int = 0, branches: bool = True, cache: Optional[CacheMode] = None,
+                    tree: Optional[TreeShape] = None) -> DraftedPositions:
     """Roll out the draft on left-padded prompts (B, T) and return every drafted position.
 
     target_model / draft_model: HF causal LMs (unwrapped, eval mode). assist=True runs real speculative decoding
@@ -149,6 +153,8 @@ def collect_rollout(target_model, draft_model, prompt_ids: torch.Tensor, prompt_
     temperature > 0 (decoding.DRAFT_POLICIES; greedy = argmax drafts verified one-hot, as the engines serve).
     Drafts that read target features per row (EAGLE-3) get them from the verify forwards (no second target pass).
     cache: the KV caches of the speculative decoding (decoding.CacheMode: static or compiled; None: growing).
+    tree: decode token trees of this shape instead of chains of gamma (decoding/tree_generate.py; draft_policy greedy,
+    assist only); the positions are the trees' contexts, with parent and edge for reach weights (tree_positions.py).
     """
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1 for on-policy rollouts, got {gamma}")
@@ -159,6 +165,9 @@ def collect_rollout(target_model, draft_model, prompt_ids: torch.Tensor, prompt_
     if limit is not None and int(prompt_mask.sum(1).max()) + max_new_tokens > limit:
         raise ValueError(f"prompt + max_new_tokens exceeds the draft's max_position_embeddings={limit}: lower "
                          "objective.max_new_tokens or objective.max_prompt_tokens")
+    if tree is not None and not assist:
+        raise ValueError("token-tree rollouts (objective.tree_topk > 0) are verified by the target: keep "
+                         "objective.assist=true, or set objective.tree_topk=0 for the draft-only ablation")
     if not assist:
         if not draft.decodes_alone:
             raise ValueError(f"objective.assist=false is not available for {draft.kind} drafts: they cannot decode "
@@ -169,6 +178,15 @@ def collect_rollout(target_model, draft_model, prompt_ids: torch.Tensor, prompt_
                              generator=generator, pad_id=pad_id, top_k=top_k)
     draft.check_prompts(prompt_mask)
     layers = draft.row_feature_layers()  # EAGLE-3: the aux layers, kept from the verify forwards as they decode
+    if tree is not None:  # token trees: the contexts of every round's tree (onpolicy/tree_positions.py)
+        rollout = tree_generate(target_model, draft.drafter(), prompt_ids, prompt_mask, tree=tree,
+                                max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos_token_id,
+                                generator=generator, record=True, draft_policy=draft_policy, capture_layers=layers,
+                                cache=cache or CacheMode())
+        positions = positions_from_tree_rounds(prompt_ids, prompt_mask, rollout, top_k, branches)
+        if layers:
+            positions.aux = row_features(rollout.hidden, prompt_mask, positions.rows, positions.source)
+        return positions
     rollout = speculative_generate(target_model, draft.drafter(), prompt_ids, prompt_mask, gamma=gamma,
                                    max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos_token_id,
                                    generator=generator, record=True, draft_policy=draft_policy, capture_layers=layers,

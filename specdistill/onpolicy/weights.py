@@ -5,6 +5,9 @@ reach: position i of a round weighs prod_{j<i} alpha_j, the probability that spe
        this is the weight a position's acceptance has in the speedup.
 decay: accepted positions and the first rejected one weigh 1; the k-th position after the first rejection weighs
        decay^k (Draft-OPD's rejected-draft stream, 0.9^(offset-1) with offset 1 = the first rejected).
+tree reach (token-tree rollouts, onpolicy/tree_positions.py): a context weighs the probability that verification
+       reaches its node, the product of edge (the probability of moving from a node to its child) along its path;
+       the chain's reach is the special case of a tree with one child per node.
 """
 from __future__ import annotations
 
@@ -26,6 +29,22 @@ def reach_weights(alpha: torch.Tensor, round_id: torch.Tensor, index: torch.Tens
     grid[round_id, index] = alpha
     reach = torch.cumprod(torch.cat([grid.new_ones(R, 1), grid[:, :-1]], dim=1), dim=1)  # exclusive cumprod
     return reach[round_id, index]
+
+
+def tree_reach_weights(parent: torch.Tensor, edge: torch.Tensor) -> torch.Tensor:
+    """parent (P,) long the position of each context's parent (-1 at a round's root; parents come first), edge (P,)
+    the probability of moving from the parent to it (1 at a root) -> (P,) reach[u] = edge[u] * reach[parent[u]], the
+    product of edge along u's path. Detached."""
+    edge = edge.detach().float()
+    reach = edge.clone()
+    has_parent = parent >= 0
+    src = parent.clamp(min=0)
+    for _ in range(int(edge.numel())):  # one more generation per pass; stops once nothing changes
+        nxt = torch.where(has_parent, edge * reach[src], edge)
+        if torch.equal(nxt, reach):
+            break
+        reach = nxt
+    return reach
 
 
 def decay_weights(category: torch.Tensor, index: torch.Tensor, round_id: torch.Tensor, decay: float) -> torch.Tensor:
