@@ -98,7 +98,8 @@ def compare(model, results: list[dict]) -> dict | None:
     roots = {r["engine"]: Path(r["store"]) for r in results}
     if set(roots) != {"hf", "vllm"}:
         return None
-    ours, theirs = store_answers(roots["hf"]), store_answers(roots["vllm"])
+    theirs = store_answers(roots["vllm"])  # with --shard: the shard's parts
+    ours = store_answers(roots["hf"], theirs.parts)
     if ours.settings["settings"]["temperature"] != 0 or ours.prompts != theirs.prompts:
         return None
     return compare_answers(model, ours.prompts, ours.answers, theirs.answers).summary()

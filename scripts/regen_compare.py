@@ -23,7 +23,7 @@ def parse(argv):
     ap.add_argument("--other", required=True, help="the store to check (an engine's), a folder holding settings.json")
     ap.add_argument("--ref", default=None, help="the reference store (our decoder's); or pass --rerun")
     ap.add_argument("--rerun", action="store_true", help="decode --other's prompts with our decoder as the reference")
-    ap.add_argument("--parts", type=int, default=None, help="compare parts 0..N-1 (default: all of --other's)")
+    ap.add_argument("--parts", type=int, default=None, help="compare parts 0..N-1 (default: every part --other holds)")
     ap.add_argument("--target", default=None, help="default: the target in --other's settings.json")
     ap.add_argument("--dtype", default=None, help="default: the target dtype in --other's settings.json")
     ap.add_argument("--abs-margin", type=float, default=1e-3, help="logits this close to the best one are tied")
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     from specdistill.models.target import load_causal_lm, load_tokenizer
     from specdistill.pipeline.near_ties import TieMargin, compare_answers, report_md, store_answers
 
-    other = store_answers(Path(a.other), a.parts)
+    other = store_answers(Path(a.other), None if a.parts is None else list(range(a.parts)))
     if other.settings["settings"]["temperature"] != 0:
         raise SystemExit(f"{a.other} holds sampled answers (temperature {other.settings['settings']['temperature']}):"
                          " only greedy (T=0) answers are comparable token for token")
@@ -69,8 +69,7 @@ def main(argv=None) -> int:
         ref = reference_by_decoding(model, load_tokenizer(target), other.prompts, other.settings, a.batch_size)
     else:
         ref_name = "reference"
-        stored = store_answers(Path(a.ref), a.parts if a.parts is not None else len(list(
-            Path(a.other).glob("part-*.safetensors"))))
+        stored = store_answers(Path(a.ref), other.parts)
         diff = [d for d in input_differences(stored.settings, other.settings) if not d.startswith(("layers", "target"))]
         if diff or stored.prompts != other.prompts:
             raise SystemExit(f"{a.ref} and {a.other} answer other prompts or with other settings ({'; '.join(diff)}): "

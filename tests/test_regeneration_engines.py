@@ -548,3 +548,9 @@ def test_bench_regenerate_reports_both_engines_stage_by_stage(tiny_target_dir, t
     md = (out / "bench_regenerate.md").read_text()
     assert "| hf | 2 |" in md and "| vllm | 2 | 12 |" in md and "vllm against hf" in md
     assert not (out / "stores").exists()  # temporary stores are removed unless --keep-stores
+    # one shard of the prompts: its parts only, compared with the same parts of our decoder's store
+    assert script.main(["--tiny", "--threads", "1", "--shard", "1/2", "--out", str(tmp_path / "shard"), "--override",
+                        f"target.path={tiny_target_dir}", "target.dtype=float32",
+                        f"data.regenerate.prompts={tiny_data_file}"]) == 0
+    rep = json.loads((tmp_path / "shard" / "bench_regenerate.json").read_text())
+    assert [e["parts"] for e in rep["engines"]] == [1, 1] and rep["comparison"]["prompts"] == 2

@@ -106,14 +106,20 @@ def compare_answers(model, prompts: list[list[int]], ref: list[list[int]], other
 
 @dataclass
 class StoreAnswers:
-    """The rows of a regenerated store, split into prompts and answers, in store order."""
+    """Rows of a regenerated store split into prompts and answers, in the order of `parts` and of rows within."""
     prompts: list[list[int]]
     answers: list[list[int]]
     settings: dict
+    parts: list[int]
 
 
-def store_answers(root: Path, parts: Optional[int] = None) -> StoreAnswers:
-    """Read a store's parts 0..parts-1 (every part present when None; a gap is an error naming it)."""
+def present_parts(root: Path) -> list[int]:
+    """Indices of the parts a store holds (a shard's store holds every n-th)."""
+    return sorted(int(f.name[5:10]) for f in Path(root).glob("part-*.safetensors"))
+
+
+def store_answers(root: Path, parts: Optional[list[int]] = None) -> StoreAnswers:
+    """Read these parts of a store (default: every part it holds); a missing one is an error naming it."""
     import json
 
     from safetensors.torch import load_file
@@ -122,18 +128,17 @@ def store_answers(root: Path, parts: Optional[int] = None) -> StoreAnswers:
 
     root = Path(root)
     settings = json.loads((root / "settings.json").read_text())
-    if parts is None:
-        parts = len(list(root.glob("part-*.safetensors")))
-    missing = [i for i in range(parts) if not part_path(root, i).exists()]
+    parts = present_parts(root) if parts is None else list(parts)
+    missing = [i for i in parts if not part_path(root, i).exists()]
     if missing:
-        raise FileNotFoundError(f"{root} lacks parts {missing[:5]}: compare the parts both stores have (--parts)")
+        raise FileNotFoundError(f"{root} lacks parts {missing[:5]}: compare parts both stores hold")
     prompts, answers = [], []
-    for i in range(parts):
+    for i in parts:
         t = load_file(str(part_path(root, i)))
         for ids, p in zip(torch.split(t["ids"], t["lengths"].tolist()), t["prompt_lengths"].tolist()):
             prompts.append(ids[:p].tolist())
             answers.append(ids[p:].tolist())
-    return StoreAnswers(prompts, answers, settings)
+    return StoreAnswers(prompts, answers, settings, parts)
 
 
 def report_md(cmp: Comparison, title: str, command: str, ref_name: str, other_name: str) -> str:
