@@ -28,7 +28,9 @@ def parse(argv):
     ap.add_argument("--dtype", default=None, help="default: the target dtype in --other's settings.json")
     ap.add_argument("--abs-margin", type=float, default=1e-3, help="logits this close to the best one are tied")
     ap.add_argument("--rel-margin", type=float, default=1e-3, help="... or this close relative to the best one")
-    ap.add_argument("--batch-size", type=int, default=16, help="--rerun: prompts decoded together")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="--rerun: prompts decoded together (default: the store's, so each part is one batch as in "
+                         "engine=hf)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if (a.ref is None) == (not a.rerun):
@@ -66,7 +68,8 @@ def main(argv=None) -> int:
     model = load_causal_lm(target, a.dtype or other.settings["target_dtype"]).eval()
     if a.rerun:
         ref_name = "our decoder"
-        ref = reference_by_decoding(model, load_tokenizer(target), other.prompts, other.settings, a.batch_size)
+        batch = a.batch_size or other.settings["settings"]["batch_size"]
+        ref = reference_by_decoding(model, load_tokenizer(target), other.prompts, other.settings, batch)
     else:
         ref_name = "reference"
         stored = store_answers(Path(a.ref), other.parts)
