@@ -160,6 +160,13 @@ def markdown(curves: list[RunCurve], command: str) -> str:
     return f"# Learning curves\n\n`{command}`\n\n" + "\n".join(rows) + f"\n\n{notes}\n"
 
 
+def hand_overs(points: list[Point]) -> list[int]:
+    """Indices of the points at a hand-over: the last evaluation of each phase that another phase follows (the loop
+    evaluates at the end of every phase, so it is the hand-over's step). The untrained "before" point is no phase."""
+    trained = [i for i, p in enumerate(points) if p.phase != "before"]
+    return [i for i, nxt in zip(trained, trained[1:]) if points[i].phase != points[nxt].phase]
+
+
 def plot(curves: list[RunCurve], path: Path) -> None:
     import matplotlib
 
@@ -172,6 +179,8 @@ def plot(curves: list[RunCurve], path: Path) -> None:
         xs = ([p.tokens_seen for p in c.points], [p.wall_s / 60 for p in c.points])
         for ax, x in zip(axes, xs):
             ax.plot(x, [p.heldout_tau for p in c.points], "o-", color=color, ms=3, label=c.label)
+            for k in hand_overs(c.points):  # Draft-OPD: warm-up -> on-policy
+                ax.axvline(x[k], color=color, ls=":", lw=1)
         if c.final_eval is not None:
             fe = c.final_eval
             last = (c.tokens_seen or 0, (c.train_wall_s or 0.0) / 60)
@@ -186,8 +195,8 @@ def plot(curves: list[RunCurve], path: Path) -> None:
         ax.set_ylim(bottom=1.0)  # tau >= 1: the axis starts at its floor
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle("lines: held-out simulated tau (teacher-forced proxy); stars: final eval tau (speculative decoding)",
-                 fontsize=9)
+    fig.suptitle("lines: held-out simulated tau (teacher-forced proxy); stars: final eval tau (speculative decoding); "
+                 "dotted: a phase hand-over", fontsize=9)
     fig.tight_layout()
     tmp = path.with_name(path.name + ".tmp.png")
     fig.savefig(tmp, dpi=110)

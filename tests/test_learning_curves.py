@@ -65,6 +65,7 @@ def test_runs_round_trip_into_json_table_and_plot(lc, tmp_path):
     # the untrained draft at 0 tokens / 0 s, then each held-out evaluation at its step's tokens and wall clock
     assert [(p["step"], p["tokens_seen"], p["wall_s"], p["heldout_tau"], p["phase"]) for p in opd["points"]] == [
         (0, 0, 0.0, 1.05, "before"), (3, 90, 12.0, 1.2, "warmup"), (6, 300, 130.0, 1.5, "main")]
+    assert lc.hand_overs(lc.read_run(b).points) == [1] and lc.hand_overs(lc.read_run(a).points) == []
     assert head["points"][-1]["accept_rate_per_pos"] == [0.6, 0.5] and head["heldout_gamma"] == 2
     assert (head["train_wall_s"], head["tokens_seen"], head["steps"], head["final_heldout_tau"]) == (100.0, 210, 5, 1.8)
     assert head["final_eval"]["tau"] == 2.25 and head["final_eval"]["speedup"] == 1.7
