@@ -198,6 +198,9 @@ def train_modelopt(spec: dict) -> dict:
     opt = torch.optim.AdamW(params, lr=s["lr"], betas=tuple(s["betas"]), weight_decay=s["weight_decay"])
     files = sorted(str(p) for p in Path(d["dump"]).glob("*.pt"))
     ds = OfflineSupervisedDataset(files, answer_only_loss=True)
+    # one training length for every batch, as its recipes set training_seq_len: its TTT attention masks are cached
+    # by shape, so batches padded to different lengths fail in attention
+    collate = EagleOfflineDataCollator(train_len=spec["max_len"])
     per_step = s["rows_per_step"]
     steps_per_epoch = -(-len(files) // per_step)  # every row once per epoch (equal loss tokens): a short last batch
     total = steps_per_epoch * spec["epochs"]
@@ -211,7 +214,7 @@ def train_modelopt(spec: dict) -> dict:
             if deadline is not None and time.time() > deadline:
                 break
             items = [ds[i] for i in order[b * per_step:(b + 1) * per_step]]
-            batch = EagleOfflineDataCollator(train_len=max(len(it["input_ids"]) for it in items))(items)
+            batch = collate(items)
             batch["base_model_outputs"] = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v)
                                            for k, v in batch["base_model_outputs"].items()}
             for g in opt.param_groups:
