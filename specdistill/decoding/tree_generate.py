@@ -10,10 +10,10 @@ A round mirrors generate.speculative_generate's, with a tree where the chain was
               the rest of the tree is dropped), next_token becomes the pending token
 Rollout counters are by depth: position_proposed[d] counts row-rounds whose tree reaches depth d+1,
 position_accepted[d] those whose accepted path does (acceptance by depth). Each round is a TreeRound: a RoundRecord
-whose draft_tokens hold the accepted path's drafts (then PAD) and gamma the tree's depth, plus the tree itself, the
-accepted path and node_prob, the target's probability of each node's token at its parent (the cost model's tree search
-replays trees from it: eval/tree_search.py); record=True adds the target's logits at every node the draft fed
-(on-policy training on the tree: onpolicy/tree_positions.py).
+whose draft_tokens hold the accepted path's drafts (then PAD) and gamma the tree's depth, plus the tree itself and the
+accepted path; score_nodes=True adds node_prob, the target's probability of each node's token at its parent (the cost
+model's tree search replays trees from it: eval/tree_search.py); record=True adds that and the target's logits at
+every node the draft fed (on-policy training on the tree: onpolicy/tree_positions.py).
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ class TreeRound(RoundRecord):
 
     tree: Tree | None = None              # the round's proposal: N nodes under the root (the pending token)
     path: torch.Tensor | None = None      # (B, D+1) long node ids from the root to the last accepted node, 0-padded
-    # (B, N) the target's probability of node i's token at its parent, processed at the decoding temperature (greedy:
-    # 1.0 where it is the target's argmax there, else 0): verification reaches a node with the product along its path
-    # (recursive rejection accepts a top-k child x with probability p(x): tree_verify.py)
+    # score_nodes=True or record=True only: (B, N) the target's probability of node i's token at its parent,
+    # processed at the decoding temperature (greedy: 1.0 where it is the target's argmax there, else 0): verification
+    # reaches a node with the product along its path (recursive rejection accepts a top-k child x with probability
+    # p(x): tree_verify.py)
     node_prob: torch.Tensor | None = None
     # record=True only: the contexts the draft proposed children at, the root (0) and every node with a child in the
     # tree, in node order then padded with -1 (B, C); target_logits (inherited) holds the target's raw logits there
@@ -102,11 +103,13 @@ def tree_generate(
     cache: CacheMode = CacheMode(),
     record: bool = False,
     capture_layers: list[int] | None = None,
+    score_nodes: bool = False,
 ) -> Rollout:
     """Generate from target_model with token trees from `drafter`; lossless as speculative_generate is: greedy
     output equals target-only greedy, sampled output is distributed as the target's.
 
-    record: each TreeRound also keeps the target's raw logits at the round's contexts (on-policy training).
+    record: each TreeRound also keeps the target's raw logits at the round's contexts and node_prob (on-policy
+    training). score_nodes: each TreeRound keeps node_prob (the cost model's tree search).
     capture_layers: HF hidden_states ids whose features of every kept token come back in Rollout.hidden, as
     speculative_generate's (the verify forward's columns of the accepted path).
 
@@ -187,7 +190,7 @@ def tree_generate(
             gamma=K, active=active, offset=offset, draft_tokens=torch.where(accepted, verdict.tokens[:, :K], PAD),
             accepted=accepted, num_accepted=n * active, next_token=verdict.next_token, num_emitted=count,
             alpha=verdict.alpha * active[:, None], tree=proposal, path=verdict.path,
-            node_prob=node_probs(proposal, logits, probs), contexts=contexts,
+            node_prob=node_probs(proposal, logits, probs) if record or score_nodes else None, contexts=contexts,
             target_logits=None if contexts is None else logits.gather(
                 1, contexts.clamp(min=0)[..., None].expand(-1, -1, logits.shape[-1]))))
 

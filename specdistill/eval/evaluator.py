@@ -169,12 +169,12 @@ class _Decoders:
             return Run([r.tokens(i) for i in range(len(b.index))], t, r)
         return run
 
-    def tree(self, max_new: int, shape: TreeShape) -> Runner:
+    def tree(self, max_new: int, shape: TreeShape, score_nodes: bool = False) -> Runner:
         def run(b: PromptBatch) -> Run:
             r, t = timed(self.device, lambda: tree_generate(
                 self.target_model, self.drafter, b.input_ids, b.attention_mask, tree=shape, max_new_tokens=max_new,
                 generator=self.generator(), draft_policy=self.cfg.draft_policy, cache=self.cache(),
-                **self._sampling()))
+                score_nodes=score_nodes, **self._sampling()))
             return Run([r.tokens(i) for i in range(len(b.index))], t, r)
         return run
 
@@ -545,7 +545,8 @@ def _tree_candidates(dec: _Decoders, prompt_ids: list[list[int]], batch: PromptB
     D = cfg.tree.search_depth
     probe = TreeShape(tree_search.MAX_TOPK, D)
     probe_batches = dec.batches(prompt_ids[: cfg.tree.probe_prompts], cfg.batch_size)
-    runs = run_pass(probe_batches, {"probe": dec.tree(cfg.max_new_tokens, probe)}, f"probe {probe.name}", progress)
+    runs = run_pass(probe_batches, {"probe": dec.tree(cfg.max_new_tokens, probe, score_nodes=True)},
+                    f"probe {probe.name}", progress)
     rounds = [r for run in runs["probe"] for r in run.rollout.rounds]
     trees = tree_search.probe_trees(probe, rounds)
     if trees is None:
