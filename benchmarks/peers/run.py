@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Optional
 
 from benchmarks.peers import arms, install
 from benchmarks.peers.arms import HeadShape
@@ -194,19 +195,41 @@ def convert_peer(peer: str, rec: dict, target: str, target_model, probe_row) -> 
     return res
 
 
-def evaluate(a, name: str, export: str, target: str, out: Path) -> dict:
-    eval_dir = out / "eval" / name
+def setting_key(temperature: float, gamma: int) -> str:
+    return f"T{temperature:g}-g{gamma}"
+
+
+def evaluate(a, name: str, export: str, target: str, out: Path, temperature: float, gamma: int) -> dict:
+    key = setting_key(temperature, gamma)
+    eval_dir = out / "eval" / key / name
     cmd = [sys.executable, str(REPO / "scripts" / "evaluate.py"), "target=local", f"target.path={target}",
            f"eval.draft_path={export}", f"eval.num_prompts={a.eval_prompts}", f"eval.max_new_tokens={a.eval_tokens}",
-           f"eval.gamma={a.gamma}", f"eval.temperature={a.temperature}", f"eval.output_dir={eval_dir}",
+           f"eval.gamma={gamma}", f"eval.temperature={temperature}", f"eval.output_dir={eval_dir}",
            "eval.overwrite=true"]
-    rc, wall = run_logged(cmd, out / "logs" / f"eval-{name}.log", a.threads)
+    rc, wall = run_logged(cmd, out / "logs" / f"eval-{key}-{name}.log", a.threads)
     if rc != 0:
-        return {"command": shlex.join(cmd), "rc": rc, "error": tail(out / "logs" / f"eval-{name}.log")}
+        return {"command": shlex.join(cmd), "rc": rc, "error": tail(out / "logs" / f"eval-{key}-{name}.log")}
     r = json.loads((eval_dir / "results.json").read_text())
-    return {"command": shlex.join(cmd), "rc": 0, "tau": r["mean_accept_len"],
+    return {"command": shlex.join(cmd), "rc": 0, "tau": r["mean_accept_len"], "dir": str(eval_dir),
             "accept_rate_per_pos": r["accept_rate_per_pos"], "greedy_mismatches": r.get("greedy_mismatches"),
-            "results": str(eval_dir / "results.json"), "eval_s": wall}
+            "eval_s": wall}
+
+
+def paired(results: dict, key: str) -> Optional[dict]:
+    """Every arm against specdistill's head on the same prompts (specdistill.eval.compare: paired bootstrap)."""
+    from specdistill.cli.compare_evals import load_run
+    from specdistill.eval.compare import compare
+
+    runs = []
+    for name, r in results["arms"].items():
+        e = (r.get("evals") or {}).get(key) or {}
+        if "dir" in e:
+            run = load_run(e["dir"], temperature=float(key[1:].split("-")[0]))
+            run.name = name
+            runs.append(run)
+    if not any(r.name == "specdistill" for r in runs) or len(runs) < 2:
+        return None
+    return compare(runs, "specdistill")
 
 
 # --------------------------------------------------------------------------------------------------------- report
@@ -217,8 +240,11 @@ def write_report(out: Path, results: dict) -> None:
              "tokens per epoch, the same for every arm.", "",
              "| arm | tau | a_1..a_4 | loss tokens/s | train wall s | peak RSS MB | agrees with peer forward | "
              "exact in served layout |", "|---|---|---|---|---|---|---|---|"]
+    primary = results["settings"][0]
+    lines[-2:-2] = [f"Scored by specdistill's evaluator at {primary} (T = temperature, g = gamma); every setting's "
+                    "paired table follows.", ""]
     for name, r in results["arms"].items():
-        e = r.get("eval") or {}
+        e = (r.get("evals") or {}).get(primary) or {}
         acc = ", ".join(f"{x:.3f}" for x in (e.get("accept_rate_per_pos") or [])[:4])
         tau = f"{e['tau']:.4f}" if "tau" in e else f"failed: {str(r.get('error') or e.get('error', ''))[-80:]!r}"
         tps = f"{r['loss_tokens_per_s']:.1f}" if r.get("loss_tokens_per_s") else "-"
@@ -233,6 +259,11 @@ def write_report(out: Path, results: dict) -> None:
               "specdistill's evaluator on each head's vLLM export (the target's embeddings), same prompts and gamma. "
               "'agrees with peer forward': the fraction of slots of the first training row where the converted head's "
               "step-0 prediction equals the peer's own forward's (1.000 for an exact conversion)."]
+    from specdistill.eval.compare import markdown
+
+    for key, cmp in (results.get("paired") or {}).items():
+        if cmp:
+            lines += [""] + markdown(cmp, f"## {key}: every arm against specdistill (paired)")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -240,10 +271,10 @@ def write_report(out: Path, results: dict) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        names = [n for n, r in results["arms"].items() if "tau" in (r.get("eval") or {})]
+        names = [n for n, r in results["arms"].items() if "tau" in ((r.get("evals") or {}).get(primary) or {})]
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-        ax1.bar(names, [results["arms"][n]["eval"]["tau"] for n in names])
-        ax1.set(ylabel="tau", title="acceptance length (same decoder)")
+        ax1.bar(names, [results["arms"][n]["evals"][primary]["tau"] for n in names])
+        ax1.set(ylabel="tau", title=f"acceptance length, {primary} (same decoder)")
         ax2.bar(names, [results["arms"][n].get("loss_tokens_per_s") or 0 for n in names])
         ax2.set(ylabel="loss tokens / s", title="training throughput")
         for ax in (ax1, ax2):
@@ -266,8 +297,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=None, help="regenerated prompts (default 800; tiny 16)")
     ap.add_argument("--eval-prompts", type=int, default=None, help="MT-bench prompts scored (default 80; tiny 2)")
     ap.add_argument("--eval-tokens", type=int, default=None, help="new tokens per prompt (default 128; tiny 8)")
-    ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--gammas", type=int, nargs="+", default=[4], help="draft lengths scored (first: the table)")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0], help="sampling temperatures scored")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arm-timeout", type=float, default=None, help="kill a peer arm after this many seconds")
@@ -296,7 +327,9 @@ def main(argv=None) -> None:
     ours = train_ours(a, target, shape, out)
     pdata = write_peer_data(a, ours, target, out, a.peers)
     budget = f"{a.wall_seconds:g} s of training per peer arm" if a.wall_seconds else f"{a.epochs} epoch(s) per arm"
+    settings = [setting_key(t, g) for t in a.temperatures for g in a.gammas]
     results = {"mode": "tiny" if a.tiny else "SmolLM2-135M-Instruct", "command": command, "budget": budget,
+               "settings": settings,
                "target": target, "shape": asdict(shape), "rows": pdata["rows"], "loss_tokens": pdata["loss_tokens"],
                "store": ours["store"], "arms": {}}
     loss_tokens = pdata["loss_tokens"] * a.epochs
@@ -321,12 +354,21 @@ def main(argv=None) -> None:
                     log(f"{name}: {rec['error']}")
             results["arms"][name] = rec
             write_report(out, results)
-    for name, rec in results["arms"].items():
-        export = rec.get("export") if name == "specdistill" else (rec.get("conversion") or {}).get("export")
-        if export:
-            rec["eval"] = evaluate(a, name, export, target, out)
-            log(f"{name}: tau {rec['eval'].get('tau')}")
-        write_report(out, results)
+    results["paired"] = {}
+    for t in a.temperatures:
+        for g in a.gammas:
+            key = setting_key(t, g)
+            for name, rec in results["arms"].items():
+                export = rec.get("export") if name == "specdistill" else (rec.get("conversion") or {}).get("export")
+                if export:
+                    rec.setdefault("evals", {})[key] = evaluate(a, name, export, target, out, t, g)
+                    log(f"{name} at {key}: tau {rec['evals'][key].get('tau')}")
+                write_report(out, results)
+            try:
+                results["paired"][key] = paired(results, key)
+            except Exception as e:  # the unpaired table stands
+                log(f"paired comparison at {key} not made: {type(e).__name__}: {e}")
+            write_report(out, results)
     results["total_s"] = time.perf_counter() - t_start
     write_report(out, results)
     log(f"done in {results['total_s']:.0f} s: {out / 'results.md'}")
