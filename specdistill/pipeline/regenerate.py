@@ -318,8 +318,11 @@ def _bar(total: int, desc: str, progress: bool):
 
 
 def _done(root: Path, t: PartTiming, bar, t0: float, tokens: int) -> None:
-    """A part is written: record its timing, advance the bar (this part's tokens/s and the run's so far)."""
+    """A part is written: record its timing, log it above the bar (where the bar shows), advance the bar (this part's
+    tokens/s and the run's so far)."""
     record_part(root, t)
+    if not bar.disable:
+        bar.write(f"[regenerate] {t.line()}")
     bar.update(1)
     rate = t.answer_tok_s if t.answer_s > 0 else t.recapture_tok_s
     bar.set_postfix(part_tok_s=f"{rate:.0f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
