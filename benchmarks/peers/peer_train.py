@@ -48,6 +48,25 @@ def target_tensor(target: str, names: tuple[str, ...]):
     raise KeyError(f"none of {names} in {target}")
 
 
+class Points:
+    """The head saved at each epoch end, for the learning curves: {epoch, dir, train_s, loss_tokens}. Saving is
+    timed apart, so train_s and the arm's wall_s count training only."""
+
+    def __init__(self, out: Path):
+        self.root, self.rows, self.paused = Path(out) / "epochs", [], 0.0
+
+    def save(self, epoch: int, t0: float, loss_tokens: int, write) -> None:
+        start = time.perf_counter()
+        folder = self.root / str(epoch)
+        write(folder)
+        self.rows.append({"epoch": epoch, "dir": str(folder), "train_s": start - t0 - self.paused,
+                          "loss_tokens": loss_tokens})
+        self.paused += time.perf_counter() - start
+
+    def wall(self, t0: float) -> float:
+        return time.perf_counter() - t0 - self.paused
+
+
 # ---------------------------------------------------------------------------------------------------- speculators
 def train_speculators(spec: dict) -> dict:
     from shims import speculators as shim
@@ -78,7 +97,7 @@ def train_speculators(spec: dict) -> dict:
     if spec["arm"] == "ours":
         argv += ["--full-attention-indices", "0"]
     print("[peers/speculators] speculators train " + " ".join(argv), flush=True)
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     main(TrainConfig.resolve(argv))
     wall = time.perf_counter() - t0
     epochs = sorted((p for p in ckpt.iterdir() if p.name.isdigit() and (p / "model.safetensors").exists()),
@@ -86,7 +105,12 @@ def train_speculators(spec: dict) -> dict:
     if not epochs:
         raise RuntimeError(f"speculators saved no checkpoint under {ckpt}")
     shutil.copytree(epochs[-1], out / "head", dirs_exist_ok=True)
-    return {"wall_s": wall, "epochs_saved": len(epochs), "command": "speculators train " + " ".join(argv)}
+    # its own checkpoint per epoch; the time is when it was written (model building and earlier validation epochs
+    # included), the loss tokens nominal (every training row's answer tokens once per epoch)
+    points = [{"epoch": int(p.name) + 1, "dir": str(p), "train_s": (p / "model.safetensors").stat().st_mtime - wall0,
+               "loss_tokens": (int(p.name) + 1) * d["loss_tokens"]} for p in epochs]
+    return {"wall_s": wall, "epochs_saved": len(epochs), "points": points, "loss_tokens": points[-1]["loss_tokens"],
+            "command": "speculators train " + " ".join(argv)}
 
 
 # ------------------------------------------------------------------------------------------------------ specforge
@@ -133,9 +157,11 @@ def train_specforge(spec: dict) -> dict:
         g["betas"] = tuple(s["betas"])
     collate = DataCollatorWithPadding()
     rng = random.Random(spec["seed"])
-    curve, step, t0 = [], 0, time.perf_counter()
+    curve, step, tokens, points, t0 = [], 0, 0, Points(out), time.perf_counter()
     deadline = time.time() + spec["wall_seconds"] if spec.get("wall_seconds") else None
-    for _ in range(spec["epochs"]):
+    for epoch in range(spec["epochs"]):
+        if deadline is not None and time.time() > deadline:
+            break
         order = list(range(len(files)))
         rng.shuffle(order)
         for b in range(steps_per_epoch):
@@ -144,6 +170,7 @@ def train_specforge(spec: dict) -> dict:
             rows = [normalize_offline_sample(torch.load(files[i], weights_only=True), spec["max_len"])
                     for i in order[b * per_step:(b + 1) * per_step]]
             batch = collate(rows)
+            tokens += int(batch["loss_mask"].sum())
             target = padding(batch["target"].float() @ lm_head.T, left=False)  # (B, T, V): position t+1's logits
             input_ids = padding(batch["input_ids"], left=False)
             plosses, *_ = model(input_ids=input_ids, attention_mask=batch["attention_mask"],
@@ -154,10 +181,11 @@ def train_specforge(spec: dict) -> dict:
             opt.step()
             draft.zero_grad(set_to_none=True)
             step += 1
-            curve.append([time.perf_counter() - t0, step, float(loss)])
-    wall = time.perf_counter() - t0
+            curve.append([points.wall(t0), step, float(loss.detach())])
+        points.save(epoch + 1, t0, tokens, draft.save_pretrained)
+    wall = points.wall(t0)
     draft.save_pretrained(out / "head")
-    return {"wall_s": wall, "steps": step, "curve": curve}
+    return {"wall_s": wall, "steps": step, "curve": curve, "points": points.rows, "loss_tokens": tokens}
 
 
 # ------------------------------------------------------------------------------------------------------- modelopt
@@ -205,9 +233,22 @@ def train_modelopt(spec: dict) -> dict:
     steps_per_epoch = -(-len(files) // per_step)  # every row once per epoch (equal loss tokens): a short last batch
     total = steps_per_epoch * spec["epochs"]
     rng = random.Random(spec["seed"])
-    curve, step, t0 = [], 0, time.perf_counter()
+    arch = dict(cfg["eagle_architecture_config"])
+    arch.update(vocab_size=tcfg["vocab_size"])
+
+    def save_head(folder: Path) -> None:
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items() if k.startswith("eagle_module.")},
+                  str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps(arch, indent=1, default=str))
+
+    curve, step, tokens, points, t0 = [], 0, 0, Points(out), time.perf_counter()
     deadline = time.time() + spec["wall_seconds"] if spec.get("wall_seconds") else None
-    for _ in range(spec["epochs"]):
+    for epoch in range(spec["epochs"]):
+        if deadline is not None and time.time() > deadline:
+            break
         order = list(range(len(files)))
         rng.shuffle(order)
         for b in range(steps_per_epoch):
@@ -215,6 +256,7 @@ def train_modelopt(spec: dict) -> dict:
                 break
             items = [ds[i] for i in order[b * per_step:(b + 1) * per_step]]
             batch = collate(items)
+            tokens += int(batch["loss_mask"].sum())
             batch["base_model_outputs"] = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v)
                                            for k, v in batch["base_model_outputs"].items()}
             for g in opt.param_groups:
@@ -228,17 +270,12 @@ def train_modelopt(spec: dict) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
-            curve.append([time.perf_counter() - t0, step, float(out_.loss)])
-    wall = time.perf_counter() - t0
-    (out / "head").mkdir(parents=True, exist_ok=True)
-    from safetensors.torch import save_file
-
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items() if k.startswith("eagle_module.")},
-              str(out / "head" / "model.safetensors"))
-    arch = dict(cfg["eagle_architecture_config"])
-    arch.update(vocab_size=tcfg["vocab_size"])
-    (out / "head" / "config.json").write_text(json.dumps(arch, indent=1, default=str))
-    return {"wall_s": wall, "steps": step, "curve": curve, "_model": model}
+            curve.append([points.wall(t0), step, float(out_.loss.detach())])
+        points.save(epoch + 1, t0, tokens, save_head)
+    wall = points.wall(t0)
+    save_head(out / "head")
+    return {"wall_s": wall, "steps": step, "curve": curve, "points": points.rows, "loss_tokens": tokens,
+            "_model": model}
 
 
 TRAINERS = {"speculators": train_speculators, "specforge": train_specforge, "modelopt": train_modelopt}

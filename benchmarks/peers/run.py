@@ -110,7 +110,7 @@ def train_ours(a, target: str, shape: HeadShape, out: Path) -> dict:
         over.append(f"trainer.max_minutes={a.wall_seconds / 60:.6g}")
     if a.tiny:
         over += ["data.regenerate.max_new_tokens=24", "data.regenerate.batch_size=8", "trainer.micro_batch_size=4",
-                 "trainer.eval_every=0", "trainer.save_every=1000", "data.heldout_size=4", "eval.max_batches=1"]
+                 "trainer.eval_every=0", "trainer.save_every=2", "data.heldout_size=4", "eval.max_batches=1"]
     cmd = [sys.executable, str(REPO / "train.py"), "recipe=eagle3_serve", *over]
     log("specdistill: " + shlex.join(cmd))
     rc, wall = run_logged(cmd, out / "logs" / "specdistill.log", a.threads)
@@ -118,7 +118,16 @@ def train_ours(a, target: str, shape: HeadShape, out: Path) -> dict:
         raise SystemExit(f"specdistill's run failed (rc {rc}); its log ends:\n{tail(out / 'logs' / 'specdistill.log')}")
     summary = json.loads((run_dir / "summary.json").read_text())
     report = json.loads((run_dir / "data_report.json").read_text())
+    logs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"tokens_seen"' in x]
+    points = []
+    for ck in sorted((run_dir / "checkpoints").glob("step-*")):
+        n = int(ck.name.split("-")[1])
+        seen = [x for x in logs if x["step"] <= n]
+        if seen and (ck / "draft").exists():
+            points.append({"step": n, "dir": str(ck / "draft"), "train_s": seen[-1]["wall_s"],
+                           "loss_tokens": seen[-1]["tokens_seen"]})
     return {"command": shlex.join(cmd), "wall_s": summary.get("wall_s"), "process_s": wall, "run_dir": str(run_dir),
+            "loss_tokens": logs[-1]["tokens_seen"] if logs else None, "points": points,
             "export": str(run_dir / "export" / "vllm"), "store": report["source"].removeprefix("regenerated:"),
             "heldout": report.get("heldout_examples", 0), "train_loss_tokens": report.get("train_loss_tokens"),
             "steps": summary.get("step")}
@@ -176,14 +185,25 @@ def train_peer(a, peer: str, kind: str, shape: HeadShape, target: str, pdata: di
     return rec
 
 
+def convert_folder(peer: str, head_dir: Path, export_dir: Path, target: str, target_model) -> dict:
+    from benchmarks.peers.converters import CONVERTERS, export_converted, read_peer_head
+
+    sd, config = read_peer_head(head_dir)
+    return export_converted(CONVERTERS[peer](sd, config), target_model, target, export_dir)
+
+
+def per_second(rec: dict) -> Optional[float]:
+    """Loss tokens the arm trained on (its own count) per second of its training."""
+    return rec["loss_tokens"] / rec["wall_s"] if rec.get("loss_tokens") and rec.get("wall_s") else None
+
+
 def convert_peer(peer: str, rec: dict, target: str, target_model, probe_row) -> dict:
     """The peer's head as our vLLM export, and how often it predicts what the peer's own forward predicts on the
     first training row (probe.json from peer_train.py)."""
-    from benchmarks.peers.converters import CONVERTERS, agreement, export_converted, read_peer_head
+    from benchmarks.peers.converters import agreement
 
-    sd, config = read_peer_head(Path(rec["arm_dir"]) / "head")
-    conv = CONVERTERS[peer](sd, config)
-    res = export_converted(conv, target_model, target, Path(rec["arm_dir"]) / "export_vllm")
+    res = convert_folder(peer, Path(rec["arm_dir"]) / "head", Path(rec["arm_dir"]) / "export_vllm", target,
+                         target_model)
     head = res.pop("_head")
     probe = json.loads((Path(rec["arm_dir"]) / "probe.json").read_text()) if (Path(rec["arm_dir"]) /
                                                                               "probe.json").exists() else {}
@@ -199,16 +219,18 @@ def setting_key(temperature: float, gamma: int) -> str:
     return f"T{temperature:g}-g{gamma}"
 
 
-def evaluate(a, name: str, export: str, target: str, out: Path, temperature: float, gamma: int) -> dict:
+def evaluate(a, name: str, export: str, target: str, out: Path, temperature: float, gamma: int,
+             eval_dir: Optional[Path] = None, prompts: Optional[int] = None) -> dict:
     key = setting_key(temperature, gamma)
-    eval_dir = out / "eval" / key / name
+    eval_dir = eval_dir or out / "eval" / key / name
+    logfile = out / "logs" / f"eval-{'-'.join(eval_dir.relative_to(out).parts)}.log"
     cmd = [sys.executable, str(REPO / "scripts" / "evaluate.py"), "target=local", f"target.path={target}",
-           f"eval.draft_path={export}", f"eval.num_prompts={a.eval_prompts}", f"eval.max_new_tokens={a.eval_tokens}",
-           f"eval.gamma={gamma}", f"eval.temperature={temperature}", f"eval.output_dir={eval_dir}",
-           "eval.overwrite=true"]
-    rc, wall = run_logged(cmd, out / "logs" / f"eval-{key}-{name}.log", a.threads)
+           f"eval.draft_path={export}", f"eval.num_prompts={prompts or a.eval_prompts}",
+           f"eval.max_new_tokens={a.eval_tokens}", f"eval.gamma={gamma}", f"eval.temperature={temperature}",
+           f"eval.output_dir={eval_dir}", "eval.overwrite=true"]
+    rc, wall = run_logged(cmd, logfile, a.threads)
     if rc != 0:
-        return {"command": shlex.join(cmd), "rc": rc, "error": tail(out / "logs" / f"eval-{key}-{name}.log")}
+        return {"command": shlex.join(cmd), "rc": rc, "error": tail(logfile)}
     r = json.loads((eval_dir / "results.json").read_text())
     return {"command": shlex.join(cmd), "rc": 0, "tau": r["mean_accept_len"], "dir": str(eval_dir),
             "accept_rate_per_pos": r["accept_rate_per_pos"], "greedy_mismatches": r.get("greedy_mismatches"),
@@ -230,6 +252,52 @@ def paired(results: dict, key: str) -> Optional[dict]:
     if not any(r.name == "specdistill" for r in runs) or len(runs) < 2:
         return None
     return compare(runs, "specdistill")
+
+
+def learning_curves(a, results: dict, target: str, target_model, out: Path) -> None:
+    """tau of every arm's epoch-end heads (specdistill: its checkpoints) at the first scoring setting, on
+    --curve-prompts prompts: rec["curve"] = [{loss_tokens, train_s, tau}]."""
+    t, g = a.temperatures[0], a.gammas[0]
+    for name, rec in results["arms"].items():
+        curve = []
+        for pt in rec.get("points") or []:
+            label = f"epoch-{pt['epoch']}" if "epoch" in pt else f"step-{pt['step']}"
+            export = pt["dir"]
+            if name != "specdistill":
+                try:
+                    res = convert_folder(name.split("-")[0], Path(pt["dir"]),
+                                         Path(rec["arm_dir"]) / "points" / label / "export_vllm", target, target_model)
+                    res.pop("_head")
+                    export = res["export"]
+                except Exception as e:  # a point that does not convert is left out, named in the log
+                    log(f"{name} {label}: not converted: {type(e).__name__}: {e}")
+                    continue
+            e = evaluate(a, name, export, target, out, t, g, eval_dir=out / "curves" / name / label,
+                         prompts=a.curve_prompts)
+            if "tau" in e:
+                curve.append({"label": label, "loss_tokens": pt["loss_tokens"], "train_s": pt["train_s"],
+                              "tau": e["tau"]})
+        rec["curve"] = curve
+
+
+def plot_curves(out: Path, results: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, rec in results["arms"].items():
+        c = rec.get("curve") or []
+        if c:
+            ax1.plot([p["loss_tokens"] for p in c], [p["tau"] for p in c], marker="o", label=name)
+            ax2.plot([p["train_s"] for p in c], [p["tau"] for p in c], marker="o", label=name)
+    ax1.set(xlabel="loss tokens trained", ylabel="tau", title="tau against training tokens")
+    ax2.set(xlabel="training wall time (s)", ylabel="tau", title="tau against wall time")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "peers_curves.png", dpi=120)
+    plt.close(fig)
 
 
 # --------------------------------------------------------------------------------------------------------- report
@@ -260,6 +328,13 @@ def write_report(out: Path, results: dict) -> None:
               "'agrees with peer forward': the fraction of slots of the first training row where the converted head's "
               "step-0 prediction equals the peer's own forward's (1.000 for an exact conversion)."]
     from specdistill.eval.compare import markdown
+
+    curves = {n: r["curve"] for n, r in results["arms"].items() if r.get("curve")}
+    if curves:
+        lines += ["", "## Learning curves (peers_curves.png)", "", "| arm | (loss tokens, training s, tau) per point |",
+                  "|---|---|"]
+        lines += [f"| {n} | " + "; ".join(f"({p['loss_tokens']}, {p['train_s']:.1f}, {p['tau']:.3f})" for p in c)
+                  + " |" for n, c in curves.items()]
 
     for key, cmp in (results.get("paired") or {}).items():
         if cmp:
@@ -299,6 +374,8 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-tokens", type=int, default=None, help="new tokens per prompt (default 128; tiny 8)")
     ap.add_argument("--gammas", type=int, nargs="+", default=[4], help="draft lengths scored (first: the table)")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0], help="sampling temperatures scored")
+    ap.add_argument("--curve-prompts", type=int, default=None,
+                    help="prompts scoring each epoch-end head for the learning curves (default 16; tiny 2; 0: none)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arm-timeout", type=float, default=None, help="kill a peer arm after this many seconds")
@@ -308,6 +385,7 @@ def main(argv=None) -> None:
     a.prompts = a.prompts or (16 if a.tiny else 800)
     a.eval_prompts = a.eval_prompts or (2 if a.tiny else 80)
     a.eval_tokens = a.eval_tokens or (8 if a.tiny else 128)
+    a.curve_prompts = (2 if a.tiny else 16) if a.curve_prompts is None else a.curve_prompts
     out = (a.out or REPO / "outputs" / ("peers-tiny" if a.tiny else "peers")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     command = shlex.join([sys.executable, "-m", "benchmarks.peers.run", *(argv if argv is not None else sys.argv[1:])])
@@ -332,9 +410,8 @@ def main(argv=None) -> None:
                "settings": settings,
                "target": target, "shape": asdict(shape), "rows": pdata["rows"], "loss_tokens": pdata["loss_tokens"],
                "store": ours["store"], "arms": {}}
-    loss_tokens = pdata["loss_tokens"] * a.epochs
-    per_s = loss_tokens / ours["wall_s"] if ours.get("wall_s") and not a.wall_seconds else None
-    results["arms"]["specdistill"] = {**ours, "record": {"settings": asdict(arms.OURS)}, "loss_tokens_per_s": per_s}
+    results["arms"]["specdistill"] = {**ours, "record": {"settings": asdict(arms.OURS)},
+                                      "loss_tokens_per_s": per_second(ours)}
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -345,8 +422,7 @@ def main(argv=None) -> None:
             rec = train_peer(a, peer, kind, shape, target, pdata, out)
             rec["record"] = arms.arm_record(peer, kind, shape)
             if rec.get("rc") == 0:
-                if not a.wall_seconds and rec.get("wall_s"):
-                    rec["loss_tokens_per_s"] = loss_tokens / rec["wall_s"]
+                rec["loss_tokens_per_s"] = per_second(rec)
                 try:
                     rec["conversion"] = convert_peer(peer, rec, target, target_model, pdata["first_row"])
                 except Exception as e:  # named in the report, the other arms go on
@@ -369,6 +445,12 @@ def main(argv=None) -> None:
             except Exception as e:  # the unpaired table stands
                 log(f"paired comparison at {key} not made: {type(e).__name__}: {e}")
             write_report(out, results)
+    if a.curve_prompts:
+        learning_curves(a, results, target, target_model, out)
+        try:
+            plot_curves(out, results)
+        except Exception as e:  # the curves stay in results.json
+            log(f"curve plot not written: {e}")
     results["total_s"] = time.perf_counter() - t_start
     write_report(out, results)
     log(f"done in {results['total_s']:.0f} s: {out / 'results.md'}")
