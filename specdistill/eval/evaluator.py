@@ -497,6 +497,7 @@ def _recommend(dec: _Decoders, batches: list[PromptBatch], prompt_ids: list[list
     measured["predicted_speedup"] = rec.predicted_speedup
     measured["ratio"] = measured["decode_speedup"] / rec.predicted_speedup
     measured["within_10pct"] = abs(measured["ratio"] - 1) <= 0.10
+    measured["at_least_main"] = measured["speedup"] >= result.speedup  # overall speedups, prefill included
     model["measured"] = measured
     flags = " ".join(f"{k} {v}" for k, v in rec.flags.items())
     log(f"[eval] cost model: recommended {rec.name} ({flags}): predicted {rec.predicted_speedup:.3f}x, measured "

@@ -226,7 +226,7 @@ def cost_model_markdown(m: dict) -> list[str]:
         marks.setdefault(m["main"]["name"], m["main"])
     lines = ["", "## Cost model", "", "predicted speedup = tau * b / (draft + v(width) + o), in target steps "
              f"(b = {_f(m.get('baseline', 1.0))}: a step of target-only decoding; o: the round's bookkeeping)", "",
-             "| setting | predicted tau | draft | width | v(width) | o | predicted speedup | measured |",
+             "| setting | predicted tau | draft | width | v(width) | o | predicted speedup | measured decode speedup |",
              "|---|---|---|---|---|---|---|---|"]
     for s in m["settings"]:
         mk = marks.get(s["name"])

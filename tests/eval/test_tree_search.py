@@ -107,6 +107,7 @@ def test_the_recommended_setting_is_searched_over_chains_and_trees_and_measured(
     assert measured["name"] == m["recommended"] and measured["decode_speedup"] > 0
     assert measured["ratio"] == pytest.approx(measured["decode_speedup"] / measured["predicted_speedup"])
     assert measured["within_10pct"] == (abs(measured["ratio"] - 1) <= 0.1)
+    assert measured["at_least_main"] == (measured["speedup"] >= r.speedup)
     if measured["decoded"]:
         assert measured["greedy_mismatches"] == 0
     assert m["main"]["name"] == "chain3" and any(n.startswith("trees searched") for n in m["notes"])
