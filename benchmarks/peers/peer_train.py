@@ -68,13 +68,8 @@ class Points:
 
 
 # ---------------------------------------------------------------------------------------------------- speculators
-def train_speculators(spec: dict) -> dict:
-    from shims import speculators as shim
-
-    shim.apply(time.time() + spec["wall_seconds"] if spec.get("wall_seconds") else None)
-    from speculators.train.cli import main
-    from speculators.train.config import TrainConfig
-
+def speculators_argv(spec: dict) -> list[str]:
+    """`speculators train` flags for an arm: its settings, our data, aux ids and vocabulary, the CPU flags."""
     s, d, out = spec["settings"], spec["data"], Path(spec["out"])
     ckpt = out / "ckpt"
     argv = ["--verifier-name-or-path", spec["target"], "--data-path", d["root"], "--save-path", str(ckpt),
@@ -96,6 +91,19 @@ def train_speculators(spec: dict) -> dict:
     argv.append("--norm-output" if norms.get("norm_output", True) else "--no-norm-output")
     if spec["arm"] == "ours":
         argv += ["--full-attention-indices", "0"]
+    return argv
+
+
+def train_speculators(spec: dict) -> dict:
+    from shims import speculators as shim
+
+    shim.apply(time.time() + spec["wall_seconds"] if spec.get("wall_seconds") else None)
+    from speculators.train.cli import main
+    from speculators.train.config import TrainConfig
+
+    d, out = spec["data"], Path(spec["out"])
+    ckpt = out / "ckpt"
+    argv = speculators_argv(spec)
     print("[peers/speculators] speculators train " + " ".join(argv), flush=True)
     t0, wall0 = time.perf_counter(), time.time()
     main(TrainConfig.resolve(argv))

@@ -1,0 +1,58 @@
+"""The peer runner's pure parts, importable without any peer: the speculators flags each arm gets, the learning-rate
+schedules of the driven loops, and the epoch-end head bookkeeping that keeps saving out of the training time."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+import pytest
+
+from benchmarks.peers import arms
+from benchmarks.peers.peer_train import Points, lr_factor, speculators_argv
+
+
+def spec_for(kind: str) -> dict:
+    return {"peer": "speculators", "arm": kind, "settings": asdict(arms.settings_for("speculators", kind)),
+            "target": "/t", "data": {"root": "/d", "d2t_path": "/d/d2t-8192.npy", "t2d_path": "/d/t2d-8192.npy",
+                                     "train_data_ratio": 0.97},
+            "out": "/o", "epochs": 6, "seed": 0, "draft_vocab_size": 8192,
+            "peer_aux_ids": arms.peer_aux_ids("speculators", (2, 15, 27)), "tokens_per_step": 1500}
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_speculators_arm_at_our_settings_trains_the_served_layout():
+    argv = speculators_argv(spec_for("ours"))
+    assert {"--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output"} <= set(argv)
+    assert flag(argv, "--ttt-steps") == "4" and flag(argv, "--ttt-step-loss-decay") == "0.8"
+    assert flag(argv, "--optimizer") == "adamw" and flag(argv, "--scheduler-type") == "none"
+    assert flag(argv, "--full-attention-indices") == "0"
+    i = argv.index("--target-layer-ids")
+    assert argv[i + 1: i + 4] == ["2", "15", "27"]  # vLLM's convention, as ours
+    # CPU flags: no Triton loss, no flex attention, fp32 features, no dataloader workers
+    assert flag(argv, "--loss-implementation") == "eager" and flag(argv, "--draft-attn-impl") == "sdpa"
+    assert flag(argv, "--hidden-states-dtype") == "float32" and flag(argv, "--num-workers") == "0"
+    assert flag(argv, "--d2t-path").endswith("d2t-8192.npy") and flag(argv, "--draft-vocab-size") == "8192"
+
+
+def test_speculators_defaults_keep_its_norms_optimizer_and_depth():
+    argv = speculators_argv(spec_for("defaults"))
+    assert {"--norm-before-residual", "--norm-before-fc", "--norm-output"} <= set(argv)
+    assert flag(argv, "--optimizer") == "muon" and flag(argv, "--ttt-steps") == "3"
+    assert flag(argv, "--scheduler-type") == "linear" and "--full-attention-indices" not in argv
+
+
+def test_lr_factor_warms_up_then_follows_the_schedule():
+    assert lr_factor(0, 100, 10, "constant") == pytest.approx(0.1)
+    assert lr_factor(50, 100, 10, "constant") == 1.0
+    assert lr_factor(10, 100, 10, "linear") == 1.0 and lr_factor(100, 100, 10, "linear") == 0.0
+    assert lr_factor(55, 100, 10, "cosine") == pytest.approx(0.5)
+
+
+def test_points_leave_saving_out_of_the_training_time(tmp_path):
+    pts, t0 = Points(tmp_path), time.perf_counter()
+    pts.save(1, t0, 100, lambda folder: time.sleep(0.2))
+    assert pts.wall(t0) < 0.1 and pts.rows[0]["train_s"] < 0.1  # the 0.2 s save is not training time
+    assert pts.rows[0] == {**pts.rows[0], "epoch": 1, "loss_tokens": 100, "dir": str(tmp_path / "epochs" / "1")}
