@@ -254,6 +254,33 @@ def paired(results: dict, key: str) -> Optional[dict]:
     return compare(runs, "specdistill")
 
 
+def serve_in_vllm(a, results: dict, target: str, out: Path) -> None:
+    """One head per trainer (specdistill's, and each peer's first scored arm) served by vLLM's CPU build
+    (scripts/vllm_check.py in --vllm-python's venv, made by scripts/engine_test.sh): the engine's own tau beside our
+    evaluator's at the first setting (vLLM decodes greedily, so only T=0 compares)."""
+    key, seen = results["settings"][0], set()
+    for name, rec in results["arms"].items():
+        trainer = name.split("-")[0]
+        e = (rec.get("evals") or {}).get(key) or {}
+        export = rec.get("export") if name == "specdistill" else (rec.get("conversion") or {}).get("export")
+        if trainer in seen or "dir" not in e or not export:
+            continue
+        seen.add(trainer)
+        res_file = out / "vllm" / f"{name}.json"
+        res_file.parent.mkdir(parents=True, exist_ok=True)
+        cmd = ["env", "VLLM_CPU_KVCACHE_SPACE=2", a.vllm_python, str(REPO / "scripts" / "vllm_check.py"), "--target",
+               target, "--draft", export, "--num-prompts", str(a.eval_prompts), "--max-tokens", str(a.eval_tokens),
+               "--gamma", str(a.gammas[0]), "--out", str(res_file), "--ours", str(Path(e["dir"]) / "results.json")]
+        rc, wall = run_logged(cmd, out / "logs" / f"vllm-{name}.log", a.threads)
+        rec["vllm"] = {"command": shlex.join(cmd), "rc": rc, "s": wall}
+        if rc == 0 and res_file.exists():
+            r = json.loads(res_file.read_text())
+            rec["vllm"].update(tau=r.get("mean_accept_len"), ours_tau=e.get("tau"))
+        else:
+            rec["vllm"]["error"] = tail(out / "logs" / f"vllm-{name}.log")
+        log(f"{name} served by vLLM: tau {rec['vllm'].get('tau')} (our evaluator {e.get('tau')})")
+
+
 def learning_curves(a, results: dict, target: str, target_model, out: Path) -> None:
     """tau of every arm's epoch-end heads (specdistill: its checkpoints) at the first scoring setting, on
     --curve-prompts prompts: rec["curve"] = [{loss_tokens, train_s, tau}]."""
@@ -329,6 +356,11 @@ def write_report(out: Path, results: dict) -> None:
               "step-0 prediction equals the peer's own forward's (1.000 for an exact conversion)."]
     from specdistill.eval.compare import markdown
 
+    served = {n: r["vllm"] for n, r in results["arms"].items() if r.get("vllm")}
+    if served:
+        lines += ["", "## Served by vLLM's CPU build (one head per trainer)", "",
+                  "| arm | vLLM tau | our evaluator's tau |", "|---|---|---|"]
+        lines += [f"| {n} | {v.get('tau', 'failed')} | {v.get('ours_tau', '-')} |" for n, v in served.items()]
     curves = {n: r["curve"] for n, r in results["arms"].items() if r.get("curve")}
     if curves:
         lines += ["", "## Learning curves (peers_curves.png)", "", "| arm | (loss tokens, training s, tau) per point |",
@@ -376,6 +408,8 @@ def main(argv=None) -> None:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0], help="sampling temperatures scored")
     ap.add_argument("--curve-prompts", type=int, default=None,
                     help="prompts scoring each epoch-end head for the learning curves (default 16; tiny 2; 0: none)")
+    ap.add_argument("--vllm-python", default=None,
+                    help="python of a vLLM venv (scripts/engine_test.sh makes .venv-vllm): serve one head per trainer")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arm-timeout", type=float, default=None, help="kill a peer arm after this many seconds")
@@ -445,6 +479,9 @@ def main(argv=None) -> None:
             except Exception as e:  # the unpaired table stands
                 log(f"paired comparison at {key} not made: {type(e).__name__}: {e}")
             write_report(out, results)
+    if a.vllm_python:
+        serve_in_vllm(a, results, target, out)
+        write_report(out, results)
     if a.curve_prompts:
         learning_curves(a, results, target, target_model, out)
         try:
