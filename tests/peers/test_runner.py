@@ -56,3 +56,27 @@ def test_points_leave_saving_out_of_the_training_time(tmp_path):
     pts.save(1, t0, 100, lambda folder: time.sleep(0.2))
     assert pts.wall(t0) < 0.1 and pts.rows[0]["train_s"] < 0.1  # the 0.2 s save is not training time
     assert pts.rows[0] == {**pts.rows[0], "epoch": 1, "loss_tokens": 100, "dir": str(tmp_path / "epochs" / "1")}
+
+
+def test_report_lists_every_arm_its_failures_curves_and_vllm(tmp_path):
+    import json
+
+    from benchmarks.peers.run import write_report
+
+    ev = {"tau": 2.5, "accept_rate_per_pos": [0.8, 0.6, 0.5, 0.4], "dir": str(tmp_path)}
+    results = {"mode": "tiny", "command": "python -m benchmarks.peers.run --tiny", "budget": "1 epoch(s) per arm",
+               "rows": 15, "loss_tokens": 360, "settings": ["T0-g4"], "paired": {"T0-g4": None}, "arms": {
+                   "specdistill": {"evals": {"T0-g4": ev}, "loss_tokens_per_s": 100.0, "wall_s": 3.6,
+                                   "vllm": {"tau": 2.4, "ours_tau": 2.5},
+                                   "curve": [{"loss_tokens": 360, "train_s": 3.6, "tau": 2.5}]},
+                   "speculators-defaults": {"evals": {"T0-g4": ev}, "wall_s": 9.0, "peak_rss_mb": 900,
+                                            "conversion": {"exact": False, "inexact": ["norm_output: fed back"],
+                                                           "agreement_with_peer_forward": 0.25}},
+                   "modelopt-ours": {"rc": 1, "error": "RuntimeError: boom"}}}
+    write_report(tmp_path, results)
+    md = (tmp_path / "results.md").read_text()
+    assert "| specdistill | 2.5000 | 0.800, 0.600, 0.500, 0.400 | 100.0 | 3.6 |" in md
+    assert "| speculators-defaults | 2.5000 |" in md and "0.250 | approx: norm_output |" in md
+    assert "modelopt-ours | failed: 'RuntimeError: boom'" in md
+    assert "Served by vLLM" in md and "(360, 3.6, 2.500)" in md and "Command: `python -m benchmarks.peers.run" in md
+    assert json.loads((tmp_path / "results.json").read_text())["arms"]["specdistill"]["vllm"]["tau"] == 2.4
