@@ -16,9 +16,11 @@ through a deadline in peer_train.py).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -64,8 +66,6 @@ def tail(path: Path, n: int = 15) -> str:
 # --------------------------------------------------------------------------------------------------------- target
 def make_tiny_target(folder: Path) -> Path:
     """A random 4-layer Llama (hidden 64) with SmolLM2's tokenizer and chat template: real prompts, seconds to run."""
-    import shutil
-
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -146,16 +146,34 @@ def write_peer_data(a, ours: dict, target: str, out: Path, peers: list[str]) -> 
     train, held = rows[: len(rows) - ours["heldout"]], rows[len(rows) - ours["heldout"]:]
     sd = load_file(str(Path(ours["export"]) / "model.safetensors"))
     d2t, t2d = sd["d2t"], sd["t2d"]  # the same draft vocabulary for every arm
-    data = {}
-    if "speculators" in peers:
+    source = {"store": ours["store"], "rows": len(train), "held": len(held),
+              "d2t": hashlib.sha256(d2t.numpy().tobytes()).hexdigest()[:16]}
+
+    def cached(peer: str, make) -> dict:
+        """The peer's data folder, written again only when the store, the rows or the vocabulary changed."""
+        folder = out / "data" / peer
+        meta, src = folder / "specdistill_peer_data.json", folder / "source.json"
+        if meta.exists() and src.exists() and json.loads(src.read_text()) == source:
+            log(f"[peers/data] {peer}: reusing {folder}")
+            return json.loads(meta.read_text())
+        if folder.exists():
+            shutil.rmtree(folder)
+        made = make(folder)
+        src.write_text(json.dumps(source))
+        return made
+
+    def speculators_data(folder: Path) -> dict:
         model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
         pad = pad_id(AutoTokenizer.from_pretrained(target))
-        meta = writers.write_speculators(train, held, out / "data" / "speculators", model, pad, d2t, t2d, log=log)
-        data["speculators"] = {**meta, "root": str(out / "data" / "speculators")}
+        return writers.write_speculators(train, held, folder, model, pad, d2t, t2d, log=log)
+
+    data = {}
+    if "speculators" in peers:
+        data["speculators"] = {**cached("speculators", speculators_data), "root": str(out / "data" / "speculators")}
     if "specforge" in peers:
-        data["specforge"] = writers.write_specforge(train, out / "data" / "specforge", d2t, t2d, log=log)
+        data["specforge"] = cached("specforge", lambda f: writers.write_specforge(train, f, d2t, t2d, log=log))
     if "modelopt" in peers:
-        data["modelopt"] = writers.write_modelopt(train, out / "data" / "modelopt", d2t, log=log)
+        data["modelopt"] = cached("modelopt", lambda f: writers.write_modelopt(train, f, d2t, log=log))
     lengths = [len(r.ids) for r in train]
     return {"data": data, "rows": len(train), "loss_tokens": writers.answer_tokens(train),
             "mean_len": sum(lengths) / len(lengths), "max_len": max(lengths), "first_row": train[0]}
