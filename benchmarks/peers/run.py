@@ -359,7 +359,8 @@ def write_report(out: Path, results: dict) -> None:
     for name, r in results["arms"].items():
         e = (r.get("evals") or {}).get(primary) or {}
         acc = ", ".join(f"{x:.3f}" for x in (e.get("accept_rate_per_pos") or [])[:4])
-        tau = f"{e['tau']:.4f}" if "tau" in e else f"failed: {str(r.get('error') or e.get('error', ''))[-80:]!r}"
+        err = r.get("error") or e.get("error")
+        tau = f"{e['tau']:.4f}" if "tau" in e else (f"failed: {str(err)[-80:]!r}" if err else "not scored")
         tps = f"{r['loss_tokens_per_s']:.1f}" if r.get("loss_tokens_per_s") else "-"
         wall = f"{r['wall_s']:.1f}" if r.get("wall_s") else "-"
         rss = f"{r['peak_rss_mb']:.0f}" if r.get("peak_rss_mb") else "-"
