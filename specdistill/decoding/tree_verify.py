@@ -71,12 +71,10 @@ def _finish(tree: Tree, last: torch.Tensor, next_token: torch.Tensor, child_mass
     return TreeVerdict(path=path * on, num_accepted=n, next_token=next_token, alpha=alpha, tokens=tokens)
 
 
-def _child_mass(tree: Tree, probs: torch.Tensor) -> torch.Tensor:
-    """(B, N+1): the mass probs (B, N+1, V) of each node puts on its children's tokens."""
+def _child_mass(tree: Tree, p_child: torch.Tensor) -> torch.Tensor:
+    """(B, N+1): the mass each node puts on its children's tokens, from p_child (B, N) each node's at its parent."""
     B, N = tree.tokens.shape
-    at_parent = probs.gather(1, tree.parents[..., None].expand(-1, -1, probs.shape[-1]))  # (B, N, V)
-    p_child = at_parent.gather(2, tree.tokens[..., None]).squeeze(-1)                       # (B, N)
-    return torch.zeros(B, N + 1, device=probs.device).scatter_add_(1, tree.parents, p_child.float())
+    return torch.zeros(B, N + 1, device=p_child.device).scatter_add_(1, tree.parents, p_child.float())
 
 
 def verify_tree_greedy(tree: Tree, target_logits: torch.Tensor) -> TreeVerdict:
@@ -90,8 +88,7 @@ def verify_tree_greedy(tree: Tree, target_logits: torch.Tensor) -> TreeVerdict:
     for _ in range(tree.max_depth):  # parents come first, so depth passes settle every node
         ok = torch.cat([ok[:, :1], match & ok.gather(1, tree.parents)], dim=1)
     last = torch.where(ok, tree.depths(), -1).argmax(1)                     # (B,) the deepest matching node
-    one_hot = F.one_hot(top, target_logits.shape[-1]).float()                # (B, N+1, V)
-    return _finish(tree, last, top.gather(1, last[:, None]).squeeze(1), _child_mass(tree, one_hot))
+    return _finish(tree, last, top.gather(1, last[:, None]).squeeze(1), _child_mass(tree, match))
 
 
 def verify_tree_sampling(tree: Tree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None = None,
@@ -130,4 +127,6 @@ def verify_tree_sampling(tree: Tree, target_probs: torch.Tensor, draft_probs: to
         walking &= moved
     # r == q leaves no residual mass; a rejection there is a rounding artifact: p is the residual's limit.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[rows, cur])
-    return _finish(tree, cur, sample(residual, generator), _child_mass(tree, p))
+    V = p.shape[-1]
+    p_child = p.flatten(1).gather(1, tree.parents * V + tree.tokens)        # (B, N) each node's p at its parent
+    return _finish(tree, cur, sample(residual, generator), _child_mass(tree, p_child))
