@@ -67,6 +67,7 @@ from specdistill.onpolicy.weights import WEIGHTINGS, position_weights, tree_reac
 from specdistill.decoding import check_draft_policy, draft_temperature
 from specdistill.decoding.kv import max_positions
 from specdistill.decoding.tree import TreeShape
+from specdistill.decoding.tree_generate import proposes_trees
 from specdistill.tensors import unwrap, unwrap_target
 from specdistill.tokens import eos_ids, pad_id
 
@@ -386,8 +387,13 @@ class DraftOPDObjective(Objective):
             raise ValueError("objective=draft_opd needs the whole draft on every rank (one process or DDP): rollouts "
                              "run a data-dependent number of draft forwards per rank, which a sharded draft (FSDP / "
                              "DeepSpeed ZeRO-3, whose forwards are collectives) cannot do without ranks hanging")
-        draft_adapter(draft).check_target(target, "on-policy distillation compares the two distributions token by "
-                                          "token; use a draft with the target's tokenizer")
+        adapter = draft_adapter(draft)
+        adapter.check_target(target, "on-policy distillation compares the two distributions token by token; use a "
+                             "draft with the target's tokenizer")
+        if self.tree_shape() is not None and not proposes_trees(adapter.drafter()):
+            raise ValueError(f"objective.tree_topk={self.tree_topk}: a {adapter.kind} draft cannot score alternatives "
+                             "(it drafts one token per position), so it cannot grow token trees; set "
+                             "objective.tree_topk=0 for chain rollouts (LM drafts and EAGLE-3 heads grow trees)")
 
     @torch.no_grad()
     def _prepare(self, batch: dict, models: Models) -> _Prepared:
