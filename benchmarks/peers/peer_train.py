@@ -97,7 +97,7 @@ def speculators_argv(spec: dict) -> list[str]:
 def train_speculators(spec: dict) -> dict:
     from shims import speculators as shim
 
-    shim.apply(time.time() + spec["wall_seconds"] if spec.get("wall_seconds") else None)
+    shim.apply(spec.get("wall_seconds"))
     from speculators.train.cli import main
     from speculators.train.config import TrainConfig
 
@@ -113,11 +113,13 @@ def train_speculators(spec: dict) -> dict:
     if not epochs:
         raise RuntimeError(f"speculators saved no checkpoint under {ckpt}")
     shutil.copytree(epochs[-1], out / "head", dirs_exist_ok=True)
-    # its own checkpoint per epoch; the time is when it was written (model building and earlier validation epochs
-    # included), the loss tokens nominal (every training row's answer tokens once per epoch)
-    points = [{"epoch": int(p.name) + 1, "dir": str(p), "train_s": (p / "model.safetensors").stat().st_mtime - wall0,
+    # its own checkpoint per epoch, at the training time the shim saw it saved (validation and saving left out); the
+    # loss tokens are nominal: every training row's answer tokens once per epoch
+    points = [{"epoch": int(p.name) + 1, "dir": str(p),
+               "train_s": shim.EPOCH_TRAIN_S.get(int(p.name), (p / "model.safetensors").stat().st_mtime - wall0),
                "loss_tokens": (int(p.name) + 1) * d["loss_tokens"]} for p in epochs]
-    return {"wall_s": wall, "epochs_saved": len(epochs), "points": points, "loss_tokens": points[-1]["loss_tokens"],
+    return {"wall_s": shim.TIMES["run_training"] or wall, "process_s": wall, "timings": dict(shim.TIMES),
+            "epochs_saved": len(epochs), "points": points, "loss_tokens": points[-1]["loss_tokens"],
             "command": "speculators train " + " ".join(argv)}
 
 
