@@ -1,6 +1,7 @@
 """Peak memory of the EAGLE-3 head's training-time-test (TTT) attention: the fused implementation
-(specdistill.drafts.eagle3.model._ttt_attend, one scaled_dot_product_attention call per step) against the naive one that
-materialises the (B, heads, T, T) scores, for one training step (forward + backward) at a given length and depth.
+(specdistill.drafts.eagle3.model._ttt_attend, one scaled_dot_product_attention call per step) against the naive one
+(naive_ttt_attend, beside it) that materialises the (B, heads, T, T) scores, for one training step (forward +
+backward) at a given length and depth.
 
 Each measurement runs in its own process: it resets the kernel's peak-RSS mark (/proc/self/clear_refs), runs the
 step, and reports VmHWM minus the RSS before the step. glibc is told to serve every block of 64 KiB or more with mmap
@@ -25,21 +26,6 @@ import subprocess
 import sys
 
 
-def naive_ttt_attend(q, k0, v0, allow, diag_k, diag_v, scale):
-    """The TTT attention written out: full (n, T) scores masked with the dtype's minimum, one softmax over the step-0
-    block and the diagonals (the implementation the fused one replaced; tests/test_gpu_path.py keeps the same)."""
-    import torch
-
-    T = k0.shape[2]
-    s0 = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~allow, torch.finfo(q.dtype).min)  # (B, nh, n, T)
-    diag = [(q * kk).sum(-1, keepdim=True) * scale for kk in diag_k]                     # j x (B, nh, n, 1)
-    p = torch.cat([s0] + diag, dim=-1).float().softmax(-1).to(q.dtype)
-    out = p[..., :T] @ v0
-    for i, vv in enumerate(diag_v):
-        out = out + p[..., T + i: T + i + 1] * vv
-    return out
-
-
 def _rss_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
@@ -48,7 +34,7 @@ def _rss_kib(field: str) -> int:
 def _attention_step(attend, args) -> None:
     import torch
 
-    from specdistill.drafts.eagle3.model import TTTMask
+    from specdistill.drafts.eagle3.model import TTTMask, naive_ttt_attend
 
     B, nh, T, hd, steps = args.batch, args.heads, args.seq_len, args.head_dim, args.steps
     g = torch.Generator().manual_seed(0)
@@ -68,7 +54,7 @@ def _attention_step(attend, args) -> None:
 def _head_step(attend, args) -> None:
     import torch
     from specdistill.drafts.eagle3 import model as eagle3
-    from specdistill.drafts.eagle3.model import Eagle3Config, Eagle3Head
+    from specdistill.drafts.eagle3.model import Eagle3Config, Eagle3Head, naive_ttt_attend
 
     if attend is naive_ttt_attend:  # the head's unroll calls the module's function, with a TTTMask
         eagle3._ttt_attend = lambda q, k0, v0, mask, *rest: naive_ttt_attend(q, k0, v0, mask.allow, *rest)
@@ -90,7 +76,7 @@ def _head_step(attend, args) -> None:
 def child(args) -> None:
     import torch
 
-    from specdistill.drafts.eagle3.model import _ttt_attend
+    from specdistill.drafts.eagle3.model import _ttt_attend, naive_ttt_attend
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     attend = {"fused": _ttt_attend, "naive": naive_ttt_attend}[args.impl]

@@ -59,11 +59,30 @@ def noisy_eagle3_head(target, vd: int, seed: int = 0):
 
     torch.manual_seed(seed)
     V = target.config.vocab_size
-    head = build_eagle3(target, torch.randperm(V)[:vd].sort().values, None)
-    for p in head.parameters():
-        if p.requires_grad:
-            p.data.add_(0.05 * torch.randn_like(p))
-    return head
+    return nudged(build_eagle3(target, torch.randperm(V)[:vd].sort().values, None))
+
+
+def nudged(module):
+    """`module` with every trainable weight moved by 0.05 x N(0, 1) noise from torch's global generator (fresh norms
+    are all ones, so a fresh layer is nearly trivial)."""
+    import torch
+
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    return module
+
+
+def left_padded_prompts(lengths: list[int], seed: int = 0, vocab: int = 48):
+    """Left-padded (B, T) prompt ids and attention mask for rows of the given lengths (T = the longest; pad id 0,
+    real ids drawn uniformly from [3, vocab) by a generator seeded with `seed`)."""
+    import torch
+
+    T = max(lengths)
+    ids = torch.randint(3, vocab, (len(lengths), T), generator=torch.Generator().manual_seed(seed))
+    mask = (torch.arange(T) >= T - torch.tensor(lengths)[:, None]).long()
+    return ids * mask, mask
 
 
 def single_thread():

@@ -7,7 +7,7 @@ from specdistill.models.vocab import frequent_token_vocab
 from specdistill.models.target import Target
 from specdistill.objectives.eagle3 import Eagle3Objective, draft_vocab_targets
 from specdistill.objectives.base import Models
-from tests.conftest import make_tiny_lm
+from tests.conftest import make_tiny_lm, noisy_eagle3_head
 
 V = 97
 
@@ -18,13 +18,7 @@ def target():
 
 
 def _head(target, vd=V, seed=0):
-    torch.manual_seed(seed)
-    vocab = torch.randperm(V)[:vd].sort().values
-    head = build_eagle3(target, vocab, None)
-    for p in head.parameters():  # make the layer non-trivial (fresh norms are all-ones)
-        if p.requires_grad:
-            p.data.add_(0.05 * torch.randn_like(p))
-    return head.eval()
+    return noisy_eagle3_head(target, vd, seed).eval()
 
 
 def test_ttt_unroll_equals_naive_step_by_step_inference(target):

@@ -9,7 +9,7 @@ import torch
 
 from specdistill.drafts import draft_adapter
 from specdistill.drafts.base import cast_for_decoding, decoding_precision
-from specdistill.drafts.eagle3.model import TTTMask, _ttt_attend
+from specdistill.drafts.eagle3.model import TTTMask, _ttt_attend, naive_ttt_attend
 from specdistill.models.target import Target
 from specdistill.objectives import Models
 from specdistill.objectives.draft_opd import DraftOPDObjective
@@ -43,19 +43,6 @@ def _batch(B=2, T=11, seed=0):
 
 
 # ----------------------------------------------------------------------------------------------- TTT attention
-def naive_ttt_attend(q, k0, v0, allow, diag_k, diag_v, scale):
-    """The TTT attention written out: full (n, T) scores, masked with the dtype's minimum, one softmax over the
-    step-0 block and the diagonals. (B, nh, n, hd)"""
-    T = k0.shape[2]
-    s0 = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~allow, torch.finfo(q.dtype).min)  # (B, nh, n, T)
-    diag = [(q * kk).sum(-1, keepdim=True) * scale for kk in diag_k]                     # j x (B, nh, n, 1)
-    p = torch.cat([s0] + diag, dim=-1).float().softmax(-1).to(q.dtype)
-    out = p[..., :T] @ v0
-    for i, vv in enumerate(diag_v):
-        out = out + p[..., T + i: T + i + 1] * vv
-    return out
-
-
 @pytest.mark.parametrize("j", [0, 1, 3, 9])  # 9 diagonals: two blocks of 8 extra coordinates
 def test_fused_ttt_attention_equals_the_naive_one_values_and_grads(j):
     B, nh, n, T, hd = 2, 3, 6, 6, 8

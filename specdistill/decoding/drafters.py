@@ -31,6 +31,19 @@ def check_confidence(confidence: float) -> float:
     return confidence
 
 
+def aux_hidden_states(target_hidden, aux_layer_ids: list[int], drafter: str) -> torch.Tensor:
+    """The target layers a feature-reading drafter reads, concatenated: HF hidden_states tuple (per layer (B, C, Ht))
+    -> (B, C, K*Ht) for K = len(aux_layer_ids). `drafter` names it in the errors (no hidden states: it was not run
+    through speculative_generate; too few: it was built for another target)."""
+    if target_hidden is None:
+        raise ValueError(f"{drafter} needs the target's hidden states: run it through speculative_generate (which "
+                         "passes output_hidden_states=True to the target for drafters that need them)")
+    if max(aux_layer_ids) >= len(target_hidden):
+        raise ValueError(f"{drafter} reads hidden_states {list(aux_layer_ids)} (its aux_layer_ids) but the target "
+                         f"returned {len(target_hidden)}: the draft was built for another target")
+    return torch.cat([target_hidden[k] for k in aux_layer_ids], dim=-1)
+
+
 def unsure(logits: torch.Tensor, token: torch.Tensor, q: torch.Tensor | None, confidence: float) -> bool:
     """Dynamic draft length: True when every row's latest draft has probability < confidence, so the round stops
     drafting (that draft is still proposed). logits (B, V), token (B,) ids into V, q (B, V) the sampler's processed

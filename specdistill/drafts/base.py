@@ -192,3 +192,13 @@ def min_sum(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float,
     q_temperature when given (0: argmax drafts). (N,)"""
     q = probs_from_logits(q_logits, temperature if q_temperature is None else q_temperature)
     return torch.minimum(probs_from_logits(p_logits, temperature), q).sum(-1)
+
+
+def min_sum_on_draft_vocab(p_logits: torch.Tensor, q_logits: torch.Tensor, t2d: torch.Tensor, temperature: float,
+                           q_temperature: Optional[float] = None) -> torch.Tensor:
+    """sum_x min(p, q) as verification sees it for a draft with a reduced vocabulary: full p (P, V) against q (P, Vd)
+    placed on its target ids t2d (V,) bool (zero elsewhere), both after the decoder's processing at `temperature`
+    (q at q_temperature when given: 0 = argmax drafts). (P,)"""
+    p = probs_from_logits(p_logits, temperature)[:, t2d]                     # (P, Vd): p on the draft's ids
+    q = probs_from_logits(q_logits, temperature if q_temperature is None else q_temperature)  # (P, Vd)
+    return torch.minimum(p, q).sum(-1)

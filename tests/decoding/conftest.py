@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdistill.decoding import probs_from_logits
 
-from tests.conftest import single_thread
+from tests.conftest import left_padded_prompts, single_thread
 
 
 def _tiny_lm(seed: int = 0, vocab: int = 48, max_positions: int = 256, init_std: float = 0.2) -> LlamaForCausalLM:
@@ -65,11 +65,7 @@ def chi_square_pvalue():
 @pytest.fixture
 def ragged_prompts():
     """Left-padded (4, 9) prompts of lengths 9, 5, 2, 7 (pad id 0), seeded."""
-    g = torch.Generator().manual_seed(123)
-    lengths = [9, 5, 2, 7]
-    ids = torch.randint(3, 48, (4, 9), generator=g)
-    mask = (torch.arange(9) >= 9 - torch.tensor(lengths)[:, None]).long()
-    return ids * mask, mask
+    return left_padded_prompts([9, 5, 2, 7], seed=123)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import transformers
 
 from specdistill.decoding import LMDrafter, speculative_generate, target_generate
 from specdistill.decoding.kv import BatchKV
+from tests.conftest import left_padded_prompts
 from tests.tiny_archs import ARCHITECTURES, SLIDING_ARCHITECTURES, tiny_target
 
 MAX_NEW = 20
@@ -22,10 +23,7 @@ CASES = [(arch, "sdpa") for arch in ARCHITECTURES] + [("gemma3", "eager")]  # ea
 
 def _prompts(vocab: int = 320) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded (3, 11) prompts of 11, 6 and 3 tokens, seeded."""
-    lengths = torch.tensor([11, 6, 3])
-    mask = (torch.arange(11) >= 11 - lengths[:, None]).long()
-    ids = torch.randint(3, vocab, (3, 11), generator=torch.Generator().manual_seed(0))
-    return ids * mask, mask
+    return left_padded_prompts([11, 6, 3], vocab=vocab)
 
 
 def _perturbed(model: torch.nn.Module, noise: float, seed: int = 1) -> torch.nn.Module:

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from specdistill.decoding import probs_from_logits, speculative_generate, target_generate
-from specdistill.drafts.eagle3 import Eagle3Drafter, build_eagle3
+from specdistill.drafts.eagle3 import Eagle3Drafter
 from specdistill.decoding.kv import BatchKV
 from specdistill.decoding.sampling import Sampler
-from tests.conftest import make_tiny_lm
+from tests.conftest import left_padded_prompts, make_tiny_lm, noisy_eagle3_head
 
 V = 48
 
@@ -19,21 +19,7 @@ def _target(vocab=V, sharpen=1.0):
 
 
 def _head(target, vd, seed=0):
-    torch.manual_seed(seed)
-    vocab = torch.randperm(target.config.vocab_size)[:vd].sort().values
-    head = build_eagle3(target, vocab, None)
-    for p in head.parameters():  # make the layer non-trivial (fresh norms are all-ones)
-        if p.requires_grad:
-            p.data.add_(0.05 * torch.randn_like(p))
-    return head.eval()
-
-
-def _prompts(lengths, seed=0, vocab=V):
-    """Left-padded (B, T) prompts of the given lengths (pad id 0)."""
-    T = max(lengths)
-    ids = torch.randint(3, vocab, (len(lengths), T), generator=torch.Generator().manual_seed(seed))
-    mask = (torch.arange(T) >= T - torch.tensor(lengths)[:, None]).long()
-    return ids * mask, mask
+    return noisy_eagle3_head(target, vd, seed).eval()
 
 
 class Traced(Eagle3Drafter):
@@ -88,7 +74,7 @@ def fitted():
     head = _head(target, vd=V)
     seqs = []
     for lengths in GREEDY_PROMPTS.values():
-        ids, mask = _prompts(lengths)
+        ids, mask = left_padded_prompts(lengths)
         ref = target_generate(target, ids, mask, max_new_tokens=12)
         seqs += [ids[b][mask[b].bool()].tolist() + ref.tokens(b) for b in range(len(ids))]
     T = max(map(len, seqs))
@@ -113,7 +99,7 @@ def fitted():
 @pytest.mark.parametrize("lengths", GREEDY_PROMPTS.values(), ids=GREEDY_PROMPTS.keys())
 def test_greedy_is_token_identical_and_drafts_are_the_ttt_unroll(lengths, fitted):
     target, head = fitted
-    ids, mask = _prompts(lengths)
+    ids, mask = left_padded_prompts(lengths)
     reference = target_generate(target, ids, mask, max_new_tokens=12)
     deep = 0
     for gamma in range(1, 6):
@@ -138,7 +124,7 @@ def test_deeper_steps_equal_ttt_when_drafts_were_accepted(vd):
     target = _target()
     head = _head(target, vd=vd)
     head.lm_head.weight.data.mul_(0.3)
-    ids, mask = _prompts([14, 5, 1, 9], seed=1)
+    ids, mask = left_padded_prompts([14, 5, 1, 9], seed=1)
     drafter = Traced(head)
     r = speculative_generate(target, drafter, ids, mask, gamma=5, max_new_tokens=120, temperature=1.0,
                              generator=torch.Generator().manual_seed(0), draft_policy="sample")
@@ -182,7 +168,7 @@ def test_sampling_keeps_the_target_distribution_with_a_reduced_vocab(chi_square_
 def test_a_reduced_vocab_never_proposes_outside_it(temperature, top_p):
     target = _target()
     head = _head(target, vd=12)
-    ids, mask = _prompts([7, 3, 5], seed=2)
+    ids, mask = left_padded_prompts([7, 3, 5], seed=2)
     drafter = Eagle3Drafter(head)
     r = speculative_generate(target, drafter, ids, mask, gamma=4, max_new_tokens=16, temperature=temperature,
                              top_p=top_p, generator=torch.Generator().manual_seed(0))
@@ -196,7 +182,7 @@ def test_a_reduced_vocab_never_proposes_outside_it(temperature, top_p):
 
 def test_missing_hidden_states_raise_a_clear_error():
     head = _head(_target(), vd=V)
-    ids, mask = _prompts([4, 2])
+    ids, mask = left_padded_prompts([4, 2])
     with pytest.raises(ValueError, match="hidden states"):
         Eagle3Drafter(head).start(ids, mask, None)
     short = tuple(torch.zeros(2, 3, 32) for _ in range(2))  # a 1-layer target's hidden_states
@@ -210,7 +196,7 @@ def test_confidence_stops_eagle3_drafting_early_and_stays_lossless(fitted):
     """With a confidence threshold the head proposes a prefix of its unthresholded chain, stopping after the first
     step at which every row's draft is unsure; decoding stays token-identical and some rounds really end early."""
     target, head = fitted
-    ids, mask = _prompts(GREEDY_PROMPTS["batch3-left-padded"])
+    ids, mask = left_padded_prompts(GREEDY_PROMPTS["batch3-left-padded"])
     hidden = target(ids[:, :-1], attention_mask=mask[:, :-1], output_hidden_states=True).hidden_states
     full = Eagle3Drafter(head)
     full.start(ids, mask, hidden)

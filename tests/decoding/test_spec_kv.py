@@ -22,6 +22,12 @@ def _fresh(model, tokens: list[int]) -> BatchKV:
     return kv
 
 
+def _prefilled(kv: BatchKV, ids: torch.Tensor, mask: torch.Tensor) -> tuple[BatchKV, list[list[int]]]:
+    """The cache after prefilling left-padded ids / mask (B, T), and each row's real tokens."""
+    kv.prefill(ids, mask)
+    return kv, [ids[b][mask[b].bool()].tolist() for b in range(len(ids))]
+
+
 def _assert_cache_is_fresh(model, kv: BatchKV, row: int, tokens: list[int]):
     fresh = _fresh(model, tokens)
     assert int(kv.length[row]) == len(tokens) == int(kv.mask[row].sum())
@@ -33,9 +39,7 @@ def _assert_cache_is_fresh(model, kv: BatchKV, row: int, tokens: list[int]):
 def test_ragged_commits_equal_fresh_prefill(tiny_lm, ragged_prompts):
     model = tiny_lm(0)
     ids, mask = ragged_prompts
-    kv = BatchKV(model)
-    kv.prefill(ids, mask)
-    rows = [ids[b][mask[b].bool()].tolist() for b in range(4)]
+    kv, rows = _prefilled(BatchKV(model), ids, mask)
     g = torch.Generator().manual_seed(0)
     ones = torch.ones(4, 4, dtype=torch.long)
     rounds = [  # (valid slots fed, slots kept): the kept ones are a prefix of each row's real slots
@@ -96,9 +100,7 @@ def test_lm_drafter_rollback_and_next_proposal_match_fresh_model(tiny_lm, ragged
 def test_holes_from_ragged_acceptance_are_compacted(tiny_lm, ragged_prompts):
     model = tiny_lm(0)
     ids, mask = ragged_prompts
-    kv = BatchKV(model)
-    kv.prefill(ids, mask)
-    rows = [ids[b][mask[b].bool()].tolist() for b in range(4)]
+    kv, rows = _prefilled(BatchKV(model), ids, mask)
     g = torch.Generator().manual_seed(1)
     widths = []
     for i in range(30):  # one row keeps all 5 slots, the others 1, a different row each round: holes pile up
@@ -128,9 +130,7 @@ def test_ragged_commits_equal_fresh_forwards_for_every_layer_layout(arch, max_le
     lengths = torch.tensor([9, 5, 2])
     mask = (torch.arange(9) >= 9 - lengths[:, None]).long()                # (3, 9) left-padded
     ids = torch.randint(3, 300, (3, 9), generator=g) * mask
-    kv = BatchKV(model, max_length=max_length)
-    kv.prefill(ids, mask)
-    rows = [ids[b][mask[b].bool()].tolist() for b in range(3)]
+    kv, rows = _prefilled(BatchKV(model, max_length=max_length), ids, mask)
     for _ in range(12):  # ~3 tokens kept per row and round: rows pass the window ~8 times, with holes behind them
         new = torch.randint(3, 300, (3, 4), generator=g)
         valid = torch.rand(3, 4, generator=g) > 0.2                        # some padding slots mid-tail

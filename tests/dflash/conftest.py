@@ -1,11 +1,11 @@
-"""Fixtures for the DFlash tests: a tiny Llama target with peaked distributions, DFlash drafts built on it, left-padded
-prompts. Everything is built from configs in well under a second."""
+"""Fixtures for the DFlash tests: a tiny Llama target with peaked distributions and DFlash drafts built on it (prompts:
+tests/conftest.py's left_padded_prompts). Everything is built from configs in well under a second."""
 
 import pytest
 import torch
 
 from specdistill.drafts.dflash import build_dflash
-from tests.conftest import make_tiny_lm, single_thread
+from tests.conftest import make_tiny_lm, nudged, single_thread
 
 V = 48
 
@@ -20,19 +20,7 @@ def tiny_target(sharpen: float = 4.0, layers: int = 4):
 
 def tiny_dflash(target, block_size: int, seed: int = 0, num_layers: int = 1, **kw):
     torch.manual_seed(seed)
-    draft = build_dflash(target, num_layers, block_size, None, None, **kw)
-    for p in draft.parameters():  # make the layers non-trivial (fresh norms are all-ones)
-        if p.requires_grad:
-            p.data.add_(0.05 * torch.randn_like(p))
-    return draft.eval()
-
-
-def prompts(lengths, seed=0, vocab=V):
-    """Left-padded (B, T) prompts of the given lengths (pad id 0)."""
-    T = max(lengths)
-    ids = torch.randint(3, vocab, (len(lengths), T), generator=torch.Generator().manual_seed(seed))
-    mask = (torch.arange(T) >= T - torch.tensor(lengths)[:, None]).long()
-    return ids * mask, mask
+    return nudged(build_dflash(target, num_layers, block_size, None, None, **kw)).eval()
 
 
 @pytest.fixture

@@ -6,7 +6,8 @@ import torch
 
 from specdistill.decoding import probs_from_logits, speculative_generate, target_generate
 from specdistill.drafts.dflash import DFlashDrafter
-from tests.dflash.conftest import V, prompts, tiny_dflash, tiny_target
+from tests.conftest import left_padded_prompts
+from tests.dflash.conftest import V, tiny_dflash, tiny_target
 
 
 class Traced(DFlashDrafter):
@@ -54,7 +55,7 @@ def _check_rounds(target, draft, ids, mask, rollout, trace) -> int:
 def test_greedy_equals_target_for_every_block_size(block_size, vd):
     target = tiny_target()
     draft = tiny_dflash(target, block_size, vocab=None if vd is None else torch.arange(3, 3 + vd))
-    ids, mask = prompts([9, 5, 2, 7, 4, 8, 3, 6], seed=1)
+    ids, mask = left_padded_prompts([9, 5, 2, 7, 4, 8, 3, 6], seed=1)
     drafter = Traced(draft)
     r = speculative_generate(target, drafter, ids, mask, gamma=block_size - 1, max_new_tokens=24, record=True)
     ref = target_generate(target, ids, mask, max_new_tokens=24)
@@ -69,7 +70,7 @@ def test_greedy_equals_target_for_every_block_size(block_size, vd):
 def test_a_sliding_window_crops_the_context():
     target = tiny_target()
     draft = tiny_dflash(target, 4, sliding_window=5)
-    ids, mask = prompts([9, 5, 2, 7], seed=1)
+    ids, mask = left_padded_prompts([9, 5, 2, 7], seed=1)
     drafter = Traced(draft)
     r = speculative_generate(target, drafter, ids, mask, gamma=3, max_new_tokens=30, record=True)
     assert torch.equal(r.sequences, target_generate(target, ids, mask, max_new_tokens=30).sequences)
@@ -80,7 +81,7 @@ def test_a_sliding_window_crops_the_context():
 def test_a_block_wider_than_gamma_proposes_gamma():
     target = tiny_target()
     draft = tiny_dflash(target, 8)
-    ids, mask = prompts([6, 3], seed=2)
+    ids, mask = left_padded_prompts([6, 3], seed=2)
     r = speculative_generate(target, DFlashDrafter(draft), ids, mask, gamma=3, max_new_tokens=12, record=True)
     assert max(rnd.gamma for rnd in r.rounds) == 3
     assert torch.equal(r.sequences, target_generate(target, ids, mask, max_new_tokens=12).sequences)

@@ -18,15 +18,15 @@ from specdistill.onpolicy.rollout import collect_rollout
 from specdistill.pipeline.run import build_components, read_stages, run
 from specdistill.train.checkpoint import list_checkpoints
 from specdistill.train.loop import fit
-from tests.conftest import compose, tiny_overrides
-from tests.dflash.conftest import prompts, tiny_dflash, tiny_target
+from tests.conftest import compose, left_padded_prompts, tiny_overrides
+from tests.dflash.conftest import tiny_dflash, tiny_target
 
 
 @pytest.mark.parametrize("temperature, vd", [(0.0, None), (1.0, None), (1.0, 30)])
 def test_loss_forward_is_the_drafters_block_at_every_position(temperature, vd):
     target = tiny_target()
     draft = tiny_dflash(target, 4, vocab=None if vd is None else torch.arange(48 - vd, 48))
-    ids, mask = prompts([7, 4, 6], seed=3)
+    ids, mask = left_padded_prompts([7, 4, 6], seed=3)
     gen = torch.Generator().manual_seed(0) if temperature else None
     pos = collect_rollout(target, draft, ids, mask, gamma=3, max_new_tokens=14, temperature=temperature,
                           generator=gen, draft_policy="greedy")
@@ -43,7 +43,7 @@ def test_objective_trains_a_dflash_draft_and_mixes_the_tiled_block_loss():
     model = tiny_target()
     draft = tiny_dflash(model, 4).train()
     models = Models(draft, Target(model, draft.config.aux_layer_ids))
-    ids, mask = prompts([7, 5], seed=4)
+    ids, mask = left_padded_prompts([7, 5], seed=4)
     batch = {"input_ids": ids.flip(1), "attention_mask": mask.flip(1), "loss_mask": mask.flip(1)}  # right-padded
     batch["loss_mask"][:, :3] = 0
     obj = DraftOPDObjective(gamma=3, max_new_tokens=8, temperature=1.0, kd_weight=0.5, replay=False)

@@ -8,12 +8,13 @@ from specdistill.objectives import Models
 from specdistill.losses import divergence
 from specdistill.objectives.draft_opd import DraftOPDObjective
 from specdistill.objectives.eagle3 import Eagle3Objective
-from specdistill.drafts.eagle3.adapter import eagle3_alpha, eagle3_logits_at
+from specdistill.drafts.base import min_sum_on_draft_vocab
+from specdistill.drafts.eagle3.adapter import eagle3_logits_at
 from specdistill.onpolicy.rollout import AFTER_REJECTION, FIRST_REJECTED, collect_rollout
 from specdistill.onpolicy.weights import reach_weights
 from specdistill.decoding import speculative_generate
 from specdistill.drafts.eagle3 import Eagle3Drafter
-from tests.conftest import make_tiny_lm, noisy_eagle3_head
+from tests.conftest import left_padded_prompts, make_tiny_lm, noisy_eagle3_head
 from tests.onpolicy.conftest import CountingTarget, perturb
 
 V = 48
@@ -31,10 +32,7 @@ def _head(target, vd=V, seed=0):
 
 
 def _prompts():
-    lengths = torch.tensor([7, 3, 5])
-    ids = torch.randint(3, V, (3, 7), generator=torch.Generator().manual_seed(1))
-    mask = (torch.arange(7) >= 7 - lengths[:, None]).long()
-    return ids * mask, mask
+    return left_padded_prompts([7, 3, 5], seed=1, vocab=V)
 
 
 @pytest.mark.parametrize("temperature, vd, policy", [(0.0, V, "greedy"), (1.0, 40, "sample"), (1.0, 40, "greedy")])
@@ -55,7 +53,7 @@ def test_head_rollout_and_ttt_loss_forward_match_the_drafter(target, temperature
     p_full = pos.target.dense()
     # alpha of the TTT distribution against the recorded target == the verifier's alpha from the drafter's q
     q_temperature = 0.0 if policy == "greedy" else temperature  # greedy drafts: q one-hot at its argmax
-    assert torch.allclose(eagle3_alpha(p_full, q, head.t2d, temperature, q_temperature), pos.alpha, atol=1e-4)
+    assert torch.allclose(min_sum_on_draft_vocab(p_full, q, head.t2d, temperature, q_temperature), pos.alpha, atol=1e-4)
     if q_temperature == 0:  # every drafted token (after a rejection too) is the unroll's argmax on its context
         assert torch.equal(head.draft_to_target(q.argmax(-1)), pos.token)
 
@@ -152,7 +150,7 @@ def test_head_replay_rescores_from_cached_target_features(target):
                 want = divergence("fkl", p, q) * in_vocab
                 assert torch.allclose(out.loss[P + k], want[0], atol=1e-4)
                 if it.uid in obj.state.buffer.items:  # priority refreshed to 1 - alpha under the current head
-                    alpha = eagle3_alpha(it.target.dense(), q, head.t2d, 1.0)
+                    alpha = min_sum_on_draft_vocab(it.target.dense(), q, head.t2d, 1.0)
                     assert obj.state.buffer.items[it.uid].priority == pytest.approx(1 - float(alpha), abs=1e-5)
     finally:
         models.target.detach_counter()

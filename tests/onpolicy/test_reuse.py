@@ -11,6 +11,7 @@ from specdistill.drafts.eagle3 import Eagle3Drafter, build_eagle3
 from specdistill.objectives import Models
 from specdistill.objectives.draft_opd import DraftOPDObjective
 from specdistill.onpolicy.rollout import AFTER_REJECTION, FIRST_REJECTED, collect_rollout
+from tests.conftest import nudged
 from tests.onpolicy.conftest import CountingTarget, perturb, tiny_lm
 
 V, LAYERS = 48, [1, 2, 3]
@@ -23,12 +24,7 @@ def target():
 
 def _head(target, seed=0):
     torch.manual_seed(seed)
-    head = build_eagle3(target, torch.arange(V), LAYERS)
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn_like(p))
-    return head.eval()
+    return nudged(build_eagle3(target, torch.arange(V), LAYERS)).eval()
 
 
 def _fresh(target, rows: list[torch.Tensor]):

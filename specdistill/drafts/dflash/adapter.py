@@ -18,9 +18,10 @@ from typing import Optional
 
 import torch
 
-from specdistill.decoding import Drafter, probs_from_logits
+from specdistill.decoding import Drafter
 from specdistill.decoding.kv import logits_dim
-from specdistill.drafts.base import DraftAdapter, min_sum
+from specdistill.drafts.base import DraftAdapter, min_sum, min_sum_on_draft_vocab
+from specdistill.models.vocab import frequent_token_vocab, restrict_to_draft_vocab
 from specdistill.tensors import unwrap
 from specdistill.tokens import check_vocab_compatible
 
@@ -123,15 +124,13 @@ class DFlashDraftKind(DraftAdapter):
 
     def restrict(self, p_logits: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         t2d = self.module.t2d
-        return (p_logits, None) if bool(t2d.all()) else (p_logits[..., t2d], t2d[p_logits.argmax(-1)])
+        return (p_logits, None) if bool(t2d.all()) else restrict_to_draft_vocab(p_logits, t2d)
 
     def alpha(self, p_logits, q_logits, temperature: float, q_temperature=None) -> torch.Tensor:
         t2d = self.module.t2d
         if bool(t2d.all()):
             return min_sum(p_logits, q_logits, temperature, q_temperature)
-        p = probs_from_logits(p_logits, temperature)[:, t2d]                   # (P, Vd): p on the draft's ids
-        q = probs_from_logits(q_logits, temperature if q_temperature is None else q_temperature)  # (P, Vd)
-        return torch.minimum(p, q).sum(-1)
+        return min_sum_on_draft_vocab(p_logits, q_logits, t2d, temperature, q_temperature)
 
     def chain_counts(self, target_out, batch: dict, gamma: int) -> torch.Tensor:
         return dflash_chain_counts(self.model, target_out, batch, gamma)
@@ -169,8 +168,6 @@ def draft_vocab(draft_cfg, target, data) -> Optional[torch.Tensor]:
         raise ValueError(f"draft.draft_vocab_size={Vd} keeps the training data's most frequent tokens, and there is no "
                          "training data here: set draft.draft_vocab_size=null (the whole vocabulary) or load a trained "
                          "draft (eval.draft_path)")
-    from specdistill.models.vocab import frequent_token_vocab
-
     return frequent_token_vocab(data.train, V, Vd)
 
 

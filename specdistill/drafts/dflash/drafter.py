@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from specdistill.decoding.drafters import Drafter, Proposal, check_confidence, unsure
+from specdistill.decoding.drafters import Drafter, Proposal, aux_hidden_states, check_confidence, unsure
 from specdistill.decoding.sampling import Sampler
 
 from .model import ContextKV, DFlashDraft
@@ -42,13 +42,7 @@ class DFlashDrafter(Drafter):
     # ------------------------------------------------------------------------------------------- features
     def _features(self, target_hidden) -> torch.Tensor:
         """HF hidden_states tuple (per layer (B, C, Ht)) -> (B, C, K*Ht), the layers the draft reads."""
-        if target_hidden is None:
-            raise ValueError("DFlashDrafter needs the target's hidden states: run it through speculative_generate "
-                             "(which asks the target for them when a drafter needs them)")
-        if max(self.aux_layer_ids) >= len(target_hidden):
-            raise ValueError(f"the DFlash draft reads hidden_states {self.aux_layer_ids} but the target returned "
-                             f"{len(target_hidden)}: the draft was built for another target")
-        return torch.cat([target_hidden[k] for k in self.aux_layer_ids], dim=-1)
+        return aux_hidden_states(target_hidden, self.aux_layer_ids, "DFlashDrafter")
 
     def _append(self, features: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> None:
         """Add C context slots per row: features (B, C, K*Ht) at positions (B, C); keep (B, C) bool marks real ones."""

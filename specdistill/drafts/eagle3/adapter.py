@@ -24,9 +24,9 @@ from typing import Optional
 
 import torch
 
-from specdistill.decoding import Drafter, probs_from_logits
+from specdistill.decoding import Drafter
 from specdistill.decoding.kv import logits_dim
-from specdistill.drafts.base import DraftAdapter
+from specdistill.drafts.base import DraftAdapter, min_sum_on_draft_vocab
 from specdistill.drafts.readback import check_eagle3_head
 from specdistill.models.vocab import frequent_token_vocab, restrict_to_draft_vocab
 from specdistill.moe.draft import init_eagle3_from_config
@@ -105,7 +105,7 @@ class Eagle3Draft(DraftAdapter):
         return restrict_to_draft_vocab(p_logits, self.module.t2d)
 
     def alpha(self, p_logits, q_logits, temperature: float, q_temperature=None) -> torch.Tensor:
-        return eagle3_alpha(p_logits, q_logits, self.module.t2d, temperature, q_temperature)
+        return min_sum_on_draft_vocab(p_logits, q_logits, self.module.t2d, temperature, q_temperature)
 
     def chain_counts(self, target_out, batch: dict, gamma: int) -> torch.Tensor:
         return eagle3_chain_counts(self.model, target_out, batch, gamma)
@@ -213,16 +213,6 @@ def eagle3_logits_at(head, rows: list[torch.Tensor], aux: torch.Tensor, row: tor
     read = torch.cat([index[:, None].to(device), at], dim=1)                  # (P, 3): step, base row, column
     # through the (possibly DDP / DeepSpeed-wrapped) module's forward, so its gradients are synced across ranks
     return head(feats, ids, mask, chains=ChainQuery(chain_slot, chain_tok, read))  # (P, Vd)
-
-
-def eagle3_alpha(p_logits: torch.Tensor, q_logits: torch.Tensor, t2d: torch.Tensor, temperature: float,
-                 q_temperature: Optional[float] = None) -> torch.Tensor:
-    """sum_x min(p, q) as verification sees it: full p (P, V) against q (P, Vd) placed on its target ids (zero
-    elsewhere), both after the decoder's processing at `temperature` (q at q_temperature when given: 0 = argmax
-    drafts). (P,)"""
-    p = probs_from_logits(p_logits, temperature)[:, t2d]                     # (P, Vd): p on the draft's ids
-    q = probs_from_logits(q_logits, temperature if q_temperature is None else q_temperature)  # (P, Vd)
-    return torch.minimum(p, q).sum(-1)
 
 
 def eagle3_chain_counts(head, target_out, batch: dict, gamma: int) -> torch.Tensor:

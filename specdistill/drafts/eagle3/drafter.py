@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdistill.decoding.drafters import Drafter, Proposal, check_confidence, unsure
+from specdistill.decoding.drafters import Drafter, Proposal, aux_hidden_states, check_confidence, unsure
 from specdistill.decoding.kv import BatchKV
 from specdistill.decoding.sampling import Sampler
 from specdistill.decoding.tree import Tree, TreeShape, grow
@@ -49,15 +49,9 @@ class Eagle3Drafter(Drafter):
     # ------------------------------------------------------------------------------------------- features
     def _features(self, target_hidden) -> torch.Tensor:
         """HF hidden_states tuple (per layer (B, C, Ht)) -> fused features g (B, C, H)."""
-        if target_hidden is None:
-            raise ValueError("Eagle3Drafter needs the target's hidden states: run it through speculative_generate "
-                             "(which passes output_hidden_states=True to the target for drafters that need them)")
-        if max(self.aux_layer_ids) >= len(target_hidden):
-            raise ValueError(f"head aux_layer_ids {self.aux_layer_ids} need hidden_states[{max(self.aux_layer_ids)}] "
-                             f"but the target returned {len(target_hidden)}: the head was built for another target")
         fc = self.head.fc
-        aux = torch.cat([target_hidden[k] for k in self.aux_layer_ids], dim=-1)  # (B, C, 3Ht)
-        return fc(aux.to(device=fc.weight.device, dtype=fc.weight.dtype))       # (B, C, H)
+        aux = aux_hidden_states(target_hidden, self.aux_layer_ids, "Eagle3Drafter")  # (B, C, 3Ht)
+        return fc(aux.to(device=fc.weight.device, dtype=fc.weight.dtype))            # (B, C, H)
 
     def _set_pending(self, tokens, g, keep, last) -> None:
         self.pending_tokens = tokens  # (B, P) token x_{t+1} of each slot (target ids)

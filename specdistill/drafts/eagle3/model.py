@@ -208,6 +208,22 @@ class TTTMask:
         return self._bias[..., : T + diagonals]
 
 
+@dataclass
+class TTTRows:
+    """Step 0 of a TTT unroll over right-padded rows: RoPE positions (B, T) (padding slots repeat the last real
+    position), the real slots (B, T) bool and the causal mask over each row's real keys (B, 1, T, T)."""
+    positions: torch.Tensor
+    valid: torch.Tensor
+    causal: torch.Tensor
+
+    @classmethod
+    def of(cls, attention_mask: torch.Tensor) -> "TTTRows":
+        T = attention_mask.shape[1]
+        valid = attention_mask.bool()
+        causal = torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()[None, None] & valid[:, None, None, :]
+        return cls((attention_mask.long().cumsum(-1) - 1).clamp_min(0), valid, causal)
+
+
 def _ttt_attend(q, k0, v0, mask: TTTMask, diag_k, diag_v, scale: float) -> torch.Tensor:
     """Training-time-test attention: queries q (B, nh, n, hd) over the step-0 keys/values k0, v0 (B, nh, T, hd) where
     `mask` permits, plus one diagonal per later step (diag_k / diag_v: j x (B, nh, n, hd), each query's own slot at
@@ -238,6 +254,20 @@ def _ttt_attend(q, k0, v0, mask: TTTMask, diag_k, diag_v, scale: float) -> torch
     out = o[..., :hd]
     for i, vv in enumerate(diag_v):
         out = out + o[..., hd + i: hd + i + 1] * vv.to(dtype)
+    return out
+
+
+def naive_ttt_attend(q, k0, v0, allow: torch.Tensor, diag_k, diag_v, scale: float) -> torch.Tensor:
+    """_ttt_attend written out, the reference it is tested and measured against (tests/test_gpu_path.py,
+    scripts/ttt_memory.py): full (n, T) scores masked with the dtype's minimum where `allow` (B|1, 1, n, T) bool
+    forbids, one softmax over the step-0 block and the diagonals. (B, nh, n, hd)"""
+    T = k0.shape[2]
+    s0 = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~allow, torch.finfo(q.dtype).min)  # (B, nh, n, T)
+    diag = [(q * kk).sum(-1, keepdim=True) * scale for kk in diag_k]                     # j x (B, nh, n, 1)
+    p = torch.cat([s0] + diag, dim=-1).float().softmax(-1).to(q.dtype)
+    out = p[..., :T] @ v0
+    for i, vv in enumerate(diag_v):
+        out = out + p[..., T + i: T + i + 1] * vv
     return out
 
 
@@ -327,13 +357,9 @@ class Eagle3Head(nn.Module):
                                                     chains.steps))               # (steps, B, C, H)
             r = chains.read
             return self.readout(hidden[r[:, 0], r[:, 1], r[:, 2]])              # (P, Vd)
-        B, T = input_ids.shape
         scale = 1.0 / math.sqrt(self.config.head_dim)
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, T)
-        valid = attention_mask.bool()
-        causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None, None] \
-            & valid[:, None, None, :]                                           # (B, 1, T, T)
-        mask = TTTMask(causal, steps - 1)
+        rows = TTTRows.of(attention_mask)
+        mask = TTTMask(rows.causal, steps - 1)
         g = self.features(aux_hidden)  # (B, T, H)
         keys, values, logits = [], [], []
 
@@ -343,7 +369,7 @@ class Eagle3Head(nn.Module):
 
         for j in range(steps):
             tokens = torch.roll(input_ids, -(1 + j), dims=1)  # token t+1+j at slot t (wrapped slots are masked out)
-            g, _, _ = self._layer(tokens, g, position_ids + j, attend)
+            g, _, _ = self._layer(tokens, g, rows.positions + j, attend)
             logits.append(self.readout(g if readout_at is None else g[readout_at[j]]))
         return logits
 
@@ -362,24 +388,22 @@ class Eagle3Head(nn.Module):
         ignored. Cost: one layer over B x T slots plus (steps-1) layers over B x C, instead of steps x B x T."""
         B, T = input_ids.shape
         scale = 1.0 / math.sqrt(self.config.head_dim)
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, T)
-        valid = attention_mask.bool()
-        causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None, None] \
-            & valid[:, None, None, :]                                           # (B, 1, T, T)
+        rows = TTTRows.of(attention_mask)
         step0 = {}
 
         def attend0(q, k, v):  # step 0: causal over the row, as `forward`
             step0["k"], step0["v"] = k, v
-            return _ttt_attend(q, k, v, TTTMask(causal, 0), [], [], scale)
+            return _ttt_attend(q, k, v, TTTMask(rows.causal, 0), [], [], scale)
 
-        g1, _, _ = self._layer(torch.roll(input_ids, -1, dims=1), self.features(aux_hidden), position_ids, attend0)
+        g1, _, _ = self._layer(torch.roll(input_ids, -1, dims=1), self.features(aux_hidden), rows.positions, attend0)
         H = g1.shape[-1]
         h = g1.gather(1, slot[..., None].expand(*slot.shape, H))               # (B, C, H)
         out = [h]
         if steps == 1:
             return out
-        chain_pos = position_ids.gather(1, slot)                                # (B, C)
-        key_ok = (torch.arange(T, device=slot.device)[None, None] <= slot[..., None]) & valid[:, None, :]  # (B, C, T)
+        chain_pos = rows.positions.gather(1, slot)                              # (B, C)
+        key_ok = (torch.arange(T, device=slot.device)[None, None] <= slot[..., None]) \
+            & rows.valid[:, None, :]                                            # (B, C, T)
         chain_mask = TTTMask(key_ok[:, None], steps - 1)
         diag_k, diag_v = [], []
 
