@@ -27,18 +27,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from specdistill.train.heldout_log import HeldoutPoint, read_heldout_log
+
 FILES = ("learning_curves.json", "learning_curves.md", "learning_curves.png")
 TAU_NAME = "held-out simulated tau"  # what the lines are: the in-training proxy, not decoding
-
-
-@dataclass
-class Point:
-    step: int
-    tokens_seen: int  # loss tokens trained on, all ranks
-    wall_s: float  # the training loop's wall clock at this step (evaluation and checkpoint time included)
-    heldout_tau: float  # heldout/mean_accept_len
-    accept_rate_per_pos: list[float]  # heldout a_k, k = 1..gamma
-    phase: str  # the training phase evaluated (Draft-OPD: warmup, then main); "before" for the untrained draft
 
 
 @dataclass
@@ -64,7 +56,7 @@ class RunCurve:
     train_wall_s: Optional[float]
     tokens_seen: Optional[int]  # at the last logged step
     steps: Optional[int]
-    points: list[Point] = field(default_factory=list)
+    points: list[HeldoutPoint] = field(default_factory=list)
     final_heldout_tau: Optional[float] = None  # the last held-out proxy (summary.json heldout_after)
     final_eval: Optional[FinalEval] = None
 
@@ -110,25 +102,14 @@ def read_run(run, label: Optional[str] = None) -> RunCurve:
     kind = kind_for_init(init).kind
     objective = str((cfg.get("objective") or {}).get("name", "?"))
     name = str(cfg.get("run_name") or run.name)
-    points, seen, steps = [], {}, None
-    before = summary.get("heldout_before") or {}
-    if "heldout/mean_accept_len" in before:
-        points.append(Point(0, 0, 0.0, float(before["heldout/mean_accept_len"]),
-                            list(before.get("heldout/accept_rate_per_pos", [])), "before"))
-    for line in metrics.read_text().splitlines():
-        m = json.loads(line) if line.strip() else {}
-        seen.update({k: m[k] for k in ("tokens_seen", "wall_s") if k in m})  # an eval line follows its step's
-        steps = m.get("step", steps)
-        if "heldout/mean_accept_len" in m and "tokens_seen" in seen:
-            points.append(Point(int(m["step"]), int(seen["tokens_seen"]), float(seen.get("wall_s", 0.0)),
-                                float(m["heldout/mean_accept_len"]), list(m.get("heldout/accept_rate_per_pos", [])),
-                                str(m.get("phase", ""))))
+    log = read_heldout_log(run)
+    points = log.points
     after = summary.get("heldout_after") or {}
     gammas = {len(p.accept_rate_per_pos) for p in points}
     return RunCurve(run=str(run), label=label or f"{name} ({kind} / {objective})", run_name=name, draft_kind=kind,
                     draft_init=init, objective=objective, heldout_gamma=gammas.pop() if len(gammas) == 1 else None,
-                    train_wall_s=summary.get("wall_s", seen.get("wall_s")), tokens_seen=seen.get("tokens_seen"),
-                    steps=summary.get("step", steps), points=points,
+                    train_wall_s=summary.get("wall_s", log.wall_s), tokens_seen=log.tokens_seen,
+                    steps=summary.get("step", log.last_step), points=points,
                     final_heldout_tau=after.get("heldout/mean_accept_len",
                                                 points[-1].heldout_tau if points else None),
                     final_eval=_final_eval(run))
@@ -160,7 +141,7 @@ def markdown(curves: list[RunCurve], command: str) -> str:
     return f"# Learning curves\n\n`{command}`\n\n" + "\n".join(rows) + f"\n\n{notes}\n"
 
 
-def hand_overs(points: list[Point]) -> list[int]:
+def hand_overs(points: list[HeldoutPoint]) -> list[int]:
     """Indices of the points at a hand-over: the last evaluation of each phase that another phase follows (the loop
     evaluates at the end of every phase, so it is the hand-over's step). The untrained "before" point is no phase."""
     trained = [i for i, p in enumerate(points) if p.phase != "before"]
@@ -224,7 +205,7 @@ def load(path) -> list[RunCurve]:
     runs = []
     for r in json.loads(Path(path).read_text())["runs"]:
         fe = r.pop("final_eval")
-        pts = [Point(**p) for p in r.pop("points")]
+        pts = [HeldoutPoint(**p) for p in r.pop("points")]
         runs.append(RunCurve(**r, points=pts, final_eval=FinalEval(**fe) if fe else None))
     return runs
 

@@ -159,19 +159,13 @@ def plot_curves(curves: dict[str, list[CurvePoint]], path) -> None:
 def heldout_curve(run_dir) -> list[CurvePoint]:
     """The in-training held-out proxy of a run as a curve, read from its metrics.jsonl (no decoding): simulated tau
     (heldout/mean_accept_len, the TTT unroll's chained greedy acceptance on held-out conversations of the training
-    distribution) at each eval, against loss tokens and the loop's wall clock. prompts/new_tokens: held-out
-    positions."""
-    points, seen = [], {}
-    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
-        m = json.loads(line) if line.strip() else {}
-        seen.update({k: m[k] for k in ("tokens_seen", "wall_s") if k in m})  # eval lines follow their step's train line
-        if "heldout/mean_accept_len" not in m or "tokens_seen" not in seen:
-            continue
-        points.append(CurvePoint(step=int(m["step"]), tokens_seen=int(seen["tokens_seen"]),
-                                 wall_minutes=float(seen.get("wall_s", 0.0)) / 60,
-                                 tau=float(m["heldout/mean_accept_len"]),
-                                 accept_rate_per_pos=list(m.get("heldout/accept_rate_per_pos", [])),
-                                 prompts=0, new_tokens=int(m.get("heldout/num_positions", 0))))
+    distribution) at each eval, against loss tokens and the loop's wall clock (train/heldout_log.py reads them).
+    prompts/new_tokens: held-out positions."""
+    from specdistill.train.heldout_log import read_heldout_log
+
+    points = [CurvePoint(step=p.step, tokens_seen=p.tokens_seen, wall_minutes=p.wall_s / 60, tau=p.heldout_tau,
+                         accept_rate_per_pos=p.accept_rate_per_pos, prompts=0, new_tokens=p.num_positions)
+              for p in read_heldout_log(run_dir, before=False).points]
     if not points:
         raise ValueError(f"{run_dir}/metrics.jsonl has no held-out evals with tokens_seen (trainer.eval_every=0?)")
     return points
