@@ -264,7 +264,8 @@ class EvalConfig:
     block_sizes: list[int] = bounded(range=">= 2", default_factory=list)
     warmup_prompts: int = bounded(1, ">= 0")  # run once before timing, not counted
     measure_cost: bool = True  # time one draft token vs one target forward (c of the predicted speedup)
-    # also decode the prompts with the cost model's recommended setting (eval/tree_cost.py) and report its speedup
+    # the cost model searches chain lengths and tree shapes (eval.tree.probe_prompts, search_depth), decodes the
+    # prompts once with the best and reports its measured speedup beside the prediction (eval/tree_search.py)
     measure_recommended: bool = False
     position_bucket: int = bounded(16, ">= 1")  # acceptance against output position, in buckets of this many tokens
     compare_hf: bool = False  # side by side with HF transformers' assisted generation at batch 1 (temperature 0)
