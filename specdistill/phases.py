@@ -203,7 +203,7 @@ def plan_phases(cfg: DictConfig, objective, warmup_objective, train_set, pad_id:
 
 def _fixed(described: list[dict]) -> list[dict]:
     """What a resume must keep: every phase, its objective and start, and every length but the last phase's (a longer or
-    shorter trainer.max_steps is a resume's business, as it always was)."""
+    shorter trainer.max_steps is a resume's business, as in a run of one phase)."""
     return [{k: v for k, v in d.items() if not (k == "steps" and i == len(described) - 1)}
             for i, d in enumerate(described)]
 

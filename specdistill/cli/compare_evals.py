@@ -70,7 +70,7 @@ def load_curve_run(spec: str) -> RunCounts:
         raise ValueError(f"{spec!r}: {folder}/curve.json has no scored checkpoint")
     point = points[-1]
     if not point.get("samples"):
-        raise ValueError(f"{spec!r}: its curve.json kept no per-prompt counts (written before they were kept): "
+        raise ValueError(f"{spec!r}: its curve.json holds no per-prompt counts (no samples at its points): "
                          "score it again with scripts/learning_curve.py")
     settings = {k: data.get(k) for k in COMPARABLE}
     settings["draft_policy"] = settings.get("draft_policy") or "greedy"  # the curve's drafts are greedy

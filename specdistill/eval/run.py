@@ -119,7 +119,7 @@ def _evaluate(cfg: DictConfig, ecfg, out: Path, log) -> tuple[EvalResult, dict[s
         f"drafter={ecfg.drafter} gamma={ecfg.gamma}{' (dynamic)' if ecfg.dynamic_gamma else ''} "
         f"T={ecfg.temperature} draft_policy={ecfg.draft_policy} max_new_tokens={ecfg.max_new_tokens} "
         f"batch={ecfg.batch_size}")
-    if ecfg.block_sizes:  # before the main evaluation: a drafter without a block size is refused now
+    if ecfg.block_sizes:  # before the main evaluation: a drafter without a block size is refused here
         if not isinstance(spec, torch.nn.Module):
             raise ValueError(f"eval.block_sizes={list(ecfg.block_sizes)} sweeps a block drafter's block size; "
                              f"eval.drafter={ecfg.drafter} has none: set eval.drafter=draft with a DFlash draft")

@@ -246,7 +246,7 @@ def _start_state(c: Components, resume_from: Optional[Path], config_yaml: str) -
         s.metrics_file.unlink()  # a fresh run in an old output dir starts a fresh log (checkpoints are kept)
     if resume_from is not None and acc.is_main_process:
         drop_replayed(s.metrics_file, s.step)  # steps logged after the checkpoint are logged again as they replay
-    # Roofline: a matmul microbenchmark now, FLOPs of the first step counted (train/roofline_fraction in the logs).
+    # Roofline: a matmul microbenchmark before the first step, whose FLOPs are counted (train/roofline_fraction).
     if t.measure_roofline:
         s.peak_gflops = matmul_gflops(acc.device, _train_dtype(acc)) * acc.num_processes
     s.window = Window()  # the first log window starts here (the wall clock at the state's creation)
