@@ -9,7 +9,8 @@ from specdistill.decoding import target_generate
 from specdistill.drafts.eagle3 import Eagle3Drafter
 from specdistill.decoding.tree import TreeShape, grow
 from specdistill.decoding.tree_generate import tree_generate
-from tests.decoding.test_eagle3_drafter import _head, _prompts, _target
+from tests.conftest import left_padded_prompts as _prompts
+from tests.decoding.test_eagle3_drafter import _head, _target
 
 
 class _Forced:
