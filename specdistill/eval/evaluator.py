@@ -483,10 +483,14 @@ def _recommend(dec: _Decoders, batches: list[PromptBatch], prompt_ids: list[list
     settings += search
     if not settings:
         settings = [tree_cost.tree_setting(main, result.mean_accept_len, tcost)]
+    tokens = result.new_tokens / max(result.num_prompts, 1)  # per row: each row's last round is cut short
+    for s in settings:
+        s.tokens = tokens
     model = tree_cost.cost_model_report(curve, settings)
     rec = tree_cost.best(settings)
     main_name = _main_setting(cfg)
     model["baseline"] = baseline
+    model["tokens_per_row"] = tokens
     model["notes"] = notes
     model["main"] = {"name": main_name, "speedup": result.speedup, "decode_speedup": result.decode_speedup,
                      "mean_accept_len": result.mean_accept_len, "mean_gamma": result.mean_gamma}

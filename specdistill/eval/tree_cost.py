@@ -4,9 +4,10 @@ per round, and the setting (chain length or tree shape) with the highest predict
 Units are target steps (one KV-cached forward of 1 token per row). A setting whose rounds emit tau tokens, cost the
 draft d steps, verify k tokens and spend o steps on the round's bookkeeping (verification, cache commits, host syncs)
 runs at
-    predicted speedup = tau * b / (d + v(k) + o)
-where b is one step of target-only decoding, its bookkeeping included (b = 1, o = 0 when neither was measured:
-the plain cost model of every evaluation). A chain of gamma: d = gamma * c, k = gamma + 1; a tree of N nodes: d = its
+    predicted speedup = tau' * b / (d + v(k) + o),     tau' = tau / (1 + tau / 2T)
+where b is one step of target-only decoding, its bookkeeping included, and tau' counts each row's last round, cut
+short by its budget of T tokens (b = 1, o = 0, T infinite when not measured: the plain cost model of every
+evaluation). A chain of gamma: d = gamma * c, k = gamma + 1; a tree of N nodes: d = its
 propose_tree time, k = N + 1.
 Chains' tau for every gamma up to the measured one follows from the measured acceptance rates a_k:
 tau(gamma) = 1 + sum_{k <= gamma} prod_{i <= k} a_i (every round drafting gamma, no row stopping mid-round).
@@ -14,6 +15,7 @@ eval.measure_recommended searches tree shapes too (eval/tree_search.py) and meas
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,14 +60,21 @@ class Setting:
     baseline: float = 1.0     # one step of target-only decoding (its bookkeeping included), in target steps
     shape: TreeShape | None = None  # a tree's shape (None: a chain)
     coverage: float | None = None   # a searched tree: the share of its scored nodes the probe's trees held
+    tokens: float = math.inf        # tokens a row generates (its last round is cut short by the budget or EOS)
+
+    @property
+    def effective_tau(self) -> float:
+        """Tokens per round with each row's last round cut: a row of T tokens takes about T / tau + 1/2 rounds."""
+        return self.tau / (1 + self.tau / (2 * self.tokens))
 
     @property
     def predicted_speedup(self) -> float:
-        return self.tau * self.baseline / (self.draft + self.verify + self.overhead)
+        return self.effective_tau * self.baseline / (self.draft + self.verify + self.overhead)
 
     def to_dict(self) -> dict:
-        out = {"name": self.name, "tau": self.tau, "draft": self.draft, "width": self.width, "verify": self.verify,
-               "overhead": self.overhead, "predicted_speedup": self.predicted_speedup}
+        out = {"name": self.name, "tau": self.tau, "effective_tau": self.effective_tau, "draft": self.draft,
+               "width": self.width, "verify": self.verify, "overhead": self.overhead,
+               "predicted_speedup": self.predicted_speedup}
         if self.flags:
             out["sglang"] = self.flags
         if self.gamma is not None:
@@ -224,14 +233,18 @@ def cost_model_markdown(m: dict) -> list[str]:
     marks = {} if measured is None else {measured["name"]: measured}
     if m.get("main"):
         marks.setdefault(m["main"]["name"], m["main"])
-    lines = ["", "## Cost model", "", "predicted speedup = tau * b / (draft + v(width) + o), in target steps "
-             f"(b = {_f(m.get('baseline', 1.0))}: a step of target-only decoding; o: the round's bookkeeping)", "",
-             "| setting | predicted tau | draft | width | v(width) | o | predicted speedup | measured decode speedup |",
-             "|---|---|---|---|---|---|---|---|"]
+    tokens = m.get("tokens_per_row")
+    lines = ["", "## Cost model", "", "predicted speedup = tau' * b / (draft + v(width) + o), in target steps "
+             f"(b = {_f(m.get('baseline', 1.0))}: a step of target-only decoding; o: the round's bookkeeping; "
+             "tau' = tau / (1 + tau / 2T): each row's last round cut at its "
+             + ("budget)" if tokens is None else f"T = {_f(tokens, 1)} tokens)"), "",
+             "| setting | predicted tau | tau' | draft | width | v(width) | o | predicted speedup | measured decode "
+             "speedup |", "|---|---|---|---|---|---|---|---|---|"]
     for s in m["settings"]:
         mk = marks.get(s["name"])
         seen = "-" if mk is None else f"**{_f(mk['decode_speedup'])}x** (tau {_f(mk['mean_accept_len'])})"
-        lines.append(f"| {s['name']} | {_f(s['tau'])} | {_f(s['draft'])} | {s['width']} | {_f(s['verify'])} "
+        lines.append(f"| {s['name']} | {_f(s['tau'])} | {_f(s.get('effective_tau', s['tau']))} | {_f(s['draft'])} "
+                     f"| {s['width']} | {_f(s['verify'])} "
                      f"| {_f(s.get('overhead', 0.0))} | {_f(s['predicted_speedup'])} | {seen} |")
     flags = m.get("recommended_sglang")
     serve = "" if not flags else " (SGLang: `" + " ".join(f"{k} {v}" for k, v in flags.items()) + "`)"
