@@ -1,5 +1,6 @@
 """Export plumbing every draft kind shares: the serving formats a run can ask for, the result an export returns,
-the target's config as a serving engine reads it, and the digest that ties an export to its target's embeddings.
+the target's config as a serving engine reads it, the digest that ties an export to its target's embeddings, the
+weights-and-config folder every draft and export is written as, and the checks of a reduced vocabulary's d2t.
 Each kind's own layout and validation live with the kind (drafts/<kind>/export.py)."""
 from __future__ import annotations
 
@@ -41,6 +42,32 @@ class ExportResult:
             lines.append(f"{'verifier':<{w}}  {sc.get('verifier', {}).get('name_or_path')}")
         lines += [f"warning: {m}" for m in self.warnings]
         return "\n".join(lines)
+
+
+def write_weights(folder, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """WEIGHTS_FILE and config.json into `folder` (which must exist): each tensor as a fresh contiguous CPU copy
+    (safetensors refuses tensors that share storage), the config as indented JSON."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()},
+              str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def check_d2t(d2t: torch.Tensor, vocab_size: int, fix: str) -> list[str]:
+    """Problems of a reduced vocabulary's d2t (Vd,): int64 offsets (target id = draft id + d2t[draft id], as vLLM
+    reads them) that give strictly increasing target ids inside [0, vocab_size). `fix` ends each sentence."""
+    if d2t.dtype != torch.int64:
+        return [f"d2t has dtype {d2t.dtype}, expected int64 offsets: {fix}"]
+    target_ids = torch.arange(d2t.numel(), dtype=torch.long) + d2t.cpu()
+    out = ((target_ids < 0) | (target_ids >= vocab_size)).nonzero().flatten()
+    if len(out):
+        return [f"d2t maps draft ids {out[:5].tolist()} outside the target vocab [0, {vocab_size}): d2t holds offsets "
+                f"(target = draft + d2t[draft]); {fix}"]
+    if d2t.numel() > 1 and not bool((target_ids[1:] > target_ids[:-1]).all()):
+        return [f"d2t target ids are not strictly increasing (duplicates or an unsorted draft vocabulary): {fix}"]
+    return []
 
 
 def flat_fields(raw: dict) -> dict:

@@ -1,8 +1,30 @@
-"""Draft vocabularies: which target ids a reduced-vocabulary draft predicts, and target logits restricted to them.
-Shared by every draft kind (EAGLE-3 heads, DFlash drafts) and the target wrapper; knows nothing about models."""
+"""Draft vocabularies: which target ids a reduced-vocabulary draft predicts, the id maps a draft module keeps, and
+target logits restricted to them. Shared by every draft kind (EAGLE-3 heads, DFlash drafts) and the target wrapper;
+knows nothing about any kind's layers."""
 from __future__ import annotations
 
 import torch
+
+
+class DraftVocabMaps:
+    """The id maps of a draft module whose output vocabulary (Vd ids) may be smaller than the target's (V), as
+    buffers: d2t (Vd,) long offsets (target id = draft id + d2t[draft id], as vLLM reads them) and t2d (V,) bool, the
+    target ids kept. Mixed into an nn.Module, whose __init__ calls register_vocab_maps; the whole vocabulary until
+    set_vocab says otherwise."""
+
+    def register_vocab_maps(self, vocab_size: int, draft_vocab_size: int) -> None:
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.full((vocab_size,), draft_vocab_size == vocab_size, dtype=torch.bool))
+
+    def set_vocab(self, kept: torch.Tensor) -> None:
+        """Read out only the target ids `kept` (Vd,), ascending."""
+        kept = kept.to(self.d2t.device).long()
+        self.d2t.copy_(kept - torch.arange(len(kept), device=kept.device))
+        self.t2d.zero_()
+        self.t2d[kept] = True
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
 
 
 def restrict_to_draft_vocab(p_logits: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,10 +14,11 @@ from typing import Optional
 
 import torch
 
+from specdistill.export import WEIGHTS_FILE, check_d2t, write_weights
+
 from .model import DFlashConfig
 
 FORMATS = ("vllm",)
-WEIGHTS_FILE = "model.safetensors"
 SHARED = ("embed_tokens.weight", "lm_head.weight")  # the target's, frozen: vLLM uses the target's own
 OWN_FIELDS = ("embed_scale", "final_logit_softcapping")  # specdistill's config fields, not vLLM's
 
@@ -56,9 +57,7 @@ def check_tensors(c: DFlashConfig, sd: dict[str, torch.Tensor], include_embeddin
             elif not bool(torch.isfinite(sd[k].float()).all()):
                 errs.append(f"tensor {k} has non-finite values")
     if "d2t" in sd and tuple(sd["d2t"].shape) == want.get("d2t"):
-        ids = torch.arange(len(sd["d2t"])) + sd["d2t"].long()
-        if sd["d2t"].dtype != torch.int64 or not bool((ids[1:] > ids[:-1]).all()) or int(ids[-1]) >= c.vocab_size:
-            errs.append("d2t must be int64 offsets mapping draft ids to ascending target ids inside the vocabulary")
+        errs += check_d2t(sd["d2t"], c.vocab_size, "rebuild with DFlashDraft.set_vocab(sorted unique target ids)")
     return errs
 
 
@@ -150,12 +149,8 @@ def validate_dflash_export(path, include_embeddings: bool = False) -> DFlashConf
 
 
 def _write_atomic(out_dir: Path, config: dict, tensors: dict, include_embeddings: bool) -> None:
-    from safetensors.torch import save_file
-
     from specdistill.files import replace_folder
 
     with replace_folder(out_dir) as tmp:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE),
-                  metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        write_weights(tmp, tensors, config)
         validate_dflash_export(tmp, include_embeddings)  # what vLLM will read, re-read from disk

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdistill.models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from specdistill.models.vocab import DraftVocabMaps
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -216,7 +217,7 @@ class ContextKV:
     valid: torch.Tensor
 
 
-class DFlashDraft(nn.Module):
+class DFlashDraft(DraftVocabMaps, nn.Module):
     def __init__(self, c: DFlashConfig):
         super().__init__()
         self.config = c
@@ -228,9 +229,7 @@ class DFlashDraft(nn.Module):
         # the target's LM head rows of the draft vocabulary, frozen; d2t / t2d map draft ids to target ids (offsets:
         # target = draft + d2t[draft], as vLLM reads them) and mark the target ids kept
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False).requires_grad_(False)
-        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool) if c.draft_vocab_size == c.vocab_size
-                             else torch.zeros(c.vocab_size, dtype=torch.bool))
+        self.register_vocab_maps(c.vocab_size, c.draft_vocab_size)
         inv_freq, self.rope_factor = rope_frequencies(c)
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
 
@@ -293,16 +292,6 @@ class DFlashDraft(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x).view(N, n, B, -1)
 
-    def set_vocab(self, kept: torch.Tensor) -> None:
-        """Read out only the target ids `kept` (Vd,) ascending: d2t offsets and the t2d mask."""
-        kept = kept.to(self.d2t.device)
-        self.d2t.copy_(kept - torch.arange(len(kept), device=kept.device))
-        self.t2d.zero_()
-        self.t2d[kept] = True
-
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden (..., H) -> (..., Vd) through the target's LM head rows of the draft vocabulary (and
         its soft cap, if any)."""
@@ -319,13 +308,10 @@ class DFlashDraft(nn.Module):
 
     # ------------------------------------------------------------------------------------------- persistence
     def save_pretrained(self, path, state_dict: Optional[dict] = None, safe_serialization: bool = True, **_) -> None:
-        from safetensors.torch import save_file
+        from specdistill.export import write_weights
 
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        sd = state_dict if state_dict is not None else self.state_dict()
-        save_file({k: v.detach().contiguous().cpu().clone() for k, v in sd.items()}, str(path / "model.safetensors"))
-        (path / "config.json").write_text(json.dumps(self.config.to_hf_dict(), indent=1))
+        Path(path).mkdir(parents=True, exist_ok=True)
+        write_weights(path, state_dict if state_dict is not None else self.state_dict(), self.config.to_hf_dict())
 
     @classmethod
     def from_pretrained(cls, path) -> "DFlashDraft":

@@ -48,8 +48,8 @@ from typing import Optional
 
 import torch
 
-from specdistill.export import (FORMATS, WEIGHTS_FILE, ExportResult, embedding_digest, flat_fields,
-                                read_target_config)
+from specdistill.export import (FORMATS, ExportResult, check_d2t, embedding_digest, flat_fields,
+                                read_target_config, write_weights)
 
 from .model import Eagle3Config, Eagle3Head, single_rope
 
@@ -175,18 +175,13 @@ def check_tensors(cfg: Eagle3Config, sd: dict[str, torch.Tensor], target_layers:
 
 
 def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor) -> list[str]:
-    """d2t offsets give strictly increasing target ids inside [0, V), and exactly those ids are set in t2d."""
-    V, Vd = t2d.numel(), d2t.numel()
-    target_ids = torch.arange(Vd, dtype=torch.long) + d2t.long()
-    errs = []
-    out = ((target_ids < 0) | (target_ids >= V)).nonzero().flatten()
-    if len(out):
-        errs.append(f"d2t maps draft ids {out[:5].tolist()} outside the target vocab [0, {V}): d2t holds offsets "
-                    "(target = draft + d2t[draft]); rebuild with Eagle3Head.set_vocab")
+    """d2t offsets give strictly increasing target ids inside [0, V) (export.check_d2t), and exactly those ids are
+    set in t2d."""
+    V = t2d.numel()
+    errs = check_d2t(d2t, V, "rebuild with Eagle3Head.set_vocab(sorted unique target ids)")
+    if errs:
         return errs
-    if Vd > 1 and not bool((target_ids[1:] > target_ids[:-1]).all()):
-        errs.append("d2t target ids are not strictly increasing (duplicates or unsorted draft vocab): rebuild with "
-                    "Eagle3Head.set_vocab(sorted unique target ids)")
+    target_ids = torch.arange(d2t.numel(), dtype=torch.long) + d2t.cpu()
     mask = torch.zeros(V, dtype=torch.bool)
     mask[target_ids] = True
     if not torch.equal(mask, t2d.bool()):
@@ -444,14 +439,10 @@ def _embedding_scale(fmt: str, cfg: Eagle3Config, sd: dict, include_embeddings: 
 
 
 def _write_atomic(out_dir: Path, config: dict, tensors: dict, overwrite: bool, target_layers: Optional[int]) -> None:
-    from safetensors.torch import save_file
-
     from specdistill.files import replace_folder
 
     with replace_folder(out_dir, overwrite) as tmp:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE),
-                  metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        write_weights(tmp, tensors, config)
         validate_export(tmp, target_layers=target_layers)  # what an engine will read, re-read from disk
 
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from specdistill.models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin
 from specdistill.models.layers import rope_inv_freq as layers_rope_inv_freq
+from specdistill.models.vocab import DraftVocabMaps
 
 
 @dataclass
@@ -271,7 +272,7 @@ def naive_ttt_attend(q, k0, v0, allow: torch.Tensor, diag_k, diag_v, scale: floa
     return out
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(DraftVocabMaps, nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
         self.config = c
@@ -285,9 +286,7 @@ class Eagle3Head(nn.Module):
         # whatever the module's dtype (_apply), since bf16 frequencies would rotate far positions wrongly.
         inv_freq, self.rope_attention_factor = rope_inv_freq(c)
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
-        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool) if c.draft_vocab_size == c.vocab_size
-                             else torch.zeros(c.vocab_size, dtype=torch.bool))
+        self.register_vocab_maps(c.vocab_size, c.draft_vocab_size)
 
     def _apply(self, fn, recurse=True):
         """Module.to / .bfloat16 / .cuda: every tensor follows, except that the RoPE frequencies stay fp32 (exact,
@@ -301,17 +300,6 @@ class Eagle3Head(nn.Module):
         """(B, T, 3Ht) target features -> (B, T, H) fused, cast to the head's dtype first (an fp32 target's features
         feed a bf16 head under DeepSpeed, where no autocast casts them)."""
         return self.fc(aux_hidden.to(self.fc.weight.dtype))
-
-    # ------------------------------------------------------------------ vocab
-    def set_vocab(self, draft_to_target: torch.Tensor) -> None:
-        """draft_to_target (Vd,) ascending target ids kept in the draft vocabulary."""
-        ids = draft_to_target.to(self.d2t.device).long()
-        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
-        self.t2d.zero_()
-        self.t2d[ids] = True
-
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
 
     # ------------------------------------------------------------------ one layer application
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -453,13 +441,10 @@ class Eagle3Head(nn.Module):
 
     # ------------------------------------------------------------------ HF-style persistence (midlayer format)
     def save_pretrained(self, path, state_dict: Optional[dict] = None, safe_serialization: bool = True, **_) -> None:
-        from safetensors.torch import save_file
+        from specdistill.export import write_weights
 
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        sd = state_dict if state_dict is not None else self.state_dict()
-        save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()}, str(path / "model.safetensors"))
-        (path / "config.json").write_text(json.dumps(self.config.to_hf_dict(), indent=1))
+        Path(path).mkdir(parents=True, exist_ok=True)
+        write_weights(path, state_dict if state_dict is not None else self.state_dict(), self.config.to_hf_dict())
 
     @classmethod
     def from_pretrained(cls, path) -> "Eagle3Head":
