@@ -548,6 +548,13 @@ def _tree_candidates(dec: _Decoders, prompt_ids: list[list[int]], batch: PromptB
         notes.append("trees not searched: eval.tree.probe_prompts=0")
         return []
     D = cfg.tree.search_depth
+    # 1. Each topk's draft cost per round at depth 1 and D (these also warm the tree code up for the probe).
+    ends = {}
+    for k in range(1, tree_search.MAX_TOPK + 1):
+        for d in sorted({1, D}):
+            ends[k, d] = tree_cost.measure_tree_cost(dec.target_model, dec.drafter, batch, TreeShape(k, d),
+                                                     cache=dec.cache())
+    # 2. The probe decode: its trees (tau by replay) and its rounds' wall time (the bookkeeping o).
     probe = TreeShape(tree_search.MAX_TOPK, D)
     probe_batches = dec.batches(prompt_ids[: cfg.tree.probe_prompts], cfg.batch_size)
     runs = run_pass(probe_batches, {"probe": dec.tree(cfg.max_new_tokens, probe, score_nodes=True)},
@@ -559,11 +566,6 @@ def _tree_candidates(dec: _Decoders, prompt_ids: list[list[int]], batch: PromptB
                      f"eval.max_new_tokens={cfg.max_new_tokens} (raise it above eval.tree.search_depth={D})")
         return []
     step = curve.step_ms
-    ends = {}
-    for k in range(1, tree_search.MAX_TOPK + 1):
-        for d in sorted({1, D}):
-            ends[k, d] = tree_cost.measure_tree_cost(dec.target_model, dec.drafter, batch, TreeShape(k, d),
-                                                     cache=dec.cache())
     lines = {k: tree_cost.linear(1, ends[k, 1].draft_round_ms / step, D, ends[k, D].draft_round_ms / step)
              for k in range(1, tree_search.MAX_TOPK + 1)}
     probe_round = 1000 * sum(sum(run.rollout.round_seconds) for run in runs["probe"]) / max(
