@@ -55,6 +55,19 @@ def write_weights(folder, tensors: dict[str, torch.Tensor], config: dict) -> Non
     (folder / "config.json").write_text(json.dumps(config, indent=2))
 
 
+def check_target_sizes(target: dict, hidden_size: int, vocab_size: int, draft: str) -> list[str]:
+    """The target's config.json (its text config) against the width a draft reads (the target hidden size its fc
+    takes) and the vocabulary it scores; `draft` names the draft in the sentences ("head", "draft")."""
+    errs = []
+    if target.get("hidden_size") != hidden_size:
+        errs.append(f"target hidden_size {target.get('hidden_size')} != the {draft}'s target_hidden_size "
+                    f"{hidden_size}: this {draft} was trained for another target")
+    if target.get("vocab_size") != vocab_size:
+        errs.append(f"target vocab_size {target.get('vocab_size')} != the {draft}'s vocab_size {vocab_size}: this "
+                    f"{draft} was trained for another tokenizer")
+    return errs
+
+
 def check_d2t(d2t: torch.Tensor, vocab_size: int, fix: str) -> list[str]:
     """Problems of a reduced vocabulary's d2t (Vd,): int64 offsets (target id = draft id + d2t[draft id], as vLLM
     reads them) that give strictly increasing target ids inside [0, vocab_size). `fix` ends each sentence."""

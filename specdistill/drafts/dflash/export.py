@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from specdistill.export import WEIGHTS_FILE, check_d2t, write_weights
+from specdistill.export import WEIGHTS_FILE, check_d2t, check_target_sizes, write_weights
 
 from .model import DFlashConfig
 
@@ -67,12 +67,7 @@ def check_target(c: DFlashConfig, target: dict) -> list[str]:
     if target.get("num_hidden_layers") != c.num_target_layers:
         errs.append(f"the draft reads layers {c.target_layer_ids} of a {c.num_target_layers}-layer target, but the "
                     f"target has {target.get('num_hidden_layers')} layers")
-    if target.get("hidden_size") != c.target_hidden_size:
-        errs.append(f"the draft's fc reads hidden size {c.target_hidden_size}, the target's is "
-                    f"{target.get('hidden_size')}")
-    if target.get("vocab_size") != c.vocab_size:
-        errs.append(f"the draft's vocabulary is {c.vocab_size}, the target's {target.get('vocab_size')}")
-    return errs
+    return errs + check_target_sizes(target, c.target_hidden_size, c.vocab_size, "draft")
 
 
 def vllm_config(c: DFlashConfig) -> dict:

@@ -48,7 +48,7 @@ from typing import Optional
 
 import torch
 
-from specdistill.export import (FORMATS, ExportResult, check_d2t, embedding_digest, flat_fields,
+from specdistill.export import (FORMATS, ExportResult, check_d2t, check_target_sizes, embedding_digest, flat_fields,
                                 read_target_config, write_weights)
 
 from .model import Eagle3Config, Eagle3Head, single_rope
@@ -330,12 +330,7 @@ def export_eagle3(head_dir, out_dir, fmt: str = "vllm", target_path: Optional[st
         target_layers = tcfg.get("num_hidden_layers")
         verifier_archs = list(tcfg.get("architectures") or [])
         verifier_name = verifier_name or resolved
-        if tcfg.get("hidden_size") != cfg.target_hidden_size:
-            errs.append(f"target hidden_size {tcfg.get('hidden_size')} != head target_hidden_size "
-                        f"{cfg.target_hidden_size}: this head was trained for another target")
-        if tcfg.get("vocab_size") != cfg.vocab_size:
-            errs.append(f"target vocab_size {tcfg.get('vocab_size')} != head vocab_size {cfg.vocab_size}: this head "
-                        "was trained for another tokenizer")
+        errs += check_target_sizes(tcfg, cfg.target_hidden_size, cfg.vocab_size, "head")
         mpe = tcfg.get("max_position_embeddings")
         if mpe and mpe != cfg.max_position_embeddings:
             warnings.append(f"max_position_embeddings {cfg.max_position_embeddings} -> {mpe} (the target's)")
