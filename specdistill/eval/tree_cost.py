@@ -255,7 +255,10 @@ def cost_model_markdown(m: dict) -> list[str]:
         verdict = ("within 10% of the prediction" if measured["within_10pct"] else
                    "**off by more than 10%: the cost model mispredicts this setting on this machine**")
         lines.append(f"Decode speedup (prefill excluded) measured {_f(measured['decode_speedup'])}x against predicted "
-                     f"{_f(measured['predicted_speedup'])}x: ratio {_f(measured['ratio'])}, {verdict}.")
+                     f"{_f(measured['predicted_speedup'])}x: ratio {_f(measured['ratio'])}, {verdict}."
+                     + (" The recommended pass ran after the measured one and is set against its target-only runs "
+                        "(not interleaved: load changes between the two passes enter the ratio)."
+                        if measured.get("decoded") else ""))
     if m.get("main") and measured is not None:
         main = m["main"]
         lines.append(f"Against the configured {main['name']}: {_f(measured['speedup'])}x vs {_f(main['speedup'])}x "
