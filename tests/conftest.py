@@ -154,3 +154,32 @@ def compose(recipe: str | None, overrides: list[str]):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose("config", overrides=([f"recipe={recipe}"] if recipe else []) + overrides)
+
+
+def assert_bf16_near_fp32(recipe: str, target_dir, data_file, tmp_path: Path, overrides: list[str]) -> None:
+    """Train the same tiny run twice, in fp32 and under bf16 autocast (trainer.mixed_precision=no, bf16): the bf16
+    losses are finite, its first step's (same weights, same data and rollout) is within 5% of the fp32 run's, and the
+    two differ (autocast really ran). accelerate keeps one process-wide state, fixed by its first Accelerator: it is
+    reset before each run and at the end, so later tests find it as a fresh process would."""
+    import math
+
+    from accelerate.state import AcceleratorState
+
+    from specdistill.pipeline.run import build_components
+    from specdistill.train.loop import fit
+
+    losses = {}
+    try:
+        for precision in ("no", "bf16"):
+            AcceleratorState._reset_state(reset_partial_state=True)
+            cfg = compose(recipe, tiny_overrides(target_dir, data_file, tmp_path / precision, tmp_path / "cache")
+                          + overrides + [f"trainer.mixed_precision={precision}"])
+            c = build_components(cfg)
+            assert str(c.accelerator.mixed_precision) == precision
+            losses[precision] = [h["train/loss"] for h in fit(c).history]
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    fp32, bf16 = losses["no"], losses["bf16"]
+    assert len(bf16) == len(fp32) >= 2 and all(math.isfinite(x) for x in bf16)
+    assert abs(bf16[0] - fp32[0]) <= 0.05 * abs(fp32[0]), (bf16, fp32)
+    assert bf16 != fp32  # autocast really ran

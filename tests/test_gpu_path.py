@@ -13,9 +13,7 @@ from specdistill.drafts.eagle3.model import TTTMask, _ttt_attend, naive_ttt_atte
 from specdistill.models.target import Target
 from specdistill.objectives import Models
 from specdistill.objectives.draft_opd import DraftOPDObjective
-from specdistill.pipeline.run import build_components
-from specdistill.train.loop import fit
-from tests.conftest import ONPOLICY_ALONE, compose, make_tiny_lm, noisy_eagle3_head, single_thread, tiny_overrides
+from tests.conftest import ONPOLICY_ALONE, assert_bf16_near_fp32, make_tiny_lm, noisy_eagle3_head, single_thread
 
 V, HT = 48, 32
 
@@ -246,35 +244,12 @@ def tiny_moe_dir(tmp_path_factory):
     return d
 
 
-@pytest.fixture
-def fresh_accelerator_state():
-    """accelerate keeps one process-wide state, fixed by its first Accelerator: each run here picks its own precision,
-    and later tests find the state as a fresh process would."""
-    from accelerate.state import AcceleratorState
-
-    yield lambda: AcceleratorState._reset_state(reset_partial_state=True)
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_every_recipe_trains_under_bf16_autocast_near_its_fp32_run(name, tiny_target_dir, tiny_moe_dir, tiny_data_file,
-                                                                   tmp_path, fresh_accelerator_state):
+                                                                   tmp_path):
     """trainer.mixed_precision=bf16 (CPU autocast, as a GPU's `auto` picks): the held-out check, every step and the
     hand-over run; the losses are finite, and the first step's (same weights, same data and rollout) is within 5% of
     the fp32 run's. Later steps start from weights the two runs updated apart."""
     recipe, extra = MATRIX[name]
     target = tiny_moe_dir if recipe.startswith("moe") else tiny_target_dir
-    runs = {}
-    for precision in ("no", "bf16"):
-        out = tmp_path / precision
-        fresh_accelerator_state()
-        cfg = compose(recipe, tiny_overrides(target, tiny_data_file, out, tmp_path / "cache") + STEPS + extra
-                      + [f"trainer.mixed_precision={precision}"])
-        c = build_components(cfg)
-        assert str(c.accelerator.mixed_precision) == precision
-        res = fit(c)
-        runs[precision] = [h["train/loss"] for h in res.history]
-    fp32, bf16 = runs["no"], runs["bf16"]
-    assert len(bf16) == len(fp32) >= 2 and all(math.isfinite(x) for x in bf16)
-    assert abs(bf16[0] - fp32[0]) <= 0.05 * abs(fp32[0]), (bf16, fp32)
-    assert bf16 != fp32  # autocast really ran
+    assert_bf16_near_fp32(recipe, target, tiny_data_file, tmp_path, STEPS + extra)

@@ -1,12 +1,8 @@
 """DFlash under bf16 autocast (trainer.mixed_precision=bf16, as a GPU's `auto` picks): recipe dflash_serve and
 recipe=draft_opd draft=dflash train with finite losses, the first step within 5% of the fp32 run's."""
-import math
-
 import pytest
 
-from specdistill.pipeline.run import build_components
-from specdistill.train.loop import fit
-from tests.conftest import compose, tiny_overrides
+from tests.conftest import assert_bf16_near_fp32
 
 STEPS = ["trainer.max_steps=2", "trainer.lr=3e-3", "trainer.warmup_steps=0", "trainer.export_formats=[]",
          "trainer.measure_roofline=false", "draft.dflash.block_size=4", "draft.draft_vocab_size=96"]
@@ -21,22 +17,5 @@ RUNS = {
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_dflash_trains_under_bf16_autocast_near_its_fp32_run(name, tiny_target_dir, tiny_data_file, tmp_path):
-    from accelerate.state import AcceleratorState
-
     recipe, extra = RUNS[name]
-    losses = {}
-    try:
-        for precision in ("no", "bf16"):
-            AcceleratorState._reset_state(reset_partial_state=True)
-            cfg = compose(recipe, tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / precision,
-                                                 tmp_path / "cache") + STEPS + extra
-                          + [f"trainer.mixed_precision={precision}"])
-            c = build_components(cfg)
-            assert str(c.accelerator.mixed_precision) == precision
-            losses[precision] = [h["train/loss"] for h in fit(c).history]
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-    fp32, bf16 = losses["no"], losses["bf16"]
-    assert len(bf16) == len(fp32) >= 2 and all(math.isfinite(x) for x in bf16)
-    assert abs(bf16[0] - fp32[0]) <= 0.05 * abs(fp32[0]), (bf16, fp32)
-    assert bf16 != fp32  # autocast really ran
+    assert_bf16_near_fp32(recipe, tiny_target_dir, tiny_data_file, tmp_path, STEPS + extra)
