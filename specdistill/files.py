@@ -99,7 +99,7 @@ def drop_damaged(files, what: str, log: Callable[[str], None] = print) -> list[P
 def verify_folder(folder: Path, only: str = "") -> list[str]:
     """Problems of `folder` (or of its sub-folder `only`, e.g. "draft/"), one line per file; [] when sound.
     With a manifest: every recorded file must exist with its size and checksum. Always: every .safetensors file
-    must hold the tensors its header promises (which catches truncation in folders written before manifests)."""
+    must hold the tensors its header promises (which catches truncation in a folder without a manifest)."""
     folder = Path(folder)
     problems = []
     mf = folder / MANIFEST

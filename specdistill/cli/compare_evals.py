@@ -42,7 +42,7 @@ def load_run(folder, temperature: float = 0.0) -> RunCounts:
     rows = [json.loads(x) for x in outs.read_text().splitlines() if x.strip()]
     r = json.loads(res.read_text())
     cfg = r.get("config", {})
-    # results.json's own fields (what ran) first; eval config keys for runs written before a field existed
+    # results.json's own fields (what ran) first; its eval config's keys where a results.json lacks a field
     settings = {k: r.get(k, cfg.get(k)) for k in COMPARABLE}
     settings["num_prompts"] = len(rows)
     return RunCounts.from_samples(str(folder), settings, rows, draft=r.get("draft_path", cfg.get("draft_path")))

@@ -42,7 +42,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, and_masks, 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Why the other types are refused: rollback needs one key/value per token and a mask that depends on positions only.
 _REFUSED_BECAUSE = {
-    "chunked_attention": "chunked attention is not masked per row here yet",
+    "chunked_attention": "chunked attention is not masked per row here",
     "linear_attention": "a recurrent state cannot drop rejected tokens per row",
     "conv": "a convolution state cannot drop rejected tokens per row",
     "hybrid": "a recurrent state cannot drop rejected tokens per row",

@@ -46,7 +46,7 @@ def select_resume(resume: Optional[str], output_dir, acc, log: Callable[[str], N
             problems = verify_folder(ck)
             if not problems:
                 if not (ck / MANIFEST).exists():
-                    log(f"[resume] {ck.name} has no {MANIFEST} (written before checksums): checked its safetensors "
+                    log(f"[resume] {ck.name} has no {MANIFEST} (no checksums to compare): checked its safetensors "
                         "headers only")
                 break
             dest = move_aside(ck, problems)
