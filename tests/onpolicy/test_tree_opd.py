@@ -66,12 +66,13 @@ def _prompts():
     return ids * mask, mask
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_tree_rollout_positions_sit_on_their_own_contexts(temperature):
+@pytest.mark.parametrize("temperature, eos", [(0.0, None), (1.0, None), (1.0, 7)])
+def test_tree_rollout_positions_sit_on_their_own_contexts(temperature, eos):
+    """eos: rows stop at it (rounds cut inside their accepted path keep only the contexts before the cut)."""
     target, draft = tiny_lm(0), tiny_lm(1, layers=1)
     ids, mask = _prompts()
     pos = collect_rollout(target, draft, ids, mask, gamma=3, max_new_tokens=12, temperature=temperature,
-                          generator=torch.Generator().manual_seed(0), tree=TreeShape(2, 3))
+                          generator=torch.Generator().manual_seed(0), tree=TreeShape(2, 3), eos_token_id=eos)
     P = len(pos)
     assert P > 0 and pos.parent.shape == pos.edge.shape == (P,)
     cats = set(pos.category.tolist())
@@ -100,7 +101,10 @@ def test_tree_rollout_positions_sit_on_their_own_contexts(temperature):
     if temperature == 0:  # greedy: verification reaches the path and nothing else
         assert bool((reach[on_path] == 1).all()) and bool((reach[~on_path] == 0).all())
     s = pos.stats
-    assert s.new_tokens == 36 and s.accepted <= s.drafted and s.emitted / s.target_forwards >= 1
+    assert s.new_tokens == sum(len(pos.rows[b]) - int(mask[b].sum()) for b in range(3))
+    assert (s.new_tokens == 36) == (eos is None) and s.accepted <= s.drafted and s.emitted / s.target_forwards >= 1
+    for k in range(P):  # every context lies within its row (a trajectory ends at its EOS)
+        assert int(pos.context_len[k]) <= len(pos.rows[int(pos.row[k])])
 
 
 def test_the_objective_on_tree_rollouts_equals_the_naive_loss():
