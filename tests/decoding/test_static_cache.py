@@ -11,7 +11,7 @@ from specdistill.drafts.eagle3 import Eagle3Drafter
 from specdistill.decoding.kv import BatchKV
 from tests.decoding.test_architectures import CASES, MAX_NEW, NOISE, _perturbed, _prompts
 from tests.decoding.test_eagle3_drafter import _head, _target
-from tests.decoding.test_eagle3_drafter import _prompts as _eagle_prompts
+from tests.conftest import left_padded_prompts as _eagle_prompts
 from tests.tiny_archs import tiny_target
 
 STATIC = CacheMode(static=True)
