@@ -33,7 +33,7 @@ TINY = dict(prompts=4, max_new_tokens=8, batch_size=2)
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=80, help="the first N prompts of the recipe's source")
-    ap.add_argument("--shard", default=None, help="i/n: only the parts p % n == i of those prompts")
+    ap.add_argument("--shard", default=None, help="i/n: only the parts p %% n == i of those prompts")
     ap.add_argument("--engines", nargs="+", default=None, choices=["hf", "vllm"],
                     help="default: hf and vllm (with --tiny: vllm only where it imports)")
     ap.add_argument("--recipe", default="eagle3_serve")
