@@ -372,12 +372,17 @@ def test_a_kill_during_vllm_regeneration_ends_the_engines_processes(signame, tin
     sig = getattr(signal, signame)
     fake = _Spawning(signal_in_generate=sig)
     monkeypatch.setitem(sys.modules, "vllm", fake.module)
+    # the signal's default action, as in a terminal: under nohup SIGHUP is ignored, and the engine leaves that alone
+    outer = signal.signal(sig, signal.SIG_DFL)
     before = signal.getsignal(sig)
-    with pytest.raises(SystemExit) as ended:
-        regenerate_store(_cfg(tiny_data_file, tmp_path, engine="vllm"), model, tok, "tiny", AUX, **QUIET)
+    try:
+        with pytest.raises(SystemExit) as ended:
+            regenerate_store(_cfg(tiny_data_file, tmp_path, engine="vllm"), model, tok, "tiny", AUX, **QUIET)
+        assert signal.getsignal(sig) is before
+    finally:
+        signal.signal(sig, outer)
     assert ended.value.code == 128 + sig
     assert fake.alive() == [False] and len(fake.shutdowns) == 1
-    assert signal.getsignal(sig) is before
     assert not list(tmp_path.glob("*/part-*"))
 
 
