@@ -178,20 +178,15 @@ def collect_rollout(target_model, draft_model, prompt_ids: torch.Tensor, prompt_
                              generator=generator, pad_id=pad_id, top_k=top_k)
     draft.check_prompts(prompt_mask)
     layers = draft.row_feature_layers()  # EAGLE-3: the aux layers, kept from the verify forwards as they decode
+    common = dict(max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos_token_id,
+                  generator=generator, record=True, draft_policy=draft_policy, capture_layers=layers,
+                  cache=cache or CacheMode())
     if tree is not None:  # token trees: the contexts of every round's tree (onpolicy/tree_positions.py)
-        rollout = tree_generate(target_model, draft.drafter(), prompt_ids, prompt_mask, tree=tree,
-                                max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos_token_id,
-                                generator=generator, record=True, draft_policy=draft_policy, capture_layers=layers,
-                                cache=cache or CacheMode())
+        rollout = tree_generate(target_model, draft.drafter(), prompt_ids, prompt_mask, tree=tree, **common)
         positions = positions_from_tree_rounds(prompt_ids, prompt_mask, rollout, top_k, branches)
-        if layers:
-            positions.aux = row_features(rollout.hidden, prompt_mask, positions.rows, positions.source)
-        return positions
-    rollout = speculative_generate(target_model, draft.drafter(), prompt_ids, prompt_mask, gamma=gamma,
-                                   max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos_token_id,
-                                   generator=generator, record=True, draft_policy=draft_policy, capture_layers=layers,
-                                   cache=cache or CacheMode())
-    positions = positions_from_rounds(prompt_ids, prompt_mask, rollout, top_k, branches)
+    else:
+        rollout = speculative_generate(target_model, draft.drafter(), prompt_ids, prompt_mask, gamma=gamma, **common)
+        positions = positions_from_rounds(prompt_ids, prompt_mask, rollout, top_k, branches)
     if layers:
         positions.aux = row_features(rollout.hidden, prompt_mask, positions.rows, positions.source)
     return positions

@@ -5,7 +5,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdistill.models.target import Target
 
-from tests.conftest import single_thread
+from tests.conftest import left_padded_prompts, single_thread
 
 one_thread = pytest.fixture(autouse=True, scope="module")(single_thread)
 
@@ -27,11 +27,7 @@ def pair():
 @pytest.fixture
 def ragged_prompts():
     """Left-padded (3, 7) prompts of lengths 7, 3, 5 (pad id 0), seeded."""
-    g = torch.Generator().manual_seed(7)
-    lengths = torch.tensor([7, 3, 5])
-    ids = torch.randint(3, 48, (3, 7), generator=g)
-    mask = (torch.arange(7) >= 7 - lengths[:, None]).long()
-    return ids * mask, mask
+    return left_padded_prompts([7, 3, 5], seed=7)
 
 
 class CountingTarget(Target):

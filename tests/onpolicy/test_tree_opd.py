@@ -4,6 +4,8 @@ loss against a naive reference, the recipe training a few steps, exact resume, b
 import pytest
 import torch
 
+from tests.conftest import left_padded_prompts
+
 from specdistill.decoding.tree import TreeShape
 from specdistill.losses import divergence
 from specdistill.objectives import Models
@@ -59,11 +61,7 @@ def test_tree_opd_loss_matches_a_naive_reference():
 
 
 def _prompts():
-    g = torch.Generator().manual_seed(7)
-    lengths = torch.tensor([7, 3, 5])
-    ids = torch.randint(3, 48, (3, 7), generator=g)
-    mask = (torch.arange(7) >= 7 - lengths[:, None]).long()
-    return ids * mask, mask
+    return left_padded_prompts([7, 3, 5], seed=7)
 
 
 @pytest.mark.parametrize("temperature, eos", [(0.0, None), (1.0, None), (1.0, 7)])
