@@ -68,6 +68,22 @@ class Points:
 
 
 # ---------------------------------------------------------------------------------------------------- speculators
+def epoch_steps(n_rows: int, per_step: int, steps_per_epoch: int, spec: dict, rng: random.Random):
+    """(epoch, its steps' row indices) for spec["epochs"] epochs, rows shuffled by rng each epoch; no step starts once
+    spec["wall_seconds"] (if set) have passed. Consume each epoch's steps before asking for the next epoch."""
+    deadline = time.time() + spec["wall_seconds"] if spec.get("wall_seconds") else None
+
+    def late() -> bool:
+        return deadline is not None and time.time() > deadline
+
+    for epoch in range(spec["epochs"]):
+        if late():
+            return
+        order = list(range(n_rows))
+        rng.shuffle(order)
+        yield epoch, (order[b * per_step:(b + 1) * per_step] for b in range(steps_per_epoch) if not late())
+
+
 def speculators_argv(spec: dict) -> list[str]:
     """`speculators train` flags for an arm: its settings, our data, aux ids and vocabulary, the CPU flags."""
     s, d, out = spec["settings"], spec["data"], Path(spec["out"])
@@ -168,17 +184,10 @@ def train_specforge(spec: dict) -> dict:
     collate = DataCollatorWithPadding()
     rng = random.Random(spec["seed"])
     curve, step, tokens, points, t0 = [], 0, 0, Points(out), time.perf_counter()
-    deadline = time.time() + spec["wall_seconds"] if spec.get("wall_seconds") else None
-    for epoch in range(spec["epochs"]):
-        if deadline is not None and time.time() > deadline:
-            break
-        order = list(range(len(files)))
-        rng.shuffle(order)
-        for b in range(steps_per_epoch):
-            if deadline is not None and time.time() > deadline:
-                break
+    for epoch, steps in epoch_steps(len(files), per_step, steps_per_epoch, spec, rng):
+        for rows_at in steps:
             rows = [normalize_offline_sample(torch.load(files[i], weights_only=True), spec["max_len"])
-                    for i in order[b * per_step:(b + 1) * per_step]]
+                    for i in rows_at]
             batch = collate(rows)
             tokens += int(batch["loss_mask"].sum())
             target = padding(batch["target"].float() @ lm_head.T, left=False)  # (B, T, V): position t+1's logits
@@ -255,16 +264,9 @@ def train_modelopt(spec: dict) -> dict:
         (folder / "config.json").write_text(json.dumps(arch, indent=1, default=str))
 
     curve, step, tokens, points, t0 = [], 0, 0, Points(out), time.perf_counter()
-    deadline = time.time() + spec["wall_seconds"] if spec.get("wall_seconds") else None
-    for epoch in range(spec["epochs"]):
-        if deadline is not None and time.time() > deadline:
-            break
-        order = list(range(len(files)))
-        rng.shuffle(order)
-        for b in range(steps_per_epoch):
-            if deadline is not None and time.time() > deadline:
-                break
-            items = [ds[i] for i in order[b * per_step:(b + 1) * per_step]]
+    for epoch, steps in epoch_steps(len(files), per_step, steps_per_epoch, spec, rng):
+        for rows_at in steps:
+            items = [ds[i] for i in rows_at]
             batch = collate(items)
             tokens += int(batch["loss_mask"].sum())
             batch["base_model_outputs"] = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v)

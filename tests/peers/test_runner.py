@@ -80,3 +80,20 @@ def test_report_lists_every_arm_its_failures_curves_and_vllm(tmp_path):
     assert "modelopt-ours | failed: 'RuntimeError: boom'" in md
     assert "Served by vLLM" in md and "(360, 3.6, 2.500)" in md and "Command: `python -m benchmarks.peers.run" in md
     assert json.loads((tmp_path / "results.json").read_text())["arms"]["specdistill"]["vllm"]["tau"] == 2.4
+
+
+def test_epoch_steps_shuffles_each_epoch_and_stops_at_the_wall_budget():
+    import random
+
+    from benchmarks.peers.peer_train import epoch_steps
+
+    got = [(e, [list(r) for r in steps]) for e, steps in epoch_steps(7, 2, 3, {"epochs": 2}, random.Random(0))]
+    rng = random.Random(0)
+    want = []
+    for e in range(2):
+        order = list(range(7))
+        rng.shuffle(order)
+        want.append((e, [order[b * 2:(b + 1) * 2] for b in range(3)]))
+    assert got == want
+    late = [list(steps) for _, steps in epoch_steps(7, 2, 3, {"epochs": 2, "wall_seconds": 1e-9}, random.Random(0))]
+    assert late == []
