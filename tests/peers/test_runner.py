@@ -95,5 +95,5 @@ def test_epoch_steps_shuffles_each_epoch_and_stops_at_the_wall_budget():
         rng.shuffle(order)
         want.append((e, [order[b * 2:(b + 1) * 2] for b in range(3)]))
     assert got == want
-    late = [list(steps) for _, steps in epoch_steps(7, 2, 3, {"epochs": 2, "wall_seconds": 1e-9}, random.Random(0))]
-    assert late == []
+    late = [list(steps) for _, steps in epoch_steps(7, 2, 3, {"epochs": 2, "wall_seconds": -1.0}, random.Random(0))]
+    assert late == []  # a budget already spent: no epoch starts
