@@ -4,7 +4,7 @@ and whether each first difference is a near-tie of the target's logits or a real
   # two stores of the same prompts and settings (e.g. engine=hf and engine=vllm, each with its own store_dir)
   python scripts/regen_compare.py --ref <store_dir_hf>/<key> --other <store_dir_vllm>/<key> --out cmp/
   # one store (the engine's), against our decoder re-run on its prompts
-  python scripts/regen_compare.py --other <store_dir>/<key> --rerun --parts 4 --out cmp/
+  python scripts/regen_compare.py --other <store_dir>/<key> --rerun --parts 4 --out cmp/   # or --parts 3:11
 
 Writes <out>/regen_compare.json and regen_compare.md, both with the command; exits 1 when a real mismatch is found.
 The target and its dtype default to those the store's settings.json names.
@@ -18,12 +18,25 @@ import sys
 from pathlib import Path
 
 
+def part_range(text: str) -> list[int]:
+    """'N' -> parts 0..N-1; 'A:B' -> parts A..B-1."""
+    lo, _, hi = text.rpartition(":")
+    try:
+        first, end = int(lo or 0), int(hi)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--parts {text!r}: pass N or A:B (integers)") from None
+    if not 0 <= first < end:
+        raise argparse.ArgumentTypeError(f"--parts {text!r}: an empty range (need 0 <= A < B)")
+    return list(range(first, end))
+
+
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--other", required=True, help="the store to check (an engine's), a folder holding settings.json")
     ap.add_argument("--ref", default=None, help="the reference store (our decoder's); or pass --rerun")
     ap.add_argument("--rerun", action="store_true", help="decode --other's prompts with our decoder as the reference")
-    ap.add_argument("--parts", type=int, default=None, help="compare parts 0..N-1 (default: every part --other holds)")
+    ap.add_argument("--parts", type=part_range, default=None,
+                    help="N: parts 0..N-1; A:B: parts A..B-1 (default: every part --other holds)")
     ap.add_argument("--target", default=None, help="default: the target in --other's settings.json")
     ap.add_argument("--dtype", default=None, help="default: the target dtype in --other's settings.json")
     ap.add_argument("--abs-margin", type=float, default=1e-3, help="logits this close to the best one are tied")
@@ -60,7 +73,7 @@ def main(argv=None) -> int:
     from specdistill.models.target import load_causal_lm, load_tokenizer
     from specdistill.pipeline.near_ties import TieMargin, compare_answers, report_md, store_answers
 
-    other = store_answers(Path(a.other), None if a.parts is None else list(range(a.parts)))
+    other = store_answers(Path(a.other), a.parts)
     if other.settings["settings"]["temperature"] != 0:
         raise SystemExit(f"{a.other} holds sampled answers (temperature {other.settings['settings']['temperature']}):"
                          " only greedy (T=0) answers are comparable token for token")

@@ -486,6 +486,14 @@ def test_regen_compare_counts_the_prompts_an_engine_answered_otherwise(tiny_targ
     assert "| 0 | 1 |" in (tmp_path / "rerun" / "regen_compare.md").read_text()
     with pytest.raises(SystemExit, match=r"other settings \(max_new_tokens: 6 \(stored\) vs 8"):
         script.main(["--ref", str(ref), "--other", str(other), "--out", str(tmp_path / "x")])
+    # a range of parts: only parts 1.. are read, each with its one flipped row
+    assert script.main(["--other", str(other), "--rerun", "--parts", f"1:{n}", "--abs-margin", "0", "--rel-margin", "0",
+                        "--out", str(tmp_path / "range")]) == 1
+    part = json.loads((tmp_path / "range" / "regen_compare.json").read_text())
+    assert (part["prompts"], part["real_mismatches"]) == (12 - 12 // n, n - 1)
+    for bad in ("3:3", "x", "-1:2"):
+        with pytest.raises(SystemExit):
+            script.main(["--other", str(other), "--rerun", "--parts", bad, "--out", str(tmp_path / "bad")])
 
 
 @pytest.mark.parametrize("gpu", [False, True])
