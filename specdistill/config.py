@@ -222,7 +222,9 @@ class TreeEvalConfig:
     topk: int = bounded(0, ">= 0")  # 0: chains of eval.gamma drafts; 1: a chain of `depth`
     depth: int = bounded(4, ">= 1")
     nodes: Optional[int] = bounded(None, ">= 1")
-    probe_prompts: int = bounded(8, ">= 0")  # 0: no tree search (chain lengths only)
+    # the cost model's probe decodes on the first probe_prompts prompts: chain 1 (its per-round bookkeeping) and the
+    # tree of the search; 0: no probe (chain lengths only, each with the measured pass's bookkeeping)
+    probe_prompts: int = bounded(8, ">= 0")
     search_depth: int = bounded(6, "[1, 16]")
 
 

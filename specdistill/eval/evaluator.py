@@ -476,7 +476,8 @@ def _recommend(dec: _Decoders, batches: list[PromptBatch], prompt_ids: list[list
     settings: list[tree_cost.Setting] = []
     main = tree_shape(cfg)
     if main is None:
-        settings += _chain_candidates(dec, batches[0], result, curve, spec_round, baseline)
+        settings += _chain_candidates(dec, batches[0], prompt_ids, result, curve, spec_round, baseline, progress,
+                                      notes)
     else:
         notes.append(f"chains: the measured pass decoded trees ({main.name}); trees of topk 1 are the chains")
     search = _tree_candidates(dec, prompt_ids, batches[0], curve, baseline, progress, notes)
@@ -510,18 +511,34 @@ def _recommend(dec: _Decoders, batches: list[PromptBatch], prompt_ids: list[list
     return model
 
 
-def _chain_candidates(dec: _Decoders, batch: PromptBatch, result: EvalResult, curve: tree_cost.VerifyCurve,
-                      spec_round: float, baseline: float) -> list[tree_cost.Setting]:
+def _chain_candidates(dec: _Decoders, batch: PromptBatch, prompt_ids: list[list[int]], result: EvalResult,
+                      curve: tree_cost.VerifyCurve, spec_round: float, baseline: float, progress: bool,
+                      notes: list[str]) -> list[tree_cost.Setting]:
     """Chain lengths 1 .. gamma: tau from the measured a_k; a round's draft cost on the line through propose(1) and
     propose(gamma), both timed (linear in the length for a draft that drafts token by token, flat for a block
-    drafter); the bookkeeping o is the measured pass's round beyond its draft and verify forwards."""
+    drafter); the bookkeeping o(g) on the line through two decodes: the measured pass's round (g = gamma) and a probe
+    decode of chain 1 on the first eval.tree.probe_prompts prompts (g = 1), each beyond its draft and verify
+    forwards. Drafting a token costs more inside a round than alone (sampling, the head's feature bookkeeping), so a
+    constant o, fitted at gamma, overcharges short chains."""
     cfg = dec.cfg
     gamma = max(1, round(result.mean_gamma)) if cfg.dynamic_gamma else cfg.gamma
     step = curve.step_ms
     d_gamma = result.cost.draft_token_ms * cfg.gamma / step
     d_one = d_gamma if cfg.gamma == 1 else _cost_at(dec, batch, 1).draft_token_ms / step
     draft = tree_cost.linear(1, d_one, cfg.gamma, d_gamma)
-    overhead = max(0.0, spec_round - draft(gamma) - curve.v(min(gamma + 1, len(curve.ms))))
+    o_gamma = max(0.0, spec_round - draft(gamma) - curve.v(min(gamma + 1, len(curve.ms))))
+    overhead = tree_cost.linear(1, o_gamma, gamma, o_gamma)
+    if gamma > 1 and cfg.tree.probe_prompts > 0:
+        once = replace(dec, cfg=replace(cfg, gamma=1, dynamic_gamma=False, tree=replace(cfg.tree, topk=0)))
+        probe = dec.batches(prompt_ids[: cfg.tree.probe_prompts], cfg.batch_size)
+        runs = run_pass(probe, {"probe": once.spec(cfg.max_new_tokens, FixedGamma(1))}, "probe chain1", progress)
+        seconds = [t for run in runs["probe"] for t in run.rollout.round_seconds]
+        round_one = 1000 * sum(seconds) / max(len(seconds), 1) / step
+        o_one = max(0.0, round_one - draft(1) - curve.v(2))
+        overhead = tree_cost.linear(1, o_one, gamma, o_gamma)
+        notes.append(f"chains: bookkeeping per round {o_one:.3f} target steps at chain 1 (probe of "
+                     f"{min(cfg.tree.probe_prompts, len(prompt_ids))} prompts, {len(seconds)} row-rounds) and "
+                     f"{o_gamma:.3f} at chain {gamma} (the measured pass), linear between")
     return tree_cost.chain_settings(result.accept_rate_per_pos, result.cost.c, curve, draft, overhead, baseline)
 
 

@@ -96,15 +96,17 @@ def chain_taus(accept_rate_per_pos: list[float]) -> list[float]:
 
 
 def chain_settings(accept_rate_per_pos: list[float], c: float, curve: VerifyCurve,
-                   draft: Callable[[int], float] | None = None, overhead: float = 0.0,
+                   draft: Callable[[int], float] | None = None, overhead: float | Callable[[int], float] = 0.0,
                    baseline: float = 1.0) -> list[Setting]:
     """Every chain length 1 .. len(a) (within the curve), tau predicted from the measured a_k. draft(g): a round's
-    draft cost in target steps (None: g * c); overhead, baseline: Setting's."""
+    draft cost in target steps (None: g * c); overhead: Setting's, one for every length or overhead(g); baseline:
+    Setting's."""
     taus = chain_taus(accept_rate_per_pos)
     top = min(len(accept_rate_per_pos), len(curve.ms) - 1)
     cost = draft or (lambda g: g * c)
+    bookkeeping = overhead if callable(overhead) else (lambda g: overhead)
     return [Setting(f"chain{g}", taus[g], cost(g), g + 1, curve.v(g + 1), flags=TreeShape(1, g).sglang_flags(),
-                    gamma=g, overhead=overhead, baseline=baseline) for g in range(1, top + 1)]
+                    gamma=g, overhead=max(0.0, bookkeeping(g)), baseline=baseline) for g in range(1, top + 1)]
 
 
 def linear(x1: int, y1: float, x2: int, y2: float) -> Callable[[int], float]:

@@ -65,6 +65,10 @@ def test_the_cost_model_picks_the_highest_predicted_speed():
     assert best(settings + [Setting("tree2x2", 3.0, 0.3, 5, 1.0)]).name == "tree2x2"
     with pytest.raises(ValueError, match=r"v\(9\) was not measured"):
         curve.v(9)
+    # bookkeeping that grows with the length enters each chain's cost (and never goes below 0)
+    grown = chain_settings([0.9, 0.8, 0.7], c=0.1, curve=curve, overhead=lambda g: 0.1 * g - 0.15)
+    assert [s.overhead for s in grown] == pytest.approx([0.0, 0.05, 0.15])
+    assert grown[2].predicted_speedup == pytest.approx(3.124 / (0.3 + 2.0 + 0.15))
 
 
 def test_the_recommended_chain_length_is_measured(target, draft, tok, prompts):

@@ -111,10 +111,23 @@ def test_the_recommended_setting_is_searched_over_chains_and_trees_and_measured(
     if measured["decoded"]:
         assert measured["greedy_mismatches"] == 0
     assert m["main"]["name"] == "chain3" and any(n.startswith("trees searched") for n in m["notes"])
+    # the chains' bookkeeping is a line through a chain-1 probe and the measured pass (chain 3)
+    assert any(n.startswith("chains: bookkeeping per round") for n in m["notes"])
+    o = [s["overhead"] for s in m["settings"][:3]]
+    if min(o) > 0:
+        assert o[1] == pytest.approx((o[0] + o[2]) / 2)
     md = markdown(r)
     assert f"Recommended: **{m['recommended']}** (SGLang: `--speculative-eagle-topk" in md
     assert "ratio" in md and ("within 10%" in md or "off by more than 10%" in md)
     assert any("[eval] cost model: recommended" in line for line in logs)
+
+
+def test_without_probes_every_chain_gets_the_measured_pass_bookkeeping(target, draft, tok, prompts):
+    r = evaluate(target, tok, draft, prompts[:2], _cfg(tree=TreeEvalConfig(probe_prompts=0)), progress=False)
+    m = r.cost_model
+    assert [s["name"] for s in m["settings"]] == ["chain1", "chain2", "chain3"]
+    assert len({s["overhead"] for s in m["settings"]}) == 1
+    assert not any(n.startswith("chains: bookkeeping") for n in m["notes"])
 
 
 def test_a_tree_run_searches_trees_only(target, draft, tok, prompts):
