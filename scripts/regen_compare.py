@@ -53,6 +53,8 @@ def parse(argv):
 
 def reference_by_decoding(model, tokenizer, prompts, settings: dict, batch_size: int) -> list[list[int]]:
     """Our decoder's greedy answers to `prompts` with the store's max_new_tokens and the tokenizer's stop tokens."""
+    from tqdm import tqdm
+
     from specdistill.pipeline.engines import HFEngine, Sampling
     from specdistill.tokens import pad_id
 
@@ -60,7 +62,8 @@ def reference_by_decoding(model, tokenizer, prompts, settings: dict, batch_size:
     stops = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
     engine, out = HFEngine(model, pad_id(tokenizer)), []
     sampling = Sampling(settings["settings"]["max_new_tokens"], 0.0, 0, stops)
-    for s in range(0, len(prompts), batch_size):
+    starts = range(0, len(prompts), batch_size)
+    for s in tqdm(starts, desc="our decoder", unit="batch", total=len(starts)):
         out.extend(engine.answers(prompts[s: s + batch_size], sampling))
     return out
 
