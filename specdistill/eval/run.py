@@ -146,12 +146,24 @@ def _evaluate(cfg: DictConfig, ecfg, out: Path, log) -> tuple[EvalResult, dict[s
     return result, paths
 
 
+def predicted_main(r: EvalResult):
+    """The cost model's predicted speedup of the setting the evaluation decoded (chain of gamma, or its tree), or
+    None when the cost model did not cost that setting."""
+    if not r.cost_model or r.dynamic_gamma:
+        return None
+    name = r.tree["name"] if r.tree else f"chain{r.gamma}"
+    return next((s["predicted_speedup"] for s in r.cost_model.get("settings", []) if s["name"] == name), None)
+
+
 def summary_line(r: EvalResult) -> str:
     mm = "-" if r.greedy_mismatches is None else r.greedy_mismatches
     s = (f"[eval] {r.drafter}: tau {r.mean_accept_len:.3f} | {r.tokens_per_s:.2f} tok/s vs target-only "
          f"{r.target_only_tokens_per_s:.2f} | speedup {r.speedup:.3f}x | greedy mismatches {mm}")
-    if r.predicted_speedup is not None:
-        s += f" | predicted {r.predicted_speedup:.2f}x (c={r.cost.c:.3f})"
+    main = predicted_main(r)
+    if main is not None:
+        s += f" | predicted {main:.3f}x (cost model: draft, verify v(k) and bookkeeping as measured)"
+    elif r.predicted_speedup is not None:
+        s += f" | predicted {r.predicted_speedup:.2f}x (Leviathan, from alpha and c={r.cost.c:.3f}; no verify cost)"
     if r.hf:
         for k, v in r.hf.items():
             if isinstance(v, dict):

@@ -177,3 +177,14 @@ def test_a_budget_too_short_for_the_probe_skips_trees_and_says_so(target, draft,
     m = r.cost_model
     assert [s["name"] for s in m["settings"]] == ["chain1", "chain2", "chain3"]
     assert any("cut short by eval.max_new_tokens=3" in n for n in m["notes"])
+
+
+def test_the_summary_line_predicts_the_decoded_setting_from_the_cost_model(target, draft, tok, prompts):
+    from specdistill.eval.run import summary_line
+
+    for tree in (TreeEvalConfig(topk=2, depth=2, probe_prompts=0), TreeEvalConfig(probe_prompts=0)):
+        r = evaluate(target, tok, draft, prompts[:1], _cfg(tree=tree, measure_recommended=False), progress=False)
+        name = r.tree["name"] if r.tree else "chain3"
+        want = next(s["predicted_speedup"] for s in r.cost_model["settings"] if s["name"] == name)
+        assert f"predicted {want:.3f}x (cost model" in summary_line(r)
+        assert "Leviathan" not in summary_line(r)
