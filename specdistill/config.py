@@ -225,7 +225,7 @@ class TreeEvalConfig:
     # the cost model's probe decodes on the first probe_prompts prompts: chain 1 (its per-round bookkeeping) and the
     # tree of the search; 0: no probe (chain lengths only, each with the measured pass's bookkeeping)
     probe_prompts: int = bounded(8, ">= 0")
-    search_depth: int = bounded(6, "[1, 16]")
+    search_depth: int = bounded(6, "[1, 16]")  # the deepest tree searched (a block drafter: at most its block size - 1)
 
 
 @dataclass

@@ -31,6 +31,22 @@ def test_card_for_a_local_target_names_its_absolute_path(tmp_path, monkeypatch):
     assert f"vllm serve {tmp_path / 'my_target'}" in card
 
 
+def test_the_card_names_how_the_recommended_setting_is_served():
+    from specdistill.drafts import DFlashDraftKind
+    from specdistill.hub.card import recommended_line
+
+    spec = {"recommended_speedup": 1.05, "recommended_predicted_speedup": 1.02, "recommended_tau": 1.8,
+            "recommended_eagle_topk": 3.0, "recommended_num_steps": 2.0, "recommended_num_draft_tokens": 6.0}
+    tree = recommended_line(spec, Eagle3Draft.serves_trees)
+    assert "top-3, 2 steps, 5 nodes" in tree and "--speculative-eagle-topk 3 --speculative-num-steps 2 " \
+                                                "--speculative-num-draft-tokens 6`" in tree
+    assert "Measured 1.050x (predicted 1.020x), tau 1.800" in tree
+    block = recommended_line(spec, DFlashDraftKind.serves_trees)
+    assert "as specdistill decodes it (the engines serve this draft as chains)" in block and "SGLang" not in block
+    chain = recommended_line(spec | {"recommended_eagle_topk": 1.0, "recommended_num_draft_tokens": 3.0})
+    assert "a chain of 2 (vLLM `num_speculative_tokens` 2;" in chain
+
+
 @pytest.fixture
 def ax():
     import matplotlib

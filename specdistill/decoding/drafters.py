@@ -57,6 +57,7 @@ def unsure(logits: torch.Tensor, token: torch.Tensor, q: torch.Tensor | None, co
 class Drafter(ABC):
     vocab_size: int | None = None     # size of q's vocab; None: proposes token ids from the context, any vocab
     needs_hidden_states: bool = False  # EAGLE-style heads: the loop passes the target's hidden states to start/commit
+    max_tree_depth: int | None = None  # the deepest token tree propose_tree() grows (None: any; a block drafter: B-1)
 
     @abstractmethod
     def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_hidden=None,
@@ -83,7 +84,7 @@ class Drafter(ABC):
         """Grow a token tree under each row's pending token (decoding/tree.py) from the draft's scores: the nodes'
         tokens are deterministic given the context (top-k children), verified as one-hot proposals."""
         raise ValueError(f"{type(self).__name__} proposes one token per position: token trees need a drafter that "
-                         "scores alternatives (an LM draft or an EAGLE-3 head)")
+                         "scores alternatives (an LM draft, an EAGLE-3 head or a DFlash drafter)")
 
     def commit_path(self, path: torch.Tensor, num_accepted: torch.Tensor, next_token: torch.Tensor,
                     active: torch.Tensor, target_hidden=None) -> None:

@@ -52,8 +52,8 @@ class TreeRound(RoundRecord):
 
 
 def proposes_trees(drafter: Drafter) -> bool:
-    """Whether the drafter scores alternatives and grows token trees (it overrides Drafter.propose_tree: LM drafts and
-    EAGLE-3 heads do; n-gram lookup and block drafters propose one token per position)."""
+    """Whether the drafter scores alternatives and grows token trees (it overrides Drafter.propose_tree: LM drafts,
+    EAGLE-3 heads and DFlash drafters do; n-gram lookup proposes one token per position)."""
     return type(drafter).propose_tree is not Drafter.propose_tree
 
 

@@ -29,6 +29,8 @@ class DraftAdapter:
     needs_row_features = False              # rollout rows carry target features (DraftedPositions.aux)
     decodes_alone = True                    # can generate without the target (the assist=false rollout ablation)
     needs_data_to_build = False             # build() needs training data (so no untrained one can be evaluated)
+    trains_on_trees = True                  # Draft-OPD can train it on token-tree rollouts (objective.tree_topk)
+    serves_trees = True                     # serving engines decode its token trees (SGLang's EAGLE tree flags)
     path_inits: tuple[str, ...] = ()        # draft.init values that read draft.path (a warm start or the weights)
     data_objective: str = "kd"              # the objective (objectives/) that trains this kind on data batches:
                                             # Draft-OPD's kd_weight term uses it

@@ -78,6 +78,20 @@ def check_eval_config(cfg: EvalConfig) -> None:
         raise ValueError("eval.compare_hf compares outputs token for token: it needs eval.temperature=0")
 
 
+def _check_tree_drafter(cfg: EvalConfig, drafter: Drafter) -> None:
+    """eval.tree asks for trees this drafter can grow, before any prompt is decoded."""
+    shape = tree_shape(cfg)
+    if shape is None:
+        return
+    if not proposes_trees(drafter):
+        raise ValueError(f"eval.tree.topk={shape.topk}: {type(drafter).__name__} proposes one token per position, so "
+                         "it cannot grow token trees; set eval.tree.topk=0 for chains")
+    top = drafter.max_tree_depth
+    if top is not None and shape.depth > top:
+        raise ValueError(f"eval.tree.depth={shape.depth} exceeds the {top} draft positions this drafter proposes per "
+                         f"round (a block drafter of block size {top + 1}): set eval.tree.depth <= {top}")
+
+
 def tree_shape(cfg: EvalConfig) -> Optional[TreeShape]:
     """The token-tree shape eval.tree asks for; None: chains of eval.gamma (eval.tree.topk=0)."""
     t = cfg.tree
@@ -400,6 +414,7 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
     ps = _prompt_ids(prompts, tokenizer, target_model, cfg, source)
     prompt_ids, source = ps.ids, ps.source
     drafter, drafter_name = make_drafter(drafter_spec, target_model, cfg)
+    _check_tree_drafter(cfg, drafter)
     eos = eos_ids(tokenizer, target_model, cfg.ignore_eos)
     dec = _Decoders(target_model, drafter, cfg, eos, pad_id_of(tokenizer, eos), device_of(target_model))
     load_before = _loadavg()
@@ -565,6 +580,10 @@ def _tree_candidates(dec: _Decoders, prompt_ids: list[list[int]], batch: PromptB
         notes.append("trees not searched: eval.tree.probe_prompts=0")
         return []
     D = cfg.tree.search_depth
+    if dec.drafter.max_tree_depth is not None:
+        D = min(D, dec.drafter.max_tree_depth)
+        notes.append(f"trees of a block drafter: searched to depth {D} (its positions per round); specdistill decodes "
+                     "them, vLLM's dflash method drafts chains")
     # 1. Each topk's draft cost per round at depth 1 and D (these also warm the tree code up for the probe).
     ends = {}
     for k in range(1, tree_search.MAX_TOPK + 1):

@@ -108,4 +108,11 @@ class EvalResult:
             out[f"{prefix}latency_ms_{q}"] = self.latency_ms[q]
         if self.cost is not None:
             out[prefix + "cost_c"] = self.cost.c
+        measured = (self.cost_model or {}).get("measured")
+        if measured:  # the cost model's recommended setting, decoded once more (eval.measure_recommended)
+            out[prefix + "recommended_speedup"] = float(measured["speedup"])
+            out[prefix + "recommended_predicted_speedup"] = float(measured["predicted_speedup"])
+            out[prefix + "recommended_tau"] = float(measured["mean_accept_len"])
+            for flag, v in self.cost_model.get("recommended_sglang", {}).items():  # topk, steps, draft tokens
+                out[prefix + "recommended_" + flag.removeprefix("--speculative-").replace("-", "_")] = float(v)
         return out

@@ -19,9 +19,9 @@ def _fmt(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
-def tau_table(metrics: dict, gamma: int) -> str:
+def tau_table(metrics: dict, gamma: int, serves_trees: bool = True) -> str:
     """Markdown tables from the latest metrics: the real speculative eval (spec/*) and the held-out proxy
-    (heldout/*)."""
+    (heldout/*); serves_trees: recommended_line's."""
     rows = []
     spec = {k.removeprefix("spec/"): v for k, v in metrics.items() if k.startswith("spec/")}
     if spec:
@@ -37,12 +37,34 @@ def tau_table(metrics: dict, gamma: int) -> str:
         if pos:
             rows += ["", "| draft position | " + " | ".join(str(i + 1) for i in range(len(pos))) + " |",
                      "|---|" + "---|" * len(pos), "| acceptance | " + " | ".join(f"{a:.3f}" for a in pos) + " |"]
+        if "recommended_speedup" in spec:
+            rows += ["", recommended_line(spec, serves_trees)]
         rows.append("")
     held = {k.removeprefix("heldout/"): v for k, v in metrics.items() if k.startswith("heldout/")}
     if "mean_accept_len" in held:
         rows += [f"Held-out simulated acceptance (teacher-forced top-1 agreement, gamma {gamma}): "
                  f"tau {held['mean_accept_len']:.3f}", ""]
     return "\n".join(rows) if rows else "No evaluation results yet.\n"
+
+
+def recommended_line(spec: dict, serves_trees: bool = True) -> str:
+    """The cost model's recommended setting (eval.measure_recommended) from spec/* metrics, with the SGLang flags that
+    serve it (a chain of gamma is topk 1, gamma steps, gamma + 1 draft tokens). serves_trees=False: the engines serve
+    this kind of draft as chains only, so a recommended tree is named as specdistill's decoding."""
+    topk, steps, tokens = (int(spec.get(f"recommended_{k}", 0))
+                           for k in ("eagle_topk", "num_steps", "num_draft_tokens"))
+    measured = (f"Measured {spec['recommended_speedup']:.3f}x "
+                f"(predicted {spec['recommended_predicted_speedup']:.3f}x), tau {spec['recommended_tau']:.3f}.")
+    if topk == 1:
+        return (f"Recommended by the cost model on the evaluation machine: a chain of {steps} (vLLM "
+                f"`num_speculative_tokens` {steps}; SGLang `--speculative-num-steps {steps} --speculative-eagle-topk 1 "
+                f"--speculative-num-draft-tokens {tokens}`). {measured}")
+    tree = f"a token tree of top-{topk}, {steps} steps, {tokens - 1} nodes"
+    if not serves_trees:
+        return (f"Recommended by the cost model on the evaluation machine: {tree}, as specdistill decodes it (the "
+                f"engines serve this draft as chains). {measured}")
+    return (f"Recommended by the cost model on the evaluation machine: {tree} (SGLang `--speculative-eagle-topk {topk} "
+            f"--speculative-num-steps {steps} --speculative-num-draft-tokens {tokens}`). {measured}")
 
 
 def model_card(cfg, repo_id: str, metrics: dict, step: int, epoch: int, kind: type[DraftAdapter],
@@ -84,7 +106,7 @@ The full resolved config is `specdistill/config.yaml`; the latest metrics are `s
 
 ## Acceptance
 
-{tau_table(metrics, gamma)}
+{tau_table(metrics, gamma, kind.serves_trees)}
 ## Serving
 
 {kind.card_section(repo_id, served, exports or [], gamma)}"""

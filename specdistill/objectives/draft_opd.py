@@ -394,6 +394,11 @@ class DraftOPDObjective(Objective):
             raise ValueError(f"objective.tree_topk={self.tree_topk}: a {adapter.kind} draft cannot score alternatives "
                              "(it drafts one token per position), so it cannot grow token trees; set "
                              "objective.tree_topk=0 for chain rollouts (LM drafts and EAGLE-3 heads grow trees)")
+        if self.tree_shape() is not None and not adapter.trains_on_trees:
+            raise ValueError(f"objective.tree_topk={self.tree_topk}: a {adapter.kind} draft decodes token trees but "
+                             "is not trained on them (its block positions see the anchor, not the node they extend, "
+                             "so a tree's contexts are not its training contexts); set objective.tree_topk=0 for chain "
+                             "rollouts (LM drafts and EAGLE-3 heads train on trees)")
 
     @torch.no_grad()
     def _prepare(self, batch: dict, models: Models) -> _Prepared:

@@ -88,3 +88,31 @@ def _interleaved(prompts: list[list[int]], n: int) -> tuple[torch.Tensor, torch.
 @pytest.fixture
 def interleaved_prompts():
     return _interleaved
+
+
+class RecordsTrees:
+    """Mixin for a drafter that grows token trees (class Recording(RecordsTrees, LMDrafter)): keeps every round's tree
+    and accepted path, for branch_counts()."""
+
+    def start(self, *args, **kwargs):
+        self.trees, self.paths = [], []
+        super().start(*args, **kwargs)
+
+    def commit_path(self, path, num_accepted, next_token, active, target_hidden=None):
+        self.trees.append(self.tree)
+        self.paths.append((path, num_accepted, active))
+        super().commit_path(path, num_accepted, next_token, active, target_hidden)
+
+
+def branch_counts(drafter: RecordsTrees) -> tuple[int, int, int]:
+    """(accepted nodes, accepted nodes that are not their parent's first child, row-rounds with a rejection)."""
+    accepted = later = rejected = 0
+    for tree, (path, n, active) in zip(drafter.trees, drafter.paths):
+        first_child = tree.children()[..., 0]                                        # (B, N+1)
+        parents = torch.nn.functional.pad(tree.parents, (1, 0))                     # (B, N+1)
+        for b in active.nonzero().flatten().tolist():
+            nodes = path[b, 1: int(n[b]) + 1]
+            accepted += len(nodes)
+            later += int((first_child[b, parents[b, nodes]] != nodes).sum())
+            rejected += int(n[b] < tree.depth[b].max())
+    return accepted, later, rejected

@@ -12,6 +12,7 @@ from specdistill.decoding import CacheMode, LMDrafter, NGramDrafter, speculative
 from specdistill.decoding.kv import BatchKV
 from specdistill.decoding.tree import Tree, TreeShape, grow
 from specdistill.decoding.tree_generate import tree_generate
+from tests.decoding.conftest import RecordsTrees, branch_counts
 from tests.decoding.test_architectures import CASES, NOISE, _perturbed, _prompts
 from tests.tiny_archs import ARCHITECTURES, tiny_target
 
@@ -19,31 +20,8 @@ MAX_NEW = 20
 SHAPES = [TreeShape(2, 3), TreeShape(3, 3, nodes=8), TreeShape(4, 2)]
 
 
-class _Recording(LMDrafter):
+class _Recording(RecordsTrees, LMDrafter):
     """An LMDrafter that keeps every round's tree and accepted path."""
-
-    def start(self, *args, **kwargs):
-        self.trees, self.paths = [], []
-        super().start(*args, **kwargs)
-
-    def commit_path(self, path, num_accepted, next_token, active, target_hidden=None):
-        self.trees.append(self.tree)
-        self.paths.append((path, num_accepted, active))
-        super().commit_path(path, num_accepted, next_token, active, target_hidden)
-
-
-def _branch_counts(drafter: _Recording) -> tuple[int, int, int]:
-    """(accepted nodes, accepted nodes that are not their parent's first child, row-rounds with a rejection)."""
-    accepted = later = rejected = 0
-    for tree, (path, n, active) in zip(drafter.trees, drafter.paths):
-        first_child = tree.children()[..., 0]                                        # (B, N+1)
-        parents = torch.nn.functional.pad(tree.parents, (1, 0))                     # (B, N+1)
-        for b in active.nonzero().flatten().tolist():
-            nodes = path[b, 1: int(n[b]) + 1]
-            accepted += len(nodes)
-            later += int((first_child[b, parents[b, nodes]] != nodes).sum())
-            rejected += int(n[b] < tree.depth[b].max())
-    return accepted, later, rejected
 
 
 # ------------------------------------------------------------------------------------------------- shapes
@@ -202,7 +180,7 @@ def test_greedy_tree_decoding_is_token_identical_to_target_only(arch):
     for shape in SHAPES:
         r = tree_generate(target, drafter, ids, mask, tree=shape, max_new_tokens=MAX_NEW)
         assert torch.equal(r.sequences, reference.sequences), f"{arch} {shape.name}"
-        counts = _branch_counts(drafter)
+        counts = branch_counts(drafter)
         accepted, later, rejected = accepted + counts[0], later + counts[1], rejected + counts[2]
         assert torch.equal(sum(rnd.num_emitted for rnd in r.rounds), r.num_new_tokens)
         assert r.accept_hist.sum() == r.target_forwards.sum() == sum(int(rnd.active.sum()) for rnd in r.rounds)
@@ -249,7 +227,7 @@ def test_tree_sampling_follows_the_target_on_a_left_padded_batch(chi_square_pval
     ids, mask = interleaved_prompts(prompts, N)
     out = tree_generate(target, drafter, ids, mask, tree=TreeShape(3, 2, nodes=5), max_new_tokens=3,
                         temperature=1.0, generator=torch.Generator().manual_seed(0))
-    accepted, later, rejected = _branch_counts(drafter)
+    accepted, later, rejected = branch_counts(drafter)
     assert later > 0.1 * accepted and rejected > 0.1 * N * K
     for k, prompt in enumerate(prompts):
         rows = out.sequences[k::K]                                                          # (N, 3)

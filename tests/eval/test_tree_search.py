@@ -1,6 +1,7 @@
 """The cost model's tree search: replaying a candidate's expansion on a probe tree gives the candidate's own tree, and
 eval.measure_recommended names the setting of highest predicted speed, decodes it once and reports predicted against
-measured (chains only, said so, for drafters that cannot score alternatives: n-gram lookup, DFlash)."""
+measured (chains only, said so, for drafters that cannot score alternatives: n-gram lookup; a block drafter's trees
+no deeper than its block)."""
 from types import SimpleNamespace
 
 import pytest
@@ -120,6 +121,19 @@ def test_the_recommended_setting_is_searched_over_chains_and_trees_and_measured(
     assert f"Recommended: **{m['recommended']}** (SGLang: `--speculative-eagle-topk" in md
     assert "ratio" in md and ("within 10%" in md or "off by more than 10%" in md)
     assert any("[eval] cost model: recommended" in line for line in logs)
+    # the loggers' and the model card's view: the recommended setting with the SGLang flags that serve it
+    flat = r.flat("spec/")
+    flags = m["recommended_sglang"]
+    assert flat["spec/recommended_speedup"] == measured["speedup"]
+    assert flat["spec/recommended_eagle_topk"] == flags["--speculative-eagle-topk"]
+    assert flat["spec/recommended_num_draft_tokens"] == flags["--speculative-num-draft-tokens"]
+    from specdistill.drafts import Eagle3Draft
+    from specdistill.hub.card import tau_table
+
+    line = tau_table(flat, gamma=3, serves_trees=Eagle3Draft.serves_trees).splitlines()
+    line = next(x for x in line if x.startswith("Recommended by the cost model"))
+    assert f"--speculative-num-draft-tokens {flags['--speculative-num-draft-tokens']}`" in line
+    assert f"Measured {measured['speedup']:.3f}x" in line
 
 
 def test_without_probes_every_chain_gets_the_measured_pass_bookkeeping(target, draft, tok, prompts):
@@ -146,23 +160,25 @@ def test_drafters_that_cannot_score_alternatives_get_chain_lengths_and_say_so(ta
     assert "Note: trees not searched" in markdown(r)
 
 
-def test_a_dflash_draft_gets_its_chain_length_without_trees():
+def test_a_dflash_draft_searches_trees_no_deeper_than_its_block():
     from tests.conftest import make_tokenizer
     from tests.dflash.conftest import tiny_dflash, tiny_target
 
     tok = make_tokenizer()
     target = tiny_target()
     target.resize_token_embeddings(len(tok))
-    draft = tiny_dflash(target, 4)
+    draft = tiny_dflash(target, 3)  # 2 draft positions per round: the search is cut to depth 2 (asked: 3)
     msgs = [[{"role": "user", "content": "tell me about the cat and the dog"}]]
-    r = evaluate(target, tok, draft, msgs, _cfg(gamma=3), progress=False)
+    r = evaluate(target, tok, draft, msgs, _cfg(gamma=2), progress=False)
     m = r.cost_model
-    assert [s["name"] for s in m["settings"]] == ["chain1", "chain2", "chain3"]
-    assert any("DFlashDrafter cannot score alternatives" in n for n in m["notes"])
+    chains = [s for s in m["settings"] if s["name"].startswith("chain")]
+    trees = [s for s in m["settings"] if s["name"].startswith("tree")]
+    assert [s["name"] for s in chains] == ["chain1", "chain2"]
+    assert trees and max(s["depth"] for s in trees) == 2 and {2, 3, 4} <= {s["topk"] for s in trees}
+    assert any("vLLM's dflash method drafts chains" in n for n in m["notes"])
     assert m["measured"]["name"] == m["recommended"]
-    # a block drafter's round costs one forward whatever the length: its draft cost is not gamma-proportional
-    drafts = [s["draft"] for s in m["settings"]]
-    assert drafts[0] > drafts[2] / 3
+    # a block drafter's round costs one forward whatever the length: its draft cost is not length-proportional
+    assert chains[0]["draft"] > chains[1]["draft"] / 2
 
 
 def test_bad_search_settings_are_refused_by_name(target, tok, prompts):

@@ -209,7 +209,7 @@ def test_a_heads_tree_contexts_score_the_trees_children(vd):
     assert bool((top == pos.token[:, None]).any(1).all())
 
 
-def test_a_draft_that_cannot_grow_trees_is_refused_by_name():
+def test_a_draft_not_trained_on_trees_is_refused_by_name():
     from specdistill.models.target import Target
     from tests.dflash.conftest import tiny_dflash, tiny_target
 
@@ -217,5 +217,5 @@ def test_a_draft_that_cannot_grow_trees_is_refused_by_name():
     obj = DraftOPDObjective(max_new_tokens=6, tree_topk=2, tree_depth=2)
     ids, mask = _prompts()
     batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": torch.zeros_like(ids)}
-    with pytest.raises(ValueError, match="objective.tree_topk=2: a dflash draft cannot score alternatives"):
+    with pytest.raises(ValueError, match="tree_topk=2: a dflash draft decodes token trees but is not trained"):
         obj.prepare(batch, Models(tiny_dflash(target, 4), Target(target)))

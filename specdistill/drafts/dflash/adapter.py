@@ -37,6 +37,8 @@ class DFlashDraftKind(DraftAdapter):
     serving_formats = ("vllm",)
     needs_row_features = True
     decodes_alone = False       # every block reads the target's hidden states
+    trains_on_trees = False     # its block positions see the anchor only, not the tree node they extend
+    serves_trees = False        # vLLM's dflash method drafts chains; its trees are specdistill's decoding
     path_inits = ("dflash",)    # draft.path: a warm start
     data_objective = "dflash"   # its data loss is the block loss (objectives/dflash.py)
     card_title = "A DFlash block drafter"

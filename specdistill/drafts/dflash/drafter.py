@@ -12,6 +12,11 @@ old pending token and d_1 .. d_n: only those n+1 rows join the cache (the reject
 cropped to what verification kept), and next_token becomes the new anchor. With a sliding window W the cache keeps
 only each row's last W slots. Rows that stopped keep nothing. Holes (rows that kept fewer than the widest row) stay
 as masked slots until they are a quarter of the cache, then every row is right-aligned.
+
+Token trees come from the same one forward: block position d's top-k tokens are the children of every node at depth
+d (its logits do not depend on the node they extend), and decoding/tree.grow keeps the best paths by the product of
+the positions' probabilities. Verification treats them as one-hot proposals like every tree (lossless at every
+temperature); the accepted path's features join the cache as a chain's accepted drafts do.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import torch
 
 from specdistill.decoding.drafters import Drafter, Proposal, aux_hidden_states, check_confidence, unsure
 from specdistill.decoding.sampling import Sampler
+from specdistill.decoding.tree import Tree, TreeShape, grow
 
 from .model import ContextKV, DFlashDraft
 
@@ -128,3 +134,29 @@ class DFlashDrafter(Drafter):
         self.anchor = torch.where(active, next_token, self.anchor)
         self.anchor_pos = torch.where(active, self.anchor_pos + n + 1, self.anchor_pos)
         self._crop()
+
+    # ------------------------------------------------------------------------------------------- token trees
+    @property
+    def max_tree_depth(self) -> int:
+        return self.model.block_size - 1
+
+    @torch.no_grad()
+    def propose_tree(self, shape: TreeShape) -> Tree:
+        """One block forward; block position d's logits score the children of every depth-d node (module docstring)."""
+        if shape.depth > self.max_tree_depth:
+            raise ValueError(f"tree depth={shape.depth} exceeds what a block of {self.model.block_size} drafts "
+                             f"({self.max_tree_depth} positions after the anchor): set the tree depth to at most "
+                             f"{self.max_tree_depth}, or evaluate the drafter at a larger block size")
+        hidden = self.model.blocks(self.cache, self.anchor[:, None], self.anchor_pos[:, None])  # (B, 1, Bs, H)
+        logits = self.model.logits(hidden[:, 0, 1: 1 + shape.depth])             # (B, depth, Vd)
+
+        def feed(tokens, visible, d, parent):                                 # the beams of depth d: (B, k)
+            return logits[:, d, None].expand(-1, tokens.shape[1], -1)         # (B, k, Vd) the same for every beam
+
+        self.tree = grow(shape, logits[:, 0], feed, to_target=self.model.draft_to_target)
+        return self.tree
+
+    @torch.no_grad()
+    def commit_path(self, path, num_accepted, next_token, active, target_hidden=None) -> None:
+        """target_hidden holds the features of [root, path nodes]: the accepted ones join the cache as a chain's."""
+        self.commit(num_accepted, next_token, active, target_hidden)
