@@ -522,7 +522,9 @@ def _recommend(dec: _Decoders, batches: list[PromptBatch], prompt_ids: list[list
     flags = " ".join(f"{k} {v}" for k, v in rec.flags.items())
     log(f"[eval] cost model: recommended {rec.name} ({flags}): predicted {rec.predicted_speedup:.3f}x, measured "
         f"{measured['decode_speedup']:.3f}x decode / {measured['speedup']:.3f}x overall (ratio {measured['ratio']:.2f}"
-        f"{'' if measured['within_10pct'] else ', off by more than 10%'}); {main_name} measured {result.speedup:.3f}x")
+        f"{'' if measured['within_10pct'] else ', off by more than 10%'}); {main_name} measured {result.speedup:.3f}x"
+        + ("; no setting is faster than the target alone on this machine" if measured["speedup"] < 1
+           and rec.predicted_speedup < 1 else ""))
     return model
 
 

@@ -261,6 +261,11 @@ def cost_model_markdown(m: dict) -> list[str]:
                      + (" The recommended pass ran after the measured one and is set against its target-only runs "
                         "(not interleaved: load changes between the two passes enter the ratio)."
                         if measured.get("decoded") else ""))
+    if m["recommended_predicted_speedup"] < 1 or (measured is not None and measured["speedup"] < 1):
+        lines.append("**Slower than the target alone**: no chain length or tree shape is predicted faster than "
+                     "target-only decoding on this machine" + ("" if measured is None else ", and the recommended one "
+                     f"measured {_f(measured['speedup'])}x") + "; serve without this draft here (a verify of k tokens "
+                     "costs v(k) target steps on this device: where v stays near 1, as on a GPU, the same draft pays).")
     if m.get("main") and measured is not None:
         main = m["main"]
         lines.append(f"Against the configured {main['name']}: {_f(measured['speedup'])}x vs {_f(main['speedup'])}x "

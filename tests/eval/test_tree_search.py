@@ -204,3 +204,18 @@ def test_the_summary_line_predicts_the_decoded_setting_from_the_cost_model(targe
         want = next(s["predicted_speedup"] for s in r.cost_model["settings"] if s["name"] == name)
         assert f"predicted {want:.3f}x (cost model" in summary_line(r)
         assert "Leviathan" not in summary_line(r)
+
+
+@pytest.mark.parametrize("predicted, measured, slower", [(1.05, 1.03, False), (0.96, 0.93, True), (1.02, 0.98, True)])
+def test_a_draft_slower_than_the_target_alone_is_said_so(predicted, measured, slower):
+    from specdistill.eval.tree_cost import Setting, VerifyCurve, cost_model_markdown, cost_model_report
+
+    curve = VerifyCurve(step_ms=10.0, ms=[11.0, 12.0], context_tokens=5)
+    m = cost_model_report(curve, [Setting("chain1", 1.2, 0.1, 2, 1.1, gamma=1)])
+    m["recommended_predicted_speedup"] = predicted
+    m["measured"] = {"name": "chain1", "speedup": measured, "decode_speedup": measured, "mean_accept_len": 1.2,
+                     "predicted_speedup": predicted, "ratio": measured / predicted, "within_10pct": True}
+    text = "\n".join(cost_model_markdown(m))
+    assert ("**Slower than the target alone**" in text) == slower
+    if slower:
+        assert f"measured {measured:.3f}x; serve without this draft here" in text
