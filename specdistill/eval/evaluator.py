@@ -584,8 +584,8 @@ def _tree_candidates(dec: _Decoders, prompt_ids: list[list[int]], batch: PromptB
     D = cfg.tree.search_depth
     if dec.drafter.max_tree_depth is not None:
         D = min(D, dec.drafter.max_tree_depth)
-        notes.append(f"trees of a block drafter: searched to depth {D} (its positions per round); specdistill decodes "
-                     "them, vLLM's dflash method drafts chains")
+        notes.append(f"trees searched to depth {D}: the drafter proposes at most {dec.drafter.max_tree_depth} "
+                     "positions per round")
     # 1. Each topk's draft cost per round at depth 1 and D (these also warm the tree code up for the probe).
     ends = {}
     for k in range(1, tree_search.MAX_TOPK + 1):

@@ -396,9 +396,8 @@ class DraftOPDObjective(Objective):
                              "objective.tree_topk=0 for chain rollouts (LM drafts and EAGLE-3 heads grow trees)")
         if self.tree_shape() is not None and not adapter.trains_on_trees:
             raise ValueError(f"objective.tree_topk={self.tree_topk}: a {adapter.kind} draft decodes token trees but "
-                             "is not trained on them (its block positions see the anchor, not the node they extend, "
-                             "so a tree's contexts are not its training contexts); set objective.tree_topk=0 for chain "
-                             "rollouts (LM drafts and EAGLE-3 heads train on trees)")
+                             "is not trained on them (a tree's contexts are not its training contexts); set "
+                             "objective.tree_topk=0 for chain rollouts (LM drafts and EAGLE-3 heads train on trees)")
 
     @torch.no_grad()
     def _prepare(self, batch: dict, models: Models) -> _Prepared:
