@@ -12,19 +12,24 @@ export with scripts/evaluate.py -> results.json, results.md and peers.png in --o
 Budgets: --epochs E gives every arm E passes over the same rows (equal loss tokens); --wall-seconds S also stops
 every arm's training after S seconds of training (equal wall time: specdistill through trainer.max_minutes, the peers
 through a deadline in peer_train.py).
+Scoring: every --temperatures x --gammas setting at --eval-batch-size (default 1). With several gammas the report names,
+per arm and temperature, the gamma with the highest measured speedup (the evaluator's own `speedup`); --best-gamma
+scores gammas 1..6 when --gammas is not given. Speedups are comparable only at batch 1, so at another batch size no
+gamma is named best.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import math
 import os
 import shlex
 import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -33,6 +38,8 @@ from benchmarks.peers.arms import HeadShape
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+PRIMARY_GAMMA = 4  # the default gamma, and the primary table's under --best-gamma when it is scored
+BEST_GAMMA_CANDIDATES = (1, 2, 3, 4, 5, 6)  # what --best-gamma scores when --gammas is not given
 
 
 def log(msg: str) -> None:
@@ -233,8 +240,33 @@ def convert_peer(peer: str, rec: dict, target: str, target_model, probe_row) -> 
     return res
 
 
+def temperature_key(temperature: float) -> str:
+    return f"T{temperature:g}"
+
+
 def setting_key(temperature: float, gamma: int) -> str:
-    return f"T{temperature:g}-g{gamma}"
+    return f"{temperature_key(temperature)}-g{gamma}"
+
+
+def scored_gammas(gammas: Optional[list[int]], best_gamma: bool) -> list[int]:
+    """The gammas every arm is scored at, the primary table's first: --gammas as given (default [4]); with
+    --best-gamma, BEST_GAMMA_CANDIDATES when --gammas is not given, and 4 moved first when it is among them."""
+    if gammas is None:
+        gammas = list(BEST_GAMMA_CANDIDATES) if best_gamma else [PRIMARY_GAMMA]
+    gammas = list(dict.fromkeys(gammas))
+    if best_gamma and PRIMARY_GAMMA in gammas:
+        gammas.remove(PRIMARY_GAMMA)
+        gammas.insert(0, PRIMARY_GAMMA)
+    return gammas
+
+
+def eval_command(target: str, export: str, eval_dir: Path, *, prompts: int, tokens: int, gamma: int,
+                 temperature: float, batch_size: int) -> list[str]:
+    """scripts/evaluate.py on one export at one setting; batch_size is the measured pass's and the sweep's only one."""
+    return [sys.executable, str(REPO / "scripts" / "evaluate.py"), "target=local", f"target.path={target}",
+            f"eval.draft_path={export}", f"eval.num_prompts={prompts}", f"eval.max_new_tokens={tokens}",
+            f"eval.gamma={gamma}", f"eval.temperature={temperature}", f"eval.batch_size={batch_size}",
+            f"eval.batch_sizes=[{batch_size}]", f"eval.output_dir={eval_dir}", "eval.overwrite=true"]
 
 
 def evaluate(a, name: str, export: str, target: str, out: Path, temperature: float, gamma: int,
@@ -242,17 +274,92 @@ def evaluate(a, name: str, export: str, target: str, out: Path, temperature: flo
     key = setting_key(temperature, gamma)
     eval_dir = eval_dir or out / "eval" / key / name
     logfile = out / "logs" / f"eval-{'-'.join(eval_dir.relative_to(out).parts)}.log"
-    cmd = [sys.executable, str(REPO / "scripts" / "evaluate.py"), "target=local", f"target.path={target}",
-           f"eval.draft_path={export}", f"eval.num_prompts={prompts or a.eval_prompts}",
-           f"eval.max_new_tokens={a.eval_tokens}", f"eval.gamma={gamma}", f"eval.temperature={temperature}",
-           f"eval.output_dir={eval_dir}", "eval.overwrite=true"]
+    cmd = eval_command(target, export, eval_dir, prompts=prompts or a.eval_prompts, tokens=a.eval_tokens,
+                       gamma=gamma, temperature=temperature, batch_size=a.eval_batch_size)
     rc, wall = run_logged(cmd, logfile, a.threads)
     if rc != 0:
         return {"command": shlex.join(cmd), "rc": rc, "error": tail(logfile)}
     r = json.loads((eval_dir / "results.json").read_text())
-    return {"command": shlex.join(cmd), "rc": 0, "tau": r["mean_accept_len"], "dir": str(eval_dir),
-            "accept_rate_per_pos": r["accept_rate_per_pos"], "greedy_mismatches": r.get("greedy_mismatches"),
-            "eval_s": wall}
+    return {"command": shlex.join(cmd), "rc": 0, "tau": r["mean_accept_len"], "speedup": r.get("speedup"),
+            "batch_size": r.get("batch_size"), "dir": str(eval_dir), "accept_rate_per_pos": r["accept_rate_per_pos"],
+            "greedy_mismatches": r.get("greedy_mismatches"), "eval_s": wall}
+
+
+# ----------------------------------------------------------------------------------------------------- best gamma
+@dataclass(frozen=True)
+class GammaPick:
+    """The gamma with the highest measured speedup of one arm at one temperature, and its tau."""
+    gamma: int
+    speedup: float
+    tau: float
+
+
+def measured_speedup(e: dict) -> Optional[float]:
+    """The evaluator's speedup of one eval record, None when it has none (a failed eval, a NaN written as null)."""
+    s = e.get("speedup")
+    return float(s) if isinstance(s, (int, float)) and math.isfinite(s) else None
+
+
+def pick_best_gamma(evals: dict, temperature: float, gammas: list[int]) -> Optional[GammaPick]:
+    """Among an arm's evals at this temperature, the gamma with the highest measured speedup (a tie: the shorter
+    gamma); None when no gamma has one."""
+    picks = []
+    for g in gammas:
+        e = evals.get(setting_key(temperature, g)) or {}
+        speedup = measured_speedup(e)
+        if speedup is not None:
+            picks.append(GammaPick(gamma=g, speedup=speedup, tau=e["tau"]))
+    return max(picks, key=lambda p: (p.speedup, -p.gamma), default=None)
+
+
+def best_gamma_refusal(gammas: list[int], batch_size: int) -> Optional[str]:
+    """Why no gamma can be named best, or None when one can."""
+    if batch_size != 1:
+        return (f"the evals ran at batch size {batch_size}; speedups measured at batch > 1 are not what a batch-1 "
+                "user sees, so no gamma is named best (rerun with --eval-batch-size 1)")
+    if len(gammas) < 2:
+        return f"only gamma {gammas[0]} was scored (pass several with --gammas, or --best-gamma)"
+    return None
+
+
+def pick_best_gammas(results: dict, temperatures: list[float], gammas: list[int], batch_size: int) -> dict:
+    """rec["best_gamma"][T<t>] = {gamma, speedup, tau} for every arm and temperature with a measured speedup;
+    returns what results["best_gamma"] records: the candidates, the batch size and why no pick was made (or None)."""
+    refusal = best_gamma_refusal(gammas, batch_size)
+    if refusal:
+        log(f"best gamma not picked: {refusal}")
+    else:
+        for name, rec in results["arms"].items():
+            picks = {temperature_key(t): pick_best_gamma(rec.get("evals") or {}, t, gammas) for t in temperatures}
+            rec["best_gamma"] = {k: asdict(p) for k, p in picks.items() if p is not None}
+            for k, p in picks.items():
+                log(f"{name} at {k}: best gamma {p.gamma} (speedup {p.speedup:.3f}, tau {p.tau:.3f})" if p
+                    else f"{name} at {k}: no measured speedup, no best gamma")
+    return {"gammas": list(gammas), "temperatures": list(temperatures), "batch_size": batch_size,
+            "skipped": refusal}
+
+
+def best_gamma_lines(results: dict) -> list[str]:
+    """results.md's "Best gamma per arm" section: the pick per arm and temperature beside every gamma's speedup, or
+    why no pick was made."""
+    bg = results["best_gamma"]
+    lines = ["", "## Best gamma per arm (measured speedup)", ""]
+    if bg.get("skipped"):
+        return lines + [f"Not picked: {bg['skipped']}."]
+    gammas = sorted(bg["gammas"])
+    lines += ["Per arm and temperature, the scored gamma with the highest speedup the evaluator measured (tokens/s "
+              "of speculative over target-only decoding, same prompts, batch 1; a tie goes to the shorter gamma).", "",
+              f"| arm | T | best gamma | speedup | tau | speedup at gamma {', '.join(str(g) for g in gammas)} |",
+              "|---|---|---|---|---|---|"]
+    for name, rec in results["arms"].items():
+        evals = rec.get("evals") or {}
+        for t in bg["temperatures"]:
+            speeds = [measured_speedup(evals.get(setting_key(t, g)) or {}) for g in gammas]
+            row = ", ".join("-" if s is None else f"{s:.3f}" for s in speeds)
+            p = (rec.get("best_gamma") or {}).get(temperature_key(t))
+            pick = f"{p['gamma']} | {p['speedup']:.3f} | {p['tau']:.4f}" if p else "none: no measured speedup | - | -"
+            lines.append(f"| {name} | {t:g} | {pick} | {row} |")
+    return lines
 
 
 def paired(results: dict, key: str) -> Optional[dict]:
@@ -352,7 +459,7 @@ def write_report(out: Path, results: dict) -> None:
              f"Budget: {results['budget']}; {results['rows']} training rows, {results['loss_tokens']} answer (loss) "
              "tokens per epoch, the same for every arm.", "",
              "| arm | tau | a_1..a_4 | loss tokens/s | train wall s | peak RSS MB | agrees with peer forward | "
-             "exact in served layout |", "|---|---|---|---|---|---|---|---|"]
+             "exact in served layout | measured speedup |", "|---|---|---|---|---|---|---|---|---|"]
     primary = results["settings"][0]
     lines[-2:-2] = [f"Scored by specdistill's evaluator at {primary} (T = temperature, g = gamma); every setting's "
                     "paired table follows.", ""]
@@ -368,11 +475,20 @@ def write_report(out: Path, results: dict) -> None:
         note = "yes" if exact else "approx: " + "; ".join(x.split(":")[0] for x in r["conversion"]["inexact"])
         agree = r.get("conversion", {}).get("agreement_with_peer_forward")
         agree = "-" if name == "specdistill" else (f"{agree:.3f}" if agree is not None else "no probe")
-        lines.append(f"| {name} | {tau} | {acc} | {tps} | {wall} | {rss} | {agree} | {note} |")
+        speedup = measured_speedup(e)
+        speedup = "-" if speedup is None else f"{speedup:.3f}"
+        lines.append(f"| {name} | {tau} | {acc} | {tps} | {wall} | {rss} | {agree} | {note} | {speedup} |")
     lines += ["", "Loss tokens/s = epochs x answer tokens of the training rows / the trainer's own wall time. tau is "
               "specdistill's evaluator on each head's vLLM export (the target's embeddings), same prompts and gamma. "
               "'agrees with peer forward': the fraction of slots of the first training row where the converted head's "
               "step-0 prediction equals the peer's own forward's (1.000 for an exact conversion)."]
+    batch = results.get("eval_batch_size", 1)
+    lines += ["", "Measured speedup: the evaluator's tokens/s of speculative over target-only decoding on this "
+              f"machine, at eval batch size {batch}. tau does not depend on the batch size; speedup does, and "
+              "speedups are comparable only at batch 1"
+              + ("." if batch == 1 else f": these ran at batch {batch}, not what a batch-1 user sees.")]
+    if results.get("best_gamma"):
+        lines += best_gamma_lines(results)
     from specdistill.eval.compare import markdown
 
     served = {n: r["vllm"] for n, r in results["arms"].items() if r.get("vllm")}
@@ -423,7 +539,14 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=None, help="regenerated prompts (default 800; tiny 16)")
     ap.add_argument("--eval-prompts", type=int, default=None, help="MT-bench prompts scored (default 80; tiny 2)")
     ap.add_argument("--eval-tokens", type=int, default=None, help="new tokens per prompt (default 128; tiny 8)")
-    ap.add_argument("--gammas", type=int, nargs="+", default=[4], help="draft lengths scored (first: the table)")
+    ap.add_argument("--gammas", type=int, nargs="+", default=None,
+                    help="draft lengths scored (default 4; the first: the primary table)")
+    ap.add_argument("--best-gamma", action="store_true",
+                    help="name each arm's gamma with the highest measured speedup; without --gammas scores "
+                         f"{', '.join(str(g) for g in BEST_GAMMA_CANDIDATES)} (4 first)")
+    ap.add_argument("--eval-batch-size", type=int, default=1,
+                    help="the evaluator's batch size (default 1; speedups compare only at 1, where the best gamma "
+                         "is picked)")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0], help="sampling temperatures scored")
     ap.add_argument("--curve-prompts", type=int, default=None,
                     help="prompts scoring each epoch-end head for the learning curves (default 16; tiny 2; 0: none)")
@@ -434,6 +557,9 @@ def main(argv=None) -> None:
     ap.add_argument("--arm-timeout", type=float, default=None, help="kill a peer arm after this many seconds")
     ap.add_argument("--skip-install", action="store_true", help="use the peer venvs as they are")
     a = ap.parse_args(argv)
+    if a.eval_batch_size < 1:
+        ap.error("--eval-batch-size must be at least 1")
+    a.gammas = scored_gammas(a.gammas, a.best_gamma)
     a.epochs = a.epochs or (1 if a.tiny else 6)
     a.prompts = a.prompts or (16 if a.tiny else 800)
     a.eval_prompts = a.eval_prompts or (2 if a.tiny else 80)
@@ -460,7 +586,7 @@ def main(argv=None) -> None:
     budget = f"{a.wall_seconds:g} s of training per peer arm" if a.wall_seconds else f"{a.epochs} epoch(s) per arm"
     settings = [setting_key(t, g) for t in a.temperatures for g in a.gammas]
     results = {"mode": "tiny" if a.tiny else "SmolLM2-135M-Instruct", "command": command, "budget": budget,
-               "settings": settings,
+               "settings": settings, "eval_batch_size": a.eval_batch_size,
                "target": target, "shape": asdict(shape), "rows": pdata["rows"], "loss_tokens": pdata["loss_tokens"],
                "store": ours["store"], "arms": {}}
     results["arms"]["specdistill"] = {**ours, "record": {"settings": asdict(arms.OURS)},
@@ -498,6 +624,9 @@ def main(argv=None) -> None:
             except Exception as e:  # the unpaired table stands
                 log(f"paired comparison at {key} not made: {type(e).__name__}: {e}")
             write_report(out, results)
+    if a.best_gamma or len(a.gammas) > 1:
+        results["best_gamma"] = pick_best_gammas(results, a.temperatures, a.gammas, a.eval_batch_size)
+        write_report(out, results)
     if a.vllm_python:
         serve_in_vllm(a, results, target, out)
         write_report(out, results)
