@@ -9,9 +9,12 @@ as the peer saves it) and <out>/train_report.json (wall time, optimizer steps, p
 peer's loop is driven here). Only the standard library, torch and the peer are imported: no specdistill.
 speculators runs its own trainer (speculators.train.cli.main); SpecForge and ModelOpt have no trainer usable offline
 on one CPU process, so their model, loss, data reader and (SpecForge) optimizer run in the short loop below.
+A ModelOpt spec with a "validate" block ({prompt_ids, gamma, max_new_tokens}) also scores the trained head with
+ModelOpt's own validator (HFARValidation.validate_online) after training: <out>/validate.json (write_validation).
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -21,6 +24,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 
 def peak_rss_mb() -> float:
@@ -210,7 +214,6 @@ def train_specforge(spec: dict) -> dict:
 # ------------------------------------------------------------------------------------------------------- modelopt
 def train_modelopt(spec: dict) -> dict:
     from shims import modelopt as shim
-    import copy
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -238,6 +241,7 @@ def train_modelopt(spec: dict) -> dict:
         rope_theta=rope.get("rope_theta"), max_position_embeddings=tcfg["max_position_embeddings"],
         draft_vocab_size=spec["draft_vocab_size"], eagle_aux_hidden_state_layer_ids=spec["peer_aux_ids"],
         torch_dtype="float32", **{k: v for k, v in s["norms"].items()})
+    eagle_cfg = copy.deepcopy(cfg)  # the config as given, for the validator's online twin
     mtsp.convert(model, [("eagle", cfg)])
     HFEagleModel.load_draft_vocab_cache(model, d["d2t_path"])
     model.float().train()
@@ -287,7 +291,80 @@ def train_modelopt(spec: dict) -> dict:
     wall = points.wall(t0)
     save_head(out / "head")
     return {"wall_s": wall, "steps": step, "curve": curve, "points": points.rows, "loss_tokens": tokens,
-            "_model": model}
+            "_model": model, "_eagle_cfg": eagle_cfg}
+
+
+# ModelOpt's own validator on the trained head: its target forward, its EAGLE forward (the first layer's
+# input_layernorm included, which the served layout drops), its acceptance metric.
+MODELOPT_VALIDATOR = "modelopt HFARValidation.validate_online"
+NO_POOLED_AR = ("validate_online returns one ratio per prompt (1 + accepted drafts, summed over its rounds, over the "
+                "rounds) and keeps both counts inside, so prompts cannot be pooled by rounds: mean_ar is the mean of "
+                "the per-prompt ratios")
+
+
+def summarise_ar(per_prompt_ar: list[float], validate: dict) -> dict:
+    """validate.json's body for the per-prompt ARs of one validator run; ValueError when no prompt was scored or an
+    AR is not finite."""
+    ars = [float(x) for x in per_prompt_ar]
+    if not ars:
+        raise ValueError("the validator scored no prompt")
+    bad = [x for x in ars if not math.isfinite(x)]
+    if bad:
+        raise ValueError(f"non-finite AR from the validator: {bad[:3]}")
+    return {"validator": MODELOPT_VALIDATOR, "gamma": validate["gamma"], "max_new_tokens": validate["max_new_tokens"],
+            "prompts": len(ars), "per_prompt_ar": ars, "mean_ar": sum(ars) / len(ars), "note": NO_POOLED_AR}
+
+
+def write_validation(out: Path, validate: dict, score: Callable[[], list[float]]) -> dict:
+    """Run score() (the per-prompt ARs) and write <out>/validate.json: summarise_ar's record, or the validator,
+    gamma, max_new_tokens and the error when score() or the summary raises, so the arm's training results stand.
+    Both carry `seconds`, the validator's wall time."""
+    t0 = time.perf_counter()
+    try:
+        rec = summarise_ar(score(), validate)
+    except Exception as e:  # named in the report beside the arm's other results
+        rec = {"validator": MODELOPT_VALIDATOR, "gamma": validate.get("gamma"),
+               "max_new_tokens": validate.get("max_new_tokens"), "error": f"{type(e).__name__}: {e}"}
+    rec["seconds"] = time.perf_counter() - t0
+    (Path(out) / "validate.json").write_text(json.dumps(rec, indent=1))
+    return rec
+
+
+def modelopt_validator_ars(spec: dict, trained, eagle_cfg: dict) -> list[float]:
+    """ModelOpt's HFARValidation.validate_online on each spec["validate"] prompt: greedy speculative decoding with the
+    target's forward and ModelOpt's EAGLE forward, `gamma` chained drafts a round, `max_new_tokens` tokens (no stop at
+    EOS), batch 1, no KV cache; one AR per prompt. The trained model holds no decoder layers (eagle_offline drops
+    them), so the validator runs a second HFEagleModel, converted online from the target with the same config and
+    given the trained eagle_module's weights."""
+    from shims import modelopt as shim
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import modelopt.torch.speculative as mtsp
+    from modelopt.torch.speculative.plugins.hf_eagle import HFARValidation
+
+    v = spec["validate"]
+    cfg = copy.deepcopy(eagle_cfg)
+    cfg.update(shim.validation_overrides())
+    model = AutoModelForCausalLM.from_pretrained(spec["target"], dtype=torch.float32)
+    mtsp.convert(model, [("eagle", cfg)])
+    loaded = model.eagle_module.load_state_dict(trained.eagle_module.state_dict(), strict=False)
+    # the RoPE module is made on the first forward and holds no saved tensors: the only names allowed to differ
+    stray = [k for k in (*loaded.missing_keys, *loaded.unexpected_keys) if not k.startswith("rotary_emb.")]
+    if stray:
+        raise RuntimeError(f"the trained eagle_module does not load into the validator's model: {stray[:6]}")
+    model.float().eval()
+    validator = HFARValidation(model, shim.validation_tokenizer(AutoTokenizer.from_pretrained(spec["target"])))
+    ars = []
+    with torch.no_grad():
+        for i, ids in enumerate(v["prompt_ids"]):
+            _, ar = validator.validate_online(v["max_new_tokens"], input_ids=torch.tensor([ids], dtype=torch.long),
+                                              steps=v["gamma"])
+            ars.append(float(ar))
+            print(f"[peers/modelopt] {spec['arm']}: its validator, prompt {i + 1}/{len(v['prompt_ids'])}: AR "
+                  f"{ars[-1]:.3f}", flush=True)
+    return ars
 
 
 TRAINERS = {"speculators": train_speculators, "specforge": train_specforge, "modelopt": train_modelopt}
@@ -386,6 +463,7 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", spec.get("threads", 1))))
     report = TRAINERS[spec["peer"]](spec)
     model = report.pop("_model", None)
+    eagle_cfg = report.pop("_eagle_cfg", None)
     try:
         ids, aux = probe_row(spec)
         argmax = (probe_modelopt(spec, ids, aux, model) if spec["peer"] == "modelopt"
@@ -396,6 +474,11 @@ def main() -> None:
     report.update(peak_rss_mb=peak_rss_mb(), peer=spec["peer"], arm=spec["arm"])
     (out / "train_report.json").write_text(json.dumps(report, indent=1))
     print(f"[peers/{spec['peer']}] {spec['arm']}: trained in {report['wall_s']:.1f} s -> {out / 'head'}", flush=True)
+    if spec["peer"] == "modelopt" and spec.get("validate"):
+        rec = write_validation(out, spec["validate"], lambda: modelopt_validator_ars(spec, model, eagle_cfg))
+        print(f"[peers/modelopt] {spec['arm']}: its validator: "
+              + (f"mean AR {rec['mean_ar']:.4f} over {rec['prompts']} prompts" if "mean_ar" in rec else rec["error"])
+              + f" ({rec['seconds']:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ Steps (docs/peers.md): install the peers' venvs (install.py) -> train specdistil
 which writes the store -> write the store in each peer's format (writers.py) -> train every arm in its peer's venv
 (peer_train.py) -> convert each head to our vLLM export with the target's embeddings (converters.py) -> evaluate each
 export with scripts/evaluate.py -> results.json, results.md and peers.png in --out, with the command that made them.
+ModelOpt's heads, which the served layout holds only approximately, are also scored by ModelOpt's own validator
+(HFARValidation.validate_online, in its venv after training) on the first --peer-validator-prompts of the evaluator's
+prompts at the primary gamma: a separate section of results.md, its own metric, beside our evaluator's tau.
 Budgets: --epochs E gives every arm E passes over the same rows (equal loss tokens); --wall-seconds S also stops
 every arm's training after S seconds of training (equal wall time: specdistill through trainer.max_minutes, the peers
 through a deadline in peer_train.py).
@@ -39,6 +42,7 @@ from benchmarks.peers.arms import HeadShape
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 PRIMARY_GAMMA = 4  # the default gamma, and the primary table's under --best-gamma when it is scored
+VALIDATED_PEERS = ("modelopt",)  # peers whose own validator scores their heads (peer_train.py, spec["validate"])
 BEST_GAMMA_CANDIDATES = (1, 2, 3, 4, 5, 6)  # what --best-gamma scores when --gammas is not given
 
 
@@ -186,16 +190,53 @@ def write_peer_data(a, ours: dict, target: str, out: Path, peers: list[str]) -> 
             "mean_len": sum(lengths) / len(lengths), "max_len": max(lengths), "first_row": train[0]}
 
 
-def train_peer(a, peer: str, kind: str, shape: HeadShape, target: str, pdata: dict, out: Path) -> dict:
+def validator_prompt_ids(tokenizer, count: int, eval_prompts: int, max_new_tokens: int,
+                         context: Optional[int]) -> list[list[int]]:
+    """The first `count` (at most eval_prompts) of the prompts scripts/evaluate.py scores at the benchmark's settings:
+    the evaluator's eval.prompts (embedded:mt_bench) through specdistill.data.prompts.load_prompts with its chat
+    template, eval.max_prompt_tokens (longer prompts skipped) and the target's context. [] when count < 1."""
+    from specdistill.config import EvalConfig
+    from specdistill.data.prompts import load_prompts
+
+    if count < 1:
+        return []
+    defaults = EvalConfig()
+    return load_prompts(defaults.prompts, tokenizer, num_prompts=min(count, eval_prompts),
+                        max_new_tokens=max_new_tokens, context=context,
+                        max_prompt_tokens=defaults.max_prompt_tokens).ids
+
+
+def validate_block(peer: str, prompt_ids: list[list[int]], gamma: int, max_new_tokens: int) -> Optional[dict]:
+    """spec["validate"] for an arm of `peer`: the prompts, gamma and new tokens its own validator runs; None for a
+    peer without one (VALIDATED_PEERS) or with no prompts (--peer-validator-prompts 0)."""
+    if peer not in VALIDATED_PEERS or not prompt_ids:
+        return None
+    return {"prompt_ids": [list(p) for p in prompt_ids], "gamma": gamma, "max_new_tokens": max_new_tokens}
+
+
+def peer_spec(a, peer: str, kind: str, shape: HeadShape, target: str, pdata: dict, out: Path,
+              validator_ids: list[list[int]]) -> dict:
+    """The spec peer_train.py reads for one arm; a ModelOpt arm's carries "validate" (validate_block) when
+    validator_ids is not empty: the primary gamma (a.gammas[0]) and --eval-tokens new tokens."""
     s = arms.settings_for(peer, kind)
-    arm_dir = out / "arms" / f"{peer}-{kind}"
     tokens_per_step = s.tokens_per_step or max(pdata["max_len"], int(s.rows_per_step * pdata["mean_len"]))
     spec = {"peer": peer, "arm": kind, "settings": asdict(s), "shape": asdict(shape), "target": target,
-            "data": pdata["data"][peer], "out": str(arm_dir), "epochs": a.epochs, "seed": a.seed,
-            "wall_seconds": a.wall_seconds,
+            "data": pdata["data"][peer], "out": str(out / "arms" / f"{peer}-{kind}"), "epochs": a.epochs,
+            "seed": a.seed, "wall_seconds": a.wall_seconds,
             "draft_vocab_size": shape.draft_vocab_size, "peer_aux_ids": arms.peer_aux_ids(peer, shape.aux_layer_ids),
             "tokens_per_step": tokens_per_step, "max_len": pdata["max_len"], "threads": a.threads}
+    validate = validate_block(peer, validator_ids, a.gammas[0], a.eval_tokens)
+    if validate:
+        spec["validate"] = validate
+    return spec
+
+
+def train_peer(a, peer: str, kind: str, shape: HeadShape, target: str, pdata: dict, out: Path,
+               validator_ids: list[list[int]]) -> dict:
+    spec = peer_spec(a, peer, kind, shape, target, pdata, out, validator_ids)
+    arm_dir = Path(spec["out"])
     arm_dir.mkdir(parents=True, exist_ok=True)
+    (arm_dir / "validate.json").unlink(missing_ok=True)  # only this run's validator result is read back
     spec_file = arm_dir / "spec.json"
     spec_file.write_text(json.dumps(spec, indent=1))
     cmd = [str(install.venv_python(peer)), str(HERE / "peer_train.py"), str(spec_file)]
@@ -207,6 +248,13 @@ def train_peer(a, peer: str, kind: str, shape: HeadShape, target: str, pdata: di
         log(f"{peer}/{kind} failed (rc {rc}):\n{rec['error']}")
         return rec
     rec.update(json.loads((arm_dir / "train_report.json").read_text()))
+    if "validate" in spec:
+        found = arm_dir / "validate.json"
+        rec["peer_validator"] = (json.loads(found.read_text()) if found.exists()
+                                 else {"error": f"peer_train.py wrote no {found.name}"})
+        v = rec["peer_validator"]
+        log(f"{peer}/{kind}: its own validator: "
+            + (f"mean AR {v['mean_ar']:.4f}" if "mean_ar" in v else f"failed: {v.get('error')}"))
     return rec
 
 
@@ -362,6 +410,36 @@ def best_gamma_lines(results: dict) -> list[str]:
     return lines
 
 
+def peer_validator_lines(results: dict) -> list[str]:
+    """results.md's section for the arms scored by their peer's own validator (rec["peer_validator"], validate.json
+    from peer_train.py): its mean AR beside our evaluator's tau of the converted head at T=0 and the same gamma."""
+    rows = {n: r["peer_validator"] for n, r in results["arms"].items() if r.get("peer_validator")}
+    if not rows:
+        return []
+    lines = ["", "## ModelOpt's own validator (its forward, its metric)", "",
+             "ModelOpt's `HFARValidation.validate_online` on each ModelOpt head as ModelOpt trained it (its EAGLE "
+             "forward, the first layer's input_layernorm included, which the served layout drops), not on the "
+             "converted export: greedy speculative decoding against the target, a chain of gamma drafts per round, "
+             "the first prompts of the evaluator's MT-bench set, max_new_tokens tokens each with no stop at EOS, "
+             "batch 1. Its AR counts 1 + accepted drafts per round, its rounds restart after each correction token, "
+             "and 'mean AR' is the mean of the per-prompt ratios. A different measurement from tau (our decoder on "
+             "the converted head: generated tokens over rounds, pooled over the prompts); they stand side by side, "
+             "not as one number measured twice.", "",
+             "| arm | its mean AR | prompts | gamma | new tokens | validator wall s | "
+             "our evaluator's tau, converted head |",
+             "|---|---|---|---|---|---|---|"]
+    for name, v in rows.items():
+        gamma = v.get("gamma")
+        key = setting_key(0.0, gamma) if gamma is not None else None
+        e = ((results["arms"][name].get("evals") or {}).get(key) or {}) if key else {}
+        tau = f"{e['tau']:.4f} ({key})" if "tau" in e else (f"not scored at {key}" if key else "-")
+        ar = f"{v['mean_ar']:.4f}" if "mean_ar" in v else f"failed: {str(v.get('error'))[-80:]!r}"
+        secs = f"{v['seconds']:.0f}" if isinstance(v.get("seconds"), (int, float)) else "-"
+        lines.append(f"| {name} | {ar} | {v.get('prompts', '-')} | {gamma if gamma is not None else '-'} | "
+                     f"{v.get('max_new_tokens', '-')} | {secs} | {tau} |")
+    return lines
+
+
 def paired(results: dict, key: str) -> Optional[dict]:
     """Every arm against specdistill's head on the same prompts (specdistill.eval.compare: paired bootstrap)."""
     from specdistill.cli.compare_evals import load_run
@@ -489,6 +567,7 @@ def write_report(out: Path, results: dict) -> None:
               + ("." if batch == 1 else f": these ran at batch {batch}, not what a batch-1 user sees.")]
     if results.get("best_gamma"):
         lines += best_gamma_lines(results)
+    lines += peer_validator_lines(results)
     from specdistill.eval.compare import markdown
 
     served = {n: r["vllm"] for n, r in results["arms"].items() if r.get("vllm")}
@@ -548,6 +627,10 @@ def main(argv=None) -> None:
                     help="the evaluator's batch size (default 1; speedups compare only at 1, where the best gamma "
                          "is picked)")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0], help="sampling temperatures scored")
+    ap.add_argument("--peer-validator-prompts", type=int, default=None,
+                    help="score ModelOpt's heads with its own validator on this many of the evaluator's prompts (at "
+                         "most --eval-prompts; default all of them; 0: not run). It decodes without a KV cache: "
+                         "minutes per arm at the default prompts and tokens")
     ap.add_argument("--curve-prompts", type=int, default=None,
                     help="prompts scoring each epoch-end head for the learning curves (default 16; tiny 2; 0: none)")
     ap.add_argument("--vllm-python", default=None,
@@ -559,12 +642,15 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if a.eval_batch_size < 1:
         ap.error("--eval-batch-size must be at least 1")
+    if a.peer_validator_prompts is not None and a.peer_validator_prompts < 0:
+        ap.error("--peer-validator-prompts must be at least 0")
     a.gammas = scored_gammas(a.gammas, a.best_gamma)
     a.epochs = a.epochs or (1 if a.tiny else 6)
     a.prompts = a.prompts or (16 if a.tiny else 800)
     a.eval_prompts = a.eval_prompts or (2 if a.tiny else 80)
     a.eval_tokens = a.eval_tokens or (8 if a.tiny else 128)
     a.curve_prompts = (2 if a.tiny else 16) if a.curve_prompts is None else a.curve_prompts
+    a.peer_validator_prompts = a.eval_prompts if a.peer_validator_prompts is None else a.peer_validator_prompts
     out = (a.out or REPO / "outputs" / ("peers-tiny" if a.tiny else "peers")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     command = shlex.join([sys.executable, "-m", "benchmarks.peers.run", *(argv if argv is not None else sys.argv[1:])])
@@ -595,10 +681,17 @@ def main(argv=None) -> None:
     from transformers import AutoModelForCausalLM
 
     target_model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    validator_ids = []
+    if a.peer_validator_prompts and set(a.peers) & set(VALIDATED_PEERS):
+        from specdistill.decoding.kv import max_positions
+        from specdistill.models.target import load_tokenizer
+
+        validator_ids = validator_prompt_ids(load_tokenizer(target), a.peer_validator_prompts, a.eval_prompts,
+                                             a.eval_tokens, max_positions(target_model))
     for peer in a.peers:
         for kind in a.arms:
             name = f"{peer}-{kind}"
-            rec = train_peer(a, peer, kind, shape, target, pdata, out)
+            rec = train_peer(a, peer, kind, shape, target, pdata, out, validator_ids)
             rec["record"] = arms.arm_record(peer, kind, shape)
             if rec.get("rc") == 0:
                 rec["loss_tokens_per_s"] = per_second(rec)
