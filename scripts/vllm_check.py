@@ -314,7 +314,7 @@ def main() -> None:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    print("\n[vllm_check] ---- vLLM speculative decoding (eagle3, greedy) ----")
+    print(f"\n[vllm_check] ---- vLLM speculative decoding ({a.method}, greedy) ----")
     for k in ("num_prompts", "new_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "mean_accept_len",
               "accepted_per_pos", "accept_rate_per_pos_unconditional", "accept_rate_per_pos", "tokens_per_s",
               "target_only_tokens_per_s", "speedup", "lossless_identical_outputs", "draft_config_aux_ids",
