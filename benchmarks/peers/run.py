@@ -231,17 +231,53 @@ def peer_spec(a, peer: str, kind: str, shape: HeadShape, target: str, pdata: dic
     return spec
 
 
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes, the first 16 hex digits."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def data_digest(out: Path, peer: str, pdata_peer: dict) -> str:
+    """What a peer arm's training data is: its data folder's source.json (store, rows, vocabulary) and metadata."""
+    src = out / "data" / peer / "source.json"
+    return (src.read_text() if src.exists() else "") + json.dumps(pdata_peer, sort_keys=True, default=str)
+
+
+def arm_is_done(arm_dir: Path, spec: dict, inputs: dict) -> bool:
+    """A peer arm trained before with this exact spec and these inputs (code, data) has its results on disk."""
+    done = arm_dir / "done.json"
+    return (done.exists() and (arm_dir / "train_report.json").exists() and (arm_dir / "head").exists()
+            and {k: v for k, v in json.loads(done.read_text()).items() if k in ("spec", "inputs")}
+            == {"spec": spec, "inputs": inputs})
+
+
 def train_peer(a, peer: str, kind: str, shape: HeadShape, target: str, pdata: dict, out: Path,
                validator_ids: list[list[int]]) -> dict:
+    """Train one arm in its peer's venv; an arm finished before with the same spec, peer_train.py, shims and data is
+    reused (done.json), any change trains it again."""
     spec = peer_spec(a, peer, kind, shape, target, pdata, out, validator_ids)
     arm_dir = Path(spec["out"])
     arm_dir.mkdir(parents=True, exist_ok=True)
-    (arm_dir / "validate.json").unlink(missing_ok=True)  # only this run's validator result is read back
     spec_file = arm_dir / "spec.json"
-    spec_file.write_text(json.dumps(spec, indent=1))
+    inputs = {"peer_train": file_digest(HERE / "peer_train.py"),
+              "shims": {f.name: file_digest(f) for f in sorted((HERE / "shims").glob("*.py"))},
+              "data": data_digest(out, peer, pdata["data"][peer])}
     cmd = [str(install.venv_python(peer)), str(HERE / "peer_train.py"), str(spec_file)]
-    log(f"{peer}/{kind}: " + shlex.join(cmd))
-    rc, wall = run_logged(cmd, out / "logs" / f"{peer}-{kind}.log", a.threads, timeout=a.arm_timeout)
+    if arm_is_done(arm_dir, spec, inputs):
+        log(f"{peer}/{kind}: reusing the arm trained before with the same spec and inputs ({arm_dir})")
+        rc, wall = 0, json.loads((arm_dir / "done.json").read_text()).get("process_s")
+    else:
+        (arm_dir / "done.json").unlink(missing_ok=True)
+        (arm_dir / "validate.json").unlink(missing_ok=True)  # only this run's validator result is read back
+        spec_file.write_text(json.dumps(spec, indent=1))
+        log(f"{peer}/{kind}: " + shlex.join(cmd))
+        rc, wall = run_logged(cmd, out / "logs" / f"{peer}-{kind}.log", a.threads, timeout=a.arm_timeout)
+        if rc == 0:
+            (arm_dir / "done.json").write_text(json.dumps({"spec": spec, "inputs": inputs, "process_s": wall},
+                                                          indent=1))
     rec = {"command": shlex.join(cmd), "rc": rc, "process_s": wall, "arm_dir": str(arm_dir)}
     if rc != 0:
         rec["error"] = tail(out / "logs" / f"{peer}-{kind}.log")
@@ -324,9 +360,18 @@ def evaluate(a, name: str, export: str, target: str, out: Path, temperature: flo
     logfile = out / "logs" / f"eval-{'-'.join(eval_dir.relative_to(out).parts)}.log"
     cmd = eval_command(target, export, eval_dir, prompts=prompts or a.eval_prompts, tokens=a.eval_tokens,
                        gamma=gamma, temperature=temperature, batch_size=a.eval_batch_size)
-    rc, wall = run_logged(cmd, logfile, a.threads)
-    if rc != 0:
-        return {"command": shlex.join(cmd), "rc": rc, "error": tail(logfile)}
+    weights = Path(export) / "model.safetensors"
+    inputs = {"command": cmd, "export": file_digest(weights) if weights.exists() else None}
+    done = eval_dir / "peers_inputs.json"
+    if (eval_dir / "results.json").exists() and done.exists() and json.loads(done.read_text())["inputs"] == inputs:
+        log(f"{name}: reusing the evaluation made before of the same export and settings ({eval_dir})")
+        wall = json.loads(done.read_text()).get("eval_s")
+    else:
+        done.unlink(missing_ok=True)
+        rc, wall = run_logged(cmd, logfile, a.threads)
+        if rc != 0:
+            return {"command": shlex.join(cmd), "rc": rc, "error": tail(logfile)}
+        done.write_text(json.dumps({"inputs": inputs, "eval_s": wall}, indent=1))
     r = json.loads((eval_dir / "results.json").read_text())
     return {"command": shlex.join(cmd), "rc": 0, "tau": r["mean_accept_len"], "speedup": r.get("speedup"),
             "batch_size": r.get("batch_size"), "dir": str(eval_dir), "accept_rate_per_pos": r["accept_rate_per_pos"],

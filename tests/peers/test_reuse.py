@@ -1,0 +1,61 @@
+"""Cached stages of the peers benchmark: a finished arm or evaluation is reused only while its inputs are the same."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from benchmarks.peers import run
+
+
+def finished_arm(tmp_path, spec, inputs):
+    arm = tmp_path / "arm"
+    (arm / "head").mkdir(parents=True)
+    (arm / "train_report.json").write_text("{}")
+    (arm / "done.json").write_text(json.dumps({"spec": spec, "inputs": inputs, "process_s": 3.0}))
+    return arm
+
+
+def test_an_arm_is_reused_only_with_the_same_spec_and_inputs(tmp_path):
+    spec, inputs = {"peer": "modelopt", "epochs": 1}, {"peer_train": "abc", "shims": {}, "data": "d"}
+    arm = finished_arm(tmp_path, spec, inputs)
+    assert run.arm_is_done(arm, spec, inputs)
+    assert not run.arm_is_done(arm, {**spec, "epochs": 2}, inputs)
+    assert not run.arm_is_done(arm, spec, {**inputs, "data": "other store"})
+    (arm / "train_report.json").unlink()
+    assert not run.arm_is_done(arm, spec, inputs)
+
+
+def test_file_digest_follows_the_bytes(tmp_path):
+    f = tmp_path / "w"
+    f.write_bytes(b"a" * 10)
+    d = run.file_digest(f)
+    assert d == run.file_digest(f) and len(d) == 16
+    f.write_bytes(b"a" * 9 + b"b")
+    assert run.file_digest(f) != d
+
+
+def test_an_evaluation_is_reused_until_the_export_or_a_setting_changes(tmp_path, monkeypatch):
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "model.safetensors").write_bytes(b"weights-1")
+    calls = []
+
+    def fake_run(cmd, logfile, threads, timeout=None):
+        calls.append(cmd)
+        out = next(c.split("=", 1)[1] for c in cmd if c.startswith("eval.output_dir="))
+        (tmp_path / out).mkdir(parents=True, exist_ok=True)
+        (tmp_path / out / "results.json").write_text(json.dumps(
+            {"mean_accept_len": 1.5 + len(calls), "accept_rate_per_pos": [0.3], "speedup": 1.0}))
+        return 0, 1.0
+
+    monkeypatch.setattr(run, "run_logged", fake_run)
+    a = SimpleNamespace(eval_prompts=2, eval_tokens=8, eval_batch_size=1, threads=1)
+    out = tmp_path / "o"
+    first = run.evaluate(a, "arm", str(export), "t", out, 0.0, 4)
+    again = run.evaluate(a, "arm", str(export), "t", out, 0.0, 4)
+    assert len(calls) == 1 and again["tau"] == first["tau"]
+    run.evaluate(a, "arm", str(export), "t", out, 0.0, 4, prompts=3)  # another setting: evaluated again
+    assert len(calls) == 2
+    (export / "model.safetensors").write_bytes(b"weights-2")  # the arm was retrained: evaluated again
+    changed = run.evaluate(a, "arm", str(export), "t", out, 0.0, 4, prompts=3)
+    assert len(calls) == 3 and changed["tau"] != first["tau"]
