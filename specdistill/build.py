@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdistill.objectives import validate_objective
 from specdistill.phases import check_warmup, plan_phases
+from specdistill.optim import build_optimizer, check_optimizer_backend
 
 
 @dataclass
@@ -142,6 +143,7 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
     torch.manual_seed(cfg.trainer.seed)
     log = accelerator.print
     check_target_shard(cfg, [objective, warmup], accelerator.num_processes)
+    check_optimizer_backend(cfg.trainer.optimizer, accelerator)
     regen = cfg.data.regenerate.enabled
     if regen and cfg.data.offline_dir:
         raise ValueError("data.regenerate.enabled=true writes its own features while decoding: set "
@@ -186,8 +188,8 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
     place_target(cfg, target, accelerator)
 
     t = cfg.trainer
-    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=t.lr,
-                                  betas=tuple(t.betas), weight_decay=t.weight_decay)
+    optimizer = build_optimizer(draft, t.optimizer, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay,
+                                momentum=t.muon_momentum, muon_weight_decay=t.muon_weight_decay)
     plan = plan_phases(cfg, objective, warmup, data.train, tokenizer.pad_token_id, accelerator.process_index,
                        accelerator.num_processes)
     # One optimizer for every phase; the LR restarts per phase (phases.py). A plain function as the lambda: LambdaLR

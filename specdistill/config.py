@@ -164,6 +164,11 @@ class TrainerConfig:
     lr: float = bounded(3e-4, "> 0")
     weight_decay: float = bounded(0.0, ">= 0")
     betas: list[float] = bounded(range="[0, 1)", default_factory=lambda: [0.9, 0.95])
+    # adamw | muon: Muon (torch.optim.Muon) on the hidden weight matrices, AdamW (betas, weight_decay) on embeddings,
+    # heads, norms and biases, one lr (Muon's update scaled to AdamW's RMS) (optim.py)
+    optimizer: str = one_of("adamw", ("adamw", "muon"))
+    muon_momentum: float = bounded(0.95, "[0, 1)")
+    muon_weight_decay: float = bounded(0.1, ">= 0")
     warmup_steps: int = bounded(10, ">= 0")
     min_lr_ratio: float = bounded(0.1, "[0, 1]")  # cosine decays to lr * min_lr_ratio
     # The cosine's length in optimizer steps; null = the run's own length (trainer.epochs x steps per epoch, capped by
