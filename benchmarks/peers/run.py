@@ -27,6 +27,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -108,11 +109,25 @@ def tiny_shape(target: Path) -> HeadShape:
 
 
 # ----------------------------------------------------------------------------------------------------- our arm
-def train_ours(a, target: str, shape: HeadShape, out: Path) -> dict:
+def variant_name(overrides: list[str]) -> str:
+    """The arm name of a specdistill variant, also its folder and a Hydra value: specdistill_<key>_<value>... with
+    each key's last part and anything but letters, digits and dots in a value written as '_'."""
+    parts = []
+    for o in overrides:
+        if "=" not in o:
+            raise SystemExit(f"--ours-variant {o!r}: write each override as key=value (e.g. trainer.optimizer=muon)")
+        key, value = o.split("=", 1)
+        parts.append(key.lstrip("+~").split(".")[-1] + "_" + re.sub(r"[^A-Za-z0-9.]", "_", value))
+    return "specdistill_" + "_".join(parts)
+
+
+def train_ours(a, target: str, shape: HeadShape, out: Path, name: str = "specdistill",
+               variant: tuple[str, ...] = ()) -> dict:
     """recipe=eagle3_serve on the target: regenerates (or reuses) the store, trains, exports. Its final evaluation is
-    left to the common scoring step."""
-    run_dir = out / "arms" / "specdistill"
-    over = [f"target.path={target}", "target=local", "run_name=peers_specdistill", f"trainer.output_dir={run_dir}",
+    left to the common scoring step. A variant (--ours-variant) adds its Hydra overrides last: the same store (the
+    regeneration cache is keyed by its inputs), the same head, one setting changed."""
+    run_dir = out / "arms" / name
+    over = [f"target.path={target}", "target=local", f"run_name=peers_{name}", f"trainer.output_dir={run_dir}",
             f"trainer.epochs={a.epochs}", f"data.regenerate.max_prompts={a.prompts}", "eval.spec_eval=false",
             f"draft.draft_vocab_size={shape.draft_vocab_size}", f"draft.intermediate_size={shape.intermediate_size}",
             f"target.aux_layer_ids=[{','.join(str(k) for k in shape.aux_layer_ids)}]", "trainer.export_formats=[vllm]",
@@ -122,11 +137,12 @@ def train_ours(a, target: str, shape: HeadShape, out: Path) -> dict:
     if a.tiny:
         over += ["data.regenerate.max_new_tokens=24", "data.regenerate.batch_size=8", "trainer.micro_batch_size=4",
                  "trainer.eval_every=0", "trainer.save_every=2", "data.heldout_size=4", "eval.max_batches=1"]
-    cmd = [sys.executable, str(REPO / "train.py"), "recipe=eagle3_serve", *over]
-    log("specdistill: " + shlex.join(cmd))
-    rc, wall = run_logged(cmd, out / "logs" / "specdistill.log", a.threads)
+    cmd = [sys.executable, str(REPO / "train.py"), "recipe=eagle3_serve", *over, *variant]
+    log(f"{name}: " + shlex.join(cmd))
+    logfile = out / "logs" / f"{name}.log"
+    rc, wall = run_logged(cmd, logfile, a.threads)
     if rc != 0:
-        raise SystemExit(f"specdistill's run failed (rc {rc}); its log ends:\n{tail(out / 'logs' / 'specdistill.log')}")
+        raise SystemExit(f"{name}'s run failed (rc {rc}); its log ends:\n{tail(logfile)}")
     summary = json.loads((run_dir / "summary.json").read_text())
     report = json.loads((run_dir / "data_report.json").read_text())
     logs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"tokens_seen"' in x]
@@ -324,6 +340,16 @@ def convert_peer(peer: str, rec: dict, target: str, target_model, probe_row) -> 
     return res
 
 
+def is_ours(name: str) -> bool:
+    """specdistill's arm or one of its --ours-variant arms."""
+    return name == "specdistill" or name.startswith("specdistill_")
+
+
+def arm_export(name: str, rec: dict) -> Optional[str]:
+    """The vLLM export an arm is scored on: specdistill's own, or the peer head converted."""
+    return rec.get("export") if is_ours(name) else (rec.get("conversion") or {}).get("export")
+
+
 def temperature_key(temperature: float) -> str:
     return f"T{temperature:g}"
 
@@ -508,9 +534,9 @@ def serve_in_vllm(a, results: dict, target: str, out: Path) -> None:
     evaluator's at the first setting (vLLM decodes greedily, so only T=0 compares)."""
     key, seen = results["settings"][0], set()
     for name, rec in results["arms"].items():
-        trainer = name.split("-")[0]
+        trainer = "specdistill" if is_ours(name) else name.split("-")[0]
         e = (rec.get("evals") or {}).get(key) or {}
-        export = rec.get("export") if name == "specdistill" else (rec.get("conversion") or {}).get("export")
+        export = arm_export(name, rec)
         if trainer in seen or "dir" not in e or not export:
             continue
         seen.add(trainer)
@@ -538,7 +564,7 @@ def learning_curves(a, results: dict, target: str, target_model, out: Path) -> N
         for pt in rec.get("points") or []:
             label = f"epoch-{pt['epoch']}" if "epoch" in pt else f"step-{pt['step']}"
             export = pt["dir"]
-            if name != "specdistill":
+            if not is_ours(name):
                 try:
                     res = convert_folder(name.split("-")[0], Path(pt["dir"]),
                                          Path(rec["arm_dir"]) / "points" / label / "export_vllm", target, target_model)
@@ -597,7 +623,7 @@ def write_report(out: Path, results: dict) -> None:
         exact = r.get("conversion", {}).get("exact", True)
         note = "yes" if exact else "approx: " + "; ".join(x.split(":")[0] for x in r["conversion"]["inexact"])
         agree = r.get("conversion", {}).get("agreement_with_peer_forward")
-        agree = "-" if name == "specdistill" else (f"{agree:.3f}" if agree is not None else "no probe")
+        agree = "-" if is_ours(name) else (f"{agree:.3f}" if agree is not None else "no probe")
         speedup = measured_speedup(e)
         speedup = "-" if speedup is None else f"{speedup:.3f}"
         lines.append(f"| {name} | {tau} | {acc} | {tps} | {wall} | {rss} | {agree} | {note} | {speedup} |")
@@ -680,6 +706,10 @@ def main(argv=None) -> None:
                     help="prompts scoring each epoch-end head for the learning curves (default 16; tiny 2; 0: none)")
     ap.add_argument("--vllm-python", default=None,
                     help="python of a vLLM venv (scripts/engine_test.sh makes .venv-vllm): serve one head per trainer")
+    ap.add_argument("--ours-variant", nargs="+", action="append", default=None, metavar="OVERRIDE",
+                    help="one more specdistill arm: recipe=eagle3_serve with these Hydra overrides (e.g. "
+                         "trainer.optimizer=muon, or objective.steps=7 objective.decay=0.8), on the same store, "
+                         "scored and paired like every arm: a peer's choice measured in our trainer. Repeatable")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arm-timeout", type=float, default=None, help="kill a peer arm after this many seconds")
@@ -722,6 +752,14 @@ def main(argv=None) -> None:
                "store": ours["store"], "arms": {}}
     results["arms"]["specdistill"] = {**ours, "record": {"settings": asdict(arms.OURS)},
                                       "loss_tokens_per_s": per_second(ours)}
+    for overrides in a.ours_variant or []:
+        name = variant_name(overrides)
+        rec = train_ours(a, target, shape, out, name=name, variant=tuple(overrides))
+        if rec["store"] != ours["store"]:
+            raise SystemExit(f"{name} trained on another store ({rec['store']}, not {ours['store']}): its overrides "
+                             "changed the data; a variant may change the training only")
+        results["arms"][name] = {**rec, "record": {"settings": asdict(arms.OURS), "overrides": list(overrides)},
+                                 "loss_tokens_per_s": per_second(rec)}
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -752,7 +790,7 @@ def main(argv=None) -> None:
         for g in a.gammas:
             key = setting_key(t, g)
             for name, rec in results["arms"].items():
-                export = rec.get("export") if name == "specdistill" else (rec.get("conversion") or {}).get("export")
+                export = arm_export(name, rec)
                 if export:
                     rec.setdefault("evals", {})[key] = evaluate(a, name, export, target, out, t, g)
                     log(f"{name} at {key}: tau {rec['evals'][key].get('tau')}")

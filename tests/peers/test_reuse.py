@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from benchmarks.peers import run
 
 
@@ -59,3 +61,38 @@ def test_an_evaluation_is_reused_until_the_export_or_a_setting_changes(tmp_path,
     (export / "model.safetensors").write_bytes(b"weights-2")  # the arm was retrained: evaluated again
     changed = run.evaluate(a, "arm", str(export), "t", out, 0.0, 4, prompts=3)
     assert len(calls) == 3 and changed["tau"] != first["tau"]
+
+
+def test_variant_names_are_safe_folder_and_hydra_values():
+    assert run.variant_name(["trainer.optimizer=muon"]) == "specdistill_optimizer_muon"
+    assert run.variant_name(["objective.steps=7", "objective.decay=0.8"]) == "specdistill_steps_7_decay_0.8"
+    assert run.variant_name(["draft.extra=[1,2]"]) == "specdistill_extra__1_2_"
+    assert run.is_ours("specdistill_optimizer_muon") and run.is_ours("specdistill")
+    assert not run.is_ours("speculators-defaults")
+    with pytest.raises(SystemExit, match="key=value"):
+        run.variant_name(["muon"])
+
+
+def test_a_variant_trains_our_recipe_with_its_overrides_last(tmp_path, monkeypatch):
+    """train_ours runs train.py recipe=eagle3_serve with the variant's overrides after the benchmark's own, in the
+    variant's own folder and log."""
+    seen = []
+
+    def fake_run(cmd, logfile, threads, timeout=None):
+        seen.append((cmd, logfile))
+        run_dir = tmp_path / "arms" / "specdistill_optimizer_muon"
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text(json.dumps({"wall_s": 10.0, "step": 3}))
+        (run_dir / "data_report.json").write_text(json.dumps({"source": "regenerated:/store", "heldout_examples": 2}))
+        (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 3, "tokens_seen": 100, "wall_s": 10.0}) + "\n")
+        return 0, 11.0
+
+    monkeypatch.setattr(run, "run_logged", fake_run)
+    a = SimpleNamespace(epochs=1, prompts=8, wall_seconds=None, tiny=False, threads=1)
+    rec = run.train_ours(a, "/t", run.HeadShape(), tmp_path, name="specdistill_optimizer_muon",
+                         variant=("trainer.optimizer=muon",))
+    cmd, logfile = seen[0]
+    assert cmd[-1] == "trainer.optimizer=muon" and "recipe=eagle3_serve" in cmd
+    assert f"trainer.output_dir={tmp_path / 'arms' / 'specdistill_optimizer_muon'}" in cmd
+    assert logfile.name == "specdistill_optimizer_muon.log"
+    assert rec["store"] == "/store" and rec["loss_tokens"] == 100
