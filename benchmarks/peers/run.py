@@ -511,6 +511,72 @@ def peer_validator_lines(results: dict) -> list[str]:
     return lines
 
 
+# The issue's goals: our head against every peer arm (ours / peer, from the paired ratio peer / ours).
+GOAL_EQUAL_TOKENS_LB = 0.98  # at equal loss tokens: the lower bound of ours / peer for every peer arm
+GOAL_EQUAL_WALL = 1.2  # at equal wall time: ours / the best peer arm's tau
+GOAL_THROUGHPUT = 1.5  # our loss tokens/s over the fastest peer arm's
+
+
+@dataclass(frozen=True)
+class OursOverPeer:
+    """Our head's tau over one peer arm's at one setting, paired over the same prompts."""
+    arm: str
+    ratio: float
+    lo: Optional[float]
+    hi: Optional[float]
+
+
+def ours_over_peers(results: dict, key: str) -> list[OursOverPeer]:
+    """ours / peer for every scored peer arm at `key`, inverted from the paired table's peer / ours ratio and its
+    interval (a monotone map, so the bounds swap)."""
+    cmp = (results.get("paired") or {}).get(key) or {}
+    out = []
+    for name, e in (cmp.get("overall") or {}).items():
+        r = e.get("ratio_to_baseline")
+        if is_ours(name) or not r:
+            continue
+        ci = e.get("ratio_ci95")
+        lo, hi = (1 / ci[1], 1 / ci[0]) if ci and ci[0] > 0 else (None, None)
+        out.append(OursOverPeer(name, 1 / r, lo, hi))
+    return out
+
+
+def goal_lines(results: dict) -> list[str]:
+    """results.md's "Against the goals" section from the measured values: tau at the budget this run used (equal loss
+    tokens, or equal wall time with --wall-seconds) and training throughput."""
+    key, arms_ = results["settings"][0], results["arms"]
+    rows = ours_over_peers(results, key)
+    ours_tps = arms_.get("specdistill", {}).get("loss_tokens_per_s")
+    peer_tps = {n: r["loss_tokens_per_s"] for n, r in arms_.items()
+                if not is_ours(n) and r.get("loss_tokens_per_s")}
+    lines = ["", "## Against the goals", "", f"At {key}, from the paired table (ours / peer = 1 / the peer's ratio to "
+             "specdistill, interval inverted).", "", "| goal | measured | reached |", "|---|---|---|"]
+
+    def fmt(o: OursOverPeer) -> str:
+        return f"{o.arm} {o.ratio:.3f}x" + (f" [{o.lo:.3f}, {o.hi:.3f}]" if o.lo is not None else "")
+
+    wall = results.get("wall_seconds")
+    if not rows:
+        lines.append("| tau against the peers | no peer arm was scored and paired | - |")
+    elif not wall:
+        worst = min(rows, key=lambda o: o.lo if o.lo is not None else o.ratio)
+        ok = all(o.lo is not None and o.lo >= GOAL_EQUAL_TOKENS_LB for o in rows)
+        lines.append(f"| equal loss tokens ({results['budget']}): ours / every peer arm, lower bound >= "
+                     f"{GOAL_EQUAL_TOKENS_LB} | lowest: {fmt(worst)}; "
+                     + "; ".join(fmt(o) for o in rows if o is not worst) + f" | {'yes' if ok else 'no'} |")
+    else:
+        best = min(rows, key=lambda o: o.ratio)  # the best peer arm has the lowest ours / peer
+        lines.append(f"| equal wall time ({wall:g} s of training each): ours >= {GOAL_EQUAL_WALL}x the best peer arm "
+                     f"| {fmt(best)} | {'yes' if best.ratio >= GOAL_EQUAL_WALL else 'no'} |")
+    if ours_tps and peer_tps:
+        fastest = max(peer_tps, key=peer_tps.get)
+        ratio = ours_tps / peer_tps[fastest]
+        reached = "yes" if ratio >= GOAL_THROUGHPUT else "no"
+        lines.append(f"| loss tokens/s >= {GOAL_THROUGHPUT}x the fastest peer arm | {ours_tps:.1f} against "
+                     f"{fastest}'s {peer_tps[fastest]:.1f}: {ratio:.2f}x | {reached} |")
+    return lines
+
+
 def paired(results: dict, key: str) -> Optional[dict]:
     """Every arm against specdistill's head on the same prompts (specdistill.eval.compare: paired bootstrap)."""
     from specdistill.cli.compare_evals import load_run
@@ -639,6 +705,8 @@ def write_report(out: Path, results: dict) -> None:
     if results.get("best_gamma"):
         lines += best_gamma_lines(results)
     lines += peer_validator_lines(results)
+    if results.get("paired"):
+        lines += goal_lines(results)
     from specdistill.eval.compare import markdown
 
     served = {n: r["vllm"] for n, r in results["arms"].items() if r.get("vllm")}
@@ -747,7 +815,7 @@ def main(argv=None) -> None:
     budget = f"{a.wall_seconds:g} s of training per peer arm" if a.wall_seconds else f"{a.epochs} epoch(s) per arm"
     settings = [setting_key(t, g) for t in a.temperatures for g in a.gammas]
     results = {"mode": "tiny" if a.tiny else "SmolLM2-135M-Instruct", "command": command, "budget": budget,
-               "settings": settings, "eval_batch_size": a.eval_batch_size,
+               "settings": settings, "eval_batch_size": a.eval_batch_size, "wall_seconds": a.wall_seconds,
                "target": target, "shape": asdict(shape), "rows": pdata["rows"], "loss_tokens": pdata["loss_tokens"],
                "store": ours["store"], "arms": {}}
     results["arms"]["specdistill"] = {**ours, "record": {"settings": asdict(arms.OURS)},

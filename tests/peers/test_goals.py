@@ -1,0 +1,35 @@
+"""results.md's "Against the goals" section: computed from the paired table and the arms' throughput."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.peers.run import goal_lines, ours_over_peers
+
+
+def results(ratios: dict, wall_seconds=None, tps=None) -> dict:
+    overall = {"specdistill": {"ratio_to_baseline": 1.0, "ratio_ci95": [1.0, 1.0]}}
+    overall.update({n: {"ratio_to_baseline": r, "ratio_ci95": ci} for n, (r, ci) in ratios.items()})
+    arms = {"specdistill": {"loss_tokens_per_s": (tps or {}).get("specdistill")}}
+    arms.update({n: {"loss_tokens_per_s": (tps or {}).get(n)} for n in ratios})
+    return {"settings": ["T0-g4"], "budget": "1 epoch(s) per arm", "wall_seconds": wall_seconds, "arms": arms,
+            "paired": {"T0-g4": {"overall": overall}}}
+
+
+def test_ours_over_a_peer_inverts_the_ratio_and_swaps_the_bounds():
+    [o] = ours_over_peers(results({"specforge-defaults": (0.8, [0.75, 0.85])}), "T0-g4")
+    assert o.ratio == pytest.approx(1.25) and o.lo == pytest.approx(1 / 0.85) and o.hi == pytest.approx(1 / 0.75)
+
+
+def test_equal_tokens_goal_needs_every_peer_lower_bound_at_098():
+    md = "\n".join(goal_lines(results({"a-defaults": (0.9, [0.85, 0.95]), "b-ours": (1.0, [0.97, 1.03])})))
+    assert "lowest: b-ours 1.000x [0.971, 1.031]" in md and md.rstrip().endswith("| no |")
+    md = "\n".join(goal_lines(results({"a-defaults": (0.9, [0.85, 0.95]), "b-ours": (1.0, [0.99, 1.01])})))
+    assert "| yes |" in md
+
+
+def test_equal_wall_goal_is_against_the_best_peer_and_throughput_against_the_fastest():
+    r = results({"a-defaults": (0.7, [0.65, 0.75]), "b-ours": (0.9, [0.85, 0.95])}, wall_seconds=600,
+                tps={"specdistill": 300.0, "a-defaults": 100.0, "b-ours": 250.0})
+    md = "\n".join(goal_lines(r))
+    assert "equal wall time (600 s of training each)" in md and "b-ours 1.111x" in md
+    assert "300.0 against b-ours's 250.0: 1.20x | no |" in md
