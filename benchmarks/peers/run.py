@@ -164,10 +164,9 @@ def train_ours(a, target: str, shape: HeadShape, out: Path, name: str = "specdis
 def write_peer_data(a, ours: dict, target: str, out: Path, peers: list[str]) -> dict:
     import torch
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from benchmarks.peers import writers
-    from specdistill.tokens import pad_id
 
     rows = writers.read_rows(ours["store"])
     train, held = rows[: len(rows) - ours["heldout"]], rows[len(rows) - ours["heldout"]:]
@@ -190,9 +189,8 @@ def write_peer_data(a, ours: dict, target: str, out: Path, peers: list[str]) -> 
         return made
 
     def speculators_data(folder: Path) -> dict:
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-        pad = pad_id(AutoTokenizer.from_pretrained(target))
-        return writers.write_speculators(train, held, folder, model, pad, d2t, t2d, log=log)
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()  # its final norm only
+        return writers.write_speculators(train, held, folder, model, d2t, t2d, log=log)
 
     data = {}
     if "speculators" in peers:

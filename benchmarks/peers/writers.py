@@ -1,7 +1,9 @@
 """specdistill's regenerated store (data/regenerated.py) written in each peer trainer's own training-data format.
 
-No answer is decoded again: the store's ids, aux features and post-norm final states are copied as they are; only
-speculators, whose loss reads the target's PRE-norm final layer, costs one prefill of each part's stored ids.
+No answer is decoded again and the target runs no forward: the store's ids, aux features and post-norm final states
+are copied as they are. speculators' loss reads the target's PRE-norm final layer, and uses it only through the
+target's final RMSNorm (its verifier_norm) before lm_head, so it gets final / w (w the norm's weight): a state whose
+RMSNorm is the store's post-norm state up to a factor 1 / sqrt(1 + eps / mean(h^2)), about 1 - 1e-5 here.
 Fields, from each peer's reader (0.x releases):
   speculators  datasets.save_to_disk folder with columns input_ids, loss_mask, seq_len (train/data.py ArrowDataset)
                + hidden_states/hs_<i>.safetensors {token_ids (T,) int64, hidden_states (T, 4, H): the 3 aux layers
@@ -90,28 +92,35 @@ def final_norm(target_model) -> torch.nn.Module:
     return norm
 
 
-@torch.no_grad()
-def prenorm_final(target_model, rows: list[torch.Tensor], pad: int) -> list[torch.Tensor]:
-    """Each row's pre-final-norm last hidden state (T, H) fp32, from one right-padded prefill of its ids."""
-    captured = {}
-    handle = final_norm(target_model).register_forward_hook(lambda m, inp, out: captured.update(x=inp[0]))
-    try:
-        T = max(len(r) for r in rows)
-        ids = torch.full((len(rows), T), pad, dtype=torch.long)
-        mask = torch.zeros(len(rows), T, dtype=torch.long)
-        for b, r in enumerate(rows):
-            ids[b, : len(r)], mask[b, : len(r)] = r, 1
-        device = next(target_model.parameters()).device
-        target_model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False, logits_to_keep=1)
-    finally:
-        handle.remove()
-    x = captured["x"].float().cpu()  # (B, T, H)
-    return [x[b, : len(r)] for b, r in enumerate(rows)]
+def norm_weight_and_eps(target_model) -> tuple[torch.Tensor, float]:
+    """The target's final RMSNorm weight (H,) fp32 and its eps."""
+    norm = final_norm(target_model)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if getattr(norm, "weight", None) is None or eps is None:
+        raise ValueError(f"{type(norm).__name__} is not an RMSNorm with a weight: cannot recover the pre-norm final "
+                         "layer from the store's post-norm states")
+    return norm.weight.detach().float().cpu(), float(eps)
+
+
+def prenorm_from_postnorm(final: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(T, H) fp32: final / weight, whose RMSNorm with this weight is `final` again (the per-token scale the norm
+    removed is not recoverable and does not matter: RMSNorm is invariant to it). final / weight is h / rms(h), whose
+    mean square is 1; where the weight is 0 that component is lost, and is filled so that the mean square stays 1
+    (RMSNorm's output there is 0, as in the store)."""
+    w = weight.float()
+    live = w.abs() > 1e-12
+    x = torch.where(live, final.float() / torch.where(live, w, torch.ones_like(w)), torch.zeros_like(w))
+    dead = int((~live).sum())
+    if dead:
+        rest = (x.shape[-1] - x.square().sum(-1, keepdim=True)).clamp_min(0) / dead  # (T, 1)
+        x = torch.where(live, x, rest.sqrt().expand_as(x))
+    return x
 
 
 def check_prenorm(target_model, pre: torch.Tensor, final: torch.Tensor, row: int) -> None:
     """The recovered pre-norm states must give the store's post-norm ones through the target's norm (bf16 tolerance):
-    a store made by another target, or with other layers, is refused here rather than trained on."""
+    a store whose states do not come from this target's final norm (another target's norm weights) is refused here
+    rather than trained on."""
     with torch.no_grad():
         norm = final_norm(target_model)
         got = norm(pre.to(next(norm.parameters()).dtype)).float()
@@ -119,7 +128,7 @@ def check_prenorm(target_model, pre: torch.Tensor, final: torch.Tensor, row: int
     err = (got[valid] - final.float()[valid]).abs().max().item() if bool(valid.any()) else 0.0
     scale = final.float().abs().max().item() + 1e-6
     if err > 2e-2 * scale:
-        raise ValueError(f"row {row}: the target's final norm of the recaptured pre-norm states differs from the "
+        raise ValueError(f"row {row}: the target's final norm of the recovered pre-norm states differs from the "
                          f"store's post-norm states by {err:.3g} (scale {scale:.3g}): the store was made with another "
                          "target or settings")
 
@@ -134,10 +143,10 @@ def write_vocab_npy(out: Path, d2t: torch.Tensor, t2d: torch.Tensor) -> tuple[Pa
     return p_d2t, p_t2d
 
 
-def write_speculators(rows: list[StoreRow], held: list[StoreRow], out, target_model, pad: int, d2t: torch.Tensor,
-                      t2d: torch.Tensor, batch_rows: int = 16, log: Callable[[str], None] = print) -> dict:
+def write_speculators(rows: list[StoreRow], held: list[StoreRow], out, target_model, d2t: torch.Tensor,
+                      t2d: torch.Tensor, log: Callable[[str], None] = print) -> dict:
     """speculators' offline data folder: train rows then held-out rows (its validation split); returns the
-    train_data_ratio that splits exactly there and the paths."""
+    train_data_ratio that splits exactly there and the paths. target_model gives only its final norm (no forward)."""
     import datasets
     from safetensors.torch import save_file
 
@@ -145,18 +154,16 @@ def write_speculators(rows: list[StoreRow], held: list[StoreRow], out, target_mo
     every = rows + held
     hs_dir = out / "hidden_states"
     hs_dir.mkdir(parents=True, exist_ok=True)
+    weight, _ = norm_weight_and_eps(target_model)
     masks = []
-    for s in range(0, len(every), batch_rows):
-        chunk = every[s: s + batch_rows]  # one prefill per batch of stored rows: the pre-norm final layer
-        pres = prenorm_final(target_model, [r.ids for r in chunk], pad)
-        for i, (r, pre) in enumerate(zip(chunk, pres), start=s):
-            check_prenorm(target_model, pre, r.final, i)
-            H = r.final.shape[-1]
-            aux = r.aux.view(len(r.ids), -1, H)  # (T, 3, H)
-            hs = torch.cat([aux.float(), pre[:, None]], dim=1).to(torch.bfloat16).contiguous()  # (T, 4, H)
-            save_file({"token_ids": r.ids.long().contiguous(), "hidden_states": hs},
-                      str(hs_dir / f"hs_{i}.safetensors"))
-            masks.append(answer_mask(len(r.ids), r.prompt_length, MASK_OFFSET["speculators"]))
+    for i, r in enumerate(every):
+        pre = prenorm_from_postnorm(r.final, weight)  # the pre-norm final layer, up to a per-token scale
+        check_prenorm(target_model, pre, r.final, i)
+        H = r.final.shape[-1]
+        aux = r.aux.view(len(r.ids), -1, H)  # (T, 3, H)
+        hs = torch.cat([aux.float(), pre[:, None]], dim=1).to(torch.bfloat16).contiguous()  # (T, 4, H)
+        save_file({"token_ids": r.ids.long().contiguous(), "hidden_states": hs}, str(hs_dir / f"hs_{i}.safetensors"))
+        masks.append(answer_mask(len(r.ids), r.prompt_length, MASK_OFFSET["speculators"]))
     ds = datasets.Dataset.from_dict({"input_ids": [r.ids.tolist() for r in every],
                                      "loss_mask": [m.tolist() for m in masks],
                                      "seq_len": [len(r.ids) for r in every]})
