@@ -621,7 +621,7 @@ def serve_in_vllm(a, results: dict, target: str, out: Path) -> None:
 
 def learning_curves(a, results: dict, target: str, target_model, out: Path) -> None:
     """tau of every arm's epoch-end heads (specdistill: its checkpoints) at the first scoring setting, on
-    --curve-prompts prompts: rec["curve"] = [{loss_tokens, train_s, tau}]."""
+    --curve-prompts prompts: rec["tau_curve"] = [{loss_tokens, train_s, tau}]."""
     t, g = a.temperatures[0], a.gammas[0]
     for name, rec in results["arms"].items():
         curve = []
@@ -642,7 +642,7 @@ def learning_curves(a, results: dict, target: str, target_model, out: Path) -> N
             if "tau" in e:
                 curve.append({"label": label, "loss_tokens": pt["loss_tokens"], "train_s": pt["train_s"],
                               "tau": e["tau"]})
-        rec["curve"] = curve
+        rec["tau_curve"] = curve
 
 
 def plot_curves(out: Path, results: dict) -> None:
@@ -653,7 +653,7 @@ def plot_curves(out: Path, results: dict) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for name, rec in results["arms"].items():
-        c = rec.get("curve") or []
+        c = rec.get("tau_curve") or []
         if c:
             ax1.plot([p["loss_tokens"] for p in c], [p["tau"] for p in c], marker="o", label=name)
             ax2.plot([p["train_s"] for p in c], [p["tau"] for p in c], marker="o", label=name)
@@ -712,7 +712,7 @@ def write_report(out: Path, results: dict) -> None:
         lines += ["", "## Served by vLLM's CPU build (one head per trainer)", "",
                   "| arm | vLLM tau | our evaluator's tau |", "|---|---|---|"]
         lines += [f"| {n} | {v.get('tau', 'failed')} | {v.get('ours_tau', '-')} |" for n, v in served.items()]
-    curves = {n: r["curve"] for n, r in results["arms"].items() if r.get("curve")}
+    curves = {n: r["tau_curve"] for n, r in results["arms"].items() if r.get("tau_curve")}
     if curves:
         lines += ["", "## Learning curves (peers_curves.png)", "", "| arm | (loss tokens, training s, tau) per point |",
                   "|---|---|"]

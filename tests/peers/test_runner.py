@@ -68,10 +68,11 @@ def test_report_lists_every_arm_its_failures_curves_and_vllm(tmp_path):
                "rows": 15, "loss_tokens": 360, "settings": ["T0-g4"], "paired": {"T0-g4": None}, "arms": {
                    "specdistill": {"evals": {"T0-g4": ev}, "loss_tokens_per_s": 100.0, "wall_s": 3.6,
                                    "vllm": {"tau": 2.4, "ours_tau": 2.5},
-                                   "curve": [{"loss_tokens": 360, "train_s": 3.6, "tau": 2.5}]},
+                                   "tau_curve": [{"loss_tokens": 360, "train_s": 3.6, "tau": 2.5}]},
                    "speculators-defaults": {"evals": {"T0-g4": ev}, "wall_s": 9.0, "peak_rss_mb": 900,
                                             "conversion": {"exact": False, "inexact": ["norm_output: fed back"],
                                                            "agreement_with_peer_forward": 0.25}},
+                   "specforge-defaults": {"curve": [[1.6, 1, 22.3]]},  # a peer's own training-loss curve
                    "modelopt-ours": {"rc": 1, "error": "RuntimeError: boom"}}}
     write_report(tmp_path, results)
     md = (tmp_path / "results.md").read_text()
