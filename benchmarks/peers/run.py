@@ -39,6 +39,7 @@ from typing import Optional
 
 from benchmarks.peers import arms, install
 from benchmarks.peers.arms import HeadShape
+from specdistill.cache import file_digest
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -243,15 +244,6 @@ def peer_spec(a, peer: str, kind: str, shape: HeadShape, target: str, pdata: dic
     if validate:
         spec["validate"] = validate
     return spec
-
-
-def file_digest(path: Path) -> str:
-    """sha256 of a file's bytes, the first 16 hex digits."""
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
 
 
 def data_digest(out: Path, peer: str, pdata_peer: dict) -> str:

@@ -92,14 +92,13 @@ def final_norm(target_model) -> torch.nn.Module:
     return norm
 
 
-def norm_weight_and_eps(target_model) -> tuple[torch.Tensor, float]:
-    """The target's final RMSNorm weight (H,) fp32 and its eps."""
+def final_norm_weight(target_model) -> torch.Tensor:
+    """The target's final RMSNorm weight (H,) fp32."""
     norm = final_norm(target_model)
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    if getattr(norm, "weight", None) is None or eps is None:
-        raise ValueError(f"{type(norm).__name__} is not an RMSNorm with a weight: cannot recover the pre-norm final "
-                         "layer from the store's post-norm states")
-    return norm.weight.detach().float().cpu(), float(eps)
+    if getattr(norm, "weight", None) is None:
+        raise ValueError(f"{type(norm).__name__} has no weight: cannot recover the pre-norm final layer from the "
+                         "store's post-norm states")
+    return norm.weight.detach().float().cpu()
 
 
 def prenorm_from_postnorm(final: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -154,7 +153,7 @@ def write_speculators(rows: list[StoreRow], held: list[StoreRow], out, target_mo
     every = rows + held
     hs_dir = out / "hidden_states"
     hs_dir.mkdir(parents=True, exist_ok=True)
-    weight, _ = norm_weight_and_eps(target_model)
+    weight = final_norm_weight(target_model)
     masks = []
     for i, r in enumerate(every):
         pre = prenorm_from_postnorm(r.final, weight)  # the pre-norm final layer, up to a per-token scale
