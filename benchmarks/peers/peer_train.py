@@ -121,7 +121,7 @@ def train_speculators(spec: dict) -> dict:
     from speculators.train.cli import main
     from speculators.train.config import TrainConfig
 
-    d, out = spec["data"], Path(spec["out"])
+    out = Path(spec["out"])
     ckpt = out / "ckpt"
     argv = speculators_argv(spec)
     print("[peers/speculators] speculators train " + " ".join(argv), flush=True)
@@ -133,11 +133,11 @@ def train_speculators(spec: dict) -> dict:
     if not epochs:
         raise RuntimeError(f"speculators saved no checkpoint under {ckpt}")
     shutil.copytree(epochs[-1], out / "head", dirs_exist_ok=True)
-    # its own checkpoint per epoch, at the training time the shim saw it saved (validation and saving left out); the
-    # loss tokens are nominal: every training row's answer tokens once per epoch
+    # its own checkpoint per epoch, at the training time and loss tokens the shim saw when it was saved (validation
+    # and saving left out; an epoch cut short by the wall budget counts only the batches trained on)
     points = [{"epoch": int(p.name) + 1, "dir": str(p),
                "train_s": shim.EPOCH_TRAIN_S.get(int(p.name), (p / "model.safetensors").stat().st_mtime - wall0),
-               "loss_tokens": (int(p.name) + 1) * d["loss_tokens"]} for p in epochs]
+               "loss_tokens": shim.EPOCH_LOSS_TOKENS[int(p.name)]} for p in epochs]
     return {"wall_s": shim.TIMES["run_training"] or wall, "process_s": wall, "timings": dict(shim.TIMES),
             "epochs_saved": len(epochs), "points": points, "loss_tokens": points[-1]["loss_tokens"],
             "command": "speculators train " + " ".join(argv)}

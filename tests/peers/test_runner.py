@@ -98,3 +98,20 @@ def test_epoch_steps_shuffles_each_epoch_and_stops_at_the_wall_budget():
     assert got == want
     late = [list(steps) for _, steps in epoch_steps(7, 2, 3, {"epochs": 2, "wall_seconds": -1.0}, random.Random(0))]
     assert late == []  # a budget already spent: no epoch starts
+
+
+def test_speculators_loader_counts_only_the_loss_tokens_it_hands_to_the_trainer():
+    """An epoch cut short by the wall budget reports the loss tokens of the batches trained on, not the epoch's."""
+    import torch
+
+    from benchmarks.peers.shims import speculators as shim
+
+    batches = [{"loss_mask": torch.tensor([[0, 1, 1, 0]], dtype=torch.bool)},
+               {"loss_mask": torch.tensor([[1, 1, 1, 0]], dtype=torch.bool)}]
+    shim.LOSS_TOKENS["seen"] = 0
+    assert len(list(shim.DeadlineLoader(batches))) == 2 and shim.LOSS_TOKENS["seen"] == 5
+    shim.LOSS_TOKENS["seen"] = 0
+    assert list(shim.DeadlineLoader(batches, deadline=time.time() - 1)) == []  # budget spent: nothing trained
+    assert shim.LOSS_TOKENS["seen"] == 0
+    with pytest.raises(RuntimeError, match="loss_mask"):
+        list(shim.DeadlineLoader([{"input_ids": torch.zeros(1, 3)}]))

@@ -7,6 +7,8 @@ What it changes, and why:
 3. Trainer.device_type -> "cpu": with no accelerator it autocasts on "cuda", which CPU tensors ignore with a warning.
 4. With a wall-time budget (the equal-wall-time arms): the train loader ends its epoch once the budget, counted from
    the end of the trainer's setup, is spent, so the trainer saves its checkpoint as at a normal epoch end.
+   The loader counts the loss tokens (loss_mask) of the batches it hands to the trainer (LOSS_TOKENS), so an epoch cut
+   short reports what was trained on (EPOCH_LOSS_TOKENS at each checkpoint), not the epoch's nominal count.
 5. Timing only (behaviour unchanged): run_training, val_epoch and maybe_save_checkpoint are timed, so the benchmark
    counts training time alone (TIMES) and knows the training time at each epoch's checkpoint (EPOCH_TRAIN_S).
 What the runner passes as flags instead of patching: --loss-implementation eager (the fused loss is a Triton kernel),
@@ -17,12 +19,23 @@ import time
 
 TIMES = {"run_training": 0.0, "val_epoch": 0.0, "maybe_save_checkpoint": 0.0}
 EPOCH_TRAIN_S: dict = {}  # epoch (0-based, as it names checkpoint folders) -> training seconds when it was saved
+LOSS_TOKENS = {"seen": 0}  # loss tokens in the training batches handed to the trainer so far
+EPOCH_LOSS_TOKENS: dict = {}  # epoch (0-based) -> LOSS_TOKENS["seen"] when its checkpoint was saved
+
+
+def batch_loss_tokens(batch) -> int:
+    """The loss tokens of one speculators training batch: its loss_mask's true entries."""
+    if not isinstance(batch, dict) or "loss_mask" not in batch:
+        raise RuntimeError("speculators' training batch has no 'loss_mask' (its collate format changed?): the "
+                           "benchmark cannot count the loss tokens trained on; update shims/speculators.py")
+    return int(batch["loss_mask"].sum())
 
 
 class DeadlineLoader:
-    """A DataLoader that stops yielding once time.time() passes `deadline` (len and batch_sampler pass through)."""
+    """A DataLoader that counts the loss tokens it yields (LOSS_TOKENS) and, with a `deadline`, stops yielding once
+    time.time() passes it (len and batch_sampler pass through)."""
 
-    def __init__(self, loader, deadline: float):
+    def __init__(self, loader, deadline=None):
         self.loader, self.deadline = loader, deadline
 
     def __len__(self):
@@ -33,8 +46,9 @@ class DeadlineLoader:
 
     def __iter__(self):
         for batch in self.loader:
-            if time.time() > self.deadline:
+            if self.deadline is not None and time.time() > self.deadline:
                 return
+            LOSS_TOKENS["seen"] += batch_loss_tokens(batch)
             yield batch
 
 
@@ -56,8 +70,7 @@ def apply(wall_seconds=None):
     def init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         self.device_type = "cpu"
-        if wall_seconds:
-            self.train_loader = DeadlineLoader(self.train_loader, time.time() + wall_seconds)
+        self.train_loader = DeadlineLoader(self.train_loader, time.time() + wall_seconds if wall_seconds else None)
 
     def timed(name):
         method = getattr(T, name)
@@ -68,6 +81,7 @@ def apply(wall_seconds=None):
                 self._specdistill_started = start
             if name == "maybe_save_checkpoint" and args and isinstance(args[0], int):
                 EPOCH_TRAIN_S[args[0]] = training_seconds(self._specdistill_started)
+                EPOCH_LOSS_TOKENS[args[0]] = LOSS_TOKENS["seen"]
             try:
                 return method(self, *args, **kwargs)
             finally:
