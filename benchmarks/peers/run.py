@@ -257,7 +257,7 @@ def arm_is_done(arm_dir: Path, spec: dict, inputs: dict) -> bool:
     done = arm_dir / "done.json"
     return (done.exists() and (arm_dir / "train_report.json").exists() and (arm_dir / "head").exists()
             and {k: v for k, v in json.loads(done.read_text()).items() if k in ("spec", "inputs")}
-            == {"spec": spec, "inputs": inputs})
+            == json.loads(json.dumps({"spec": spec, "inputs": inputs})))  # as JSON reads it back: tuples are lists
 
 
 def train_peer(a, peer: str, kind: str, shape: HeadShape, target: str, pdata: dict, out: Path,

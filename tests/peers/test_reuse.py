@@ -96,3 +96,17 @@ def test_a_variant_trains_our_recipe_with_its_overrides_last(tmp_path, monkeypat
     assert f"trainer.output_dir={tmp_path / 'arms' / 'specdistill_optimizer_muon'}" in cmd
     assert logfile.name == "specdistill_optimizer_muon.log"
     assert rec["store"] == "/store" and rec["loss_tokens"] == 100
+
+
+def test_an_arm_with_tuples_in_its_spec_is_reused(tmp_path):
+    """A spec holds tuples (dataclass settings, aux ids); done.json reads them back as lists: still the same arm."""
+    import json
+
+    from benchmarks.peers.run import arm_is_done
+
+    spec, inputs = {"settings": {"betas": (0.9, 0.999)}, "peer_aux_ids": (1, 14, 26)}, {"peer_train": "abc"}
+    (tmp_path / "train_report.json").write_text("{}")
+    (tmp_path / "head").mkdir()
+    (tmp_path / "done.json").write_text(json.dumps({"spec": spec, "inputs": inputs, "process_s": 1.0}))
+    assert arm_is_done(tmp_path, spec, inputs)
+    assert not arm_is_done(tmp_path, {**spec, "peer_aux_ids": (2, 15, 27)}, inputs)
