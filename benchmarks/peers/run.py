@@ -858,11 +858,11 @@ def main(argv=None) -> None:
             except Exception as e:  # the unpaired table stands
                 log(f"paired comparison at {key} not made: {type(e).__name__}: {e}")
             write_report(out, results)
+            if a.vllm_python and key == results["settings"][0]:  # the engine's figure before the other settings
+                serve_in_vllm(a, results, target, out)
+                write_report(out, results)
     if a.best_gamma or len(a.gammas) > 1:
         results["best_gamma"] = pick_best_gammas(results, a.temperatures, a.gammas, a.eval_batch_size)
-        write_report(out, results)
-    if a.vllm_python:
-        serve_in_vllm(a, results, target, out)
         write_report(out, results)
     if a.curve_prompts:
         learning_curves(a, results, target, target_model, out)
