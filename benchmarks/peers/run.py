@@ -587,7 +587,8 @@ def paired(results: dict, key: str) -> Optional[dict]:
 def serve_in_vllm(a, results: dict, target: str, out: Path) -> None:
     """One head per trainer (specdistill's, and each peer's first scored arm) served by vLLM's CPU build
     (scripts/vllm_check.py in --vllm-python's venv, made by scripts/engine_test.sh): the engine's own tau beside our
-    evaluator's at the first setting (vLLM decodes greedily, so only T=0 compares)."""
+    evaluator's at the first setting (vLLM decodes greedily, so only T=0 compares). A run made before of the same
+    export, settings and evaluator result is reused."""
     key, seen = results["settings"][0], set()
     for name, rec in results["arms"].items():
         trainer = "specdistill" if is_ours(name) else name.split("-")[0]
@@ -601,7 +602,19 @@ def serve_in_vllm(a, results: dict, target: str, out: Path) -> None:
         cmd = ["env", "VLLM_CPU_KVCACHE_SPACE=2", a.vllm_python, str(REPO / "scripts" / "vllm_check.py"), "--target",
                target, "--draft", export, "--num-prompts", str(a.eval_prompts), "--max-tokens", str(a.eval_tokens),
                "--gamma", str(a.gammas[0]), "--out", str(res_file), "--ours", str(Path(e["dir"]) / "results.json")]
-        rc, wall = run_logged(cmd, out / "logs" / f"vllm-{name}.log", a.threads)
+        weights, ours_file = Path(export) / "model.safetensors", Path(e["dir"]) / "results.json"
+        inputs = {"command": cmd, "export": file_digest(weights) if weights.exists() else None,
+                  "ours": file_digest(ours_file) if ours_file.exists() else None}
+        done = res_file.with_name(f"{name}.inputs.json")
+        if res_file.exists() and done.exists() and json.loads(done.read_text())["inputs"] == inputs:
+            log(f"{name}: reusing vLLM's run made before of the same export and settings ({res_file})")
+            rc, wall = 0, json.loads(done.read_text()).get("s")
+        else:
+            done.unlink(missing_ok=True)
+            res_file.unlink(missing_ok=True)
+            rc, wall = run_logged(cmd, out / "logs" / f"vllm-{name}.log", a.threads)
+            if rc == 0 and res_file.exists():
+                done.write_text(json.dumps({"inputs": inputs, "s": wall}, indent=1))
         rec["vllm"] = {"command": shlex.join(cmd), "rc": rc, "s": wall}
         if rc == 0 and res_file.exists():
             r = json.loads(res_file.read_text())

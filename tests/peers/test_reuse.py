@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -110,3 +111,35 @@ def test_an_arm_with_tuples_in_its_spec_is_reused(tmp_path):
     (tmp_path / "done.json").write_text(json.dumps({"spec": spec, "inputs": inputs, "process_s": 1.0}))
     assert arm_is_done(tmp_path, spec, inputs)
     assert not arm_is_done(tmp_path, {**spec, "peer_aux_ids": (2, 15, 27)}, inputs)
+
+
+def test_a_vllm_run_is_reused_until_the_export_or_the_evaluation_changes(tmp_path, monkeypatch):
+    """serve_in_vllm serves one head per trainer; a second call with the same export and our evaluation reuses the
+    engine's result, a retrained head serves again."""
+    export, eval_dir = tmp_path / "export", tmp_path / "eval"
+    export.mkdir()
+    eval_dir.mkdir()
+    (export / "model.safetensors").write_bytes(b"weights-1")
+    (eval_dir / "results.json").write_text(json.dumps({"mean_accept_len": 1.2}))
+    calls = []
+
+    def fake_run(cmd, logfile, threads, timeout=None):
+        calls.append(cmd)
+        Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({"mean_accept_len": 1.0 + len(calls)}))
+        return 0, 2.0
+
+    monkeypatch.setattr(run, "run_logged", fake_run)
+    monkeypatch.setattr(run, "arm_export", lambda name, rec: str(export))
+    a = SimpleNamespace(vllm_python="/py", eval_prompts=2, eval_tokens=8, gammas=[4], threads=1)
+
+    def serve():
+        results = {"settings": ["T0-g4"], "arms": {"specdistill": {"evals": {"T0-g4": {"dir": str(eval_dir),
+                                                                                       "tau": 1.2}}}}}
+        run.serve_in_vllm(a, results, "t", tmp_path / "o")
+        return results["arms"]["specdistill"]["vllm"]
+
+    first = serve()
+    assert len(calls) == 1 and first["tau"] == 2.0 and first["ours_tau"] == 1.2
+    assert serve()["tau"] == 2.0 and len(calls) == 1
+    (export / "model.safetensors").write_bytes(b"weights-2")
+    assert serve()["tau"] == 3.0 and len(calls) == 2
