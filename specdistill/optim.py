@@ -39,9 +39,14 @@ class MuonAdamW(torch.optim.Optimizer):
                                      adjust_lr_fn="match_rms_adamw")
         self.adamw = torch.optim.AdamW(adamw_params, lr=lr, betas=betas, weight_decay=weight_decay) \
             if adamw_params else None
-        groups = self.muon.param_groups + (self.adamw.param_groups if self.adamw else [])
         super().__init__([{"params": []}], {})
-        self.param_groups = groups  # the inner optimizers' own dicts, not copies
+        self._link_groups()
+
+    def _link_groups(self) -> None:
+        """Expose the inner optimizers' own group dicts (not copies). torch's load_state_dict replaces an optimizer's
+        group dicts with new ones, so every load links them again: accelerate's prepare() loads the state back once
+        to place it on the device, and a stale link leaves the schedule setting an lr that no optimizer reads."""
+        self.param_groups = self.muon.param_groups + (self.adamw.param_groups if self.adamw else [])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -61,6 +66,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.muon.load_state_dict(state_dict["muon"])
         if self.adamw:
             self.adamw.load_state_dict(state_dict["adamw"])
+        self._link_groups()
 
 
 def build_optimizer(model: torch.nn.Module, kind: str, *, lr: float, betas, weight_decay: float,
