@@ -72,6 +72,31 @@ def run_logged(cmd: list[str], logfile: Path, threads: int, timeout: float | Non
     return rc, time.perf_counter() - t0
 
 
+@dataclass(frozen=True)
+class Ran:
+    """One cached step's outcome: its exit status, its seconds (those of the run that made it, when reused), and
+    whether it was reused."""
+    rc: int
+    wall_s: Optional[float]
+    reused: bool
+
+
+def run_or_reuse(cmd: list[str], inputs: dict, result: Path, logfile: Path, threads: int, *, done: Path,
+                 wall_key: str) -> Ran:
+    """Run cmd (its output into logfile) unless `result` was written by a run of the same `inputs`: `done` holds the
+    inputs of the run that wrote it (and its seconds under wall_key), and is written only once that run succeeded."""
+    if result.exists() and done.exists():
+        made = json.loads(done.read_text())
+        if made["inputs"] == inputs:
+            return Ran(0, made.get(wall_key), reused=True)
+    done.unlink(missing_ok=True)
+    result.unlink(missing_ok=True)  # made from other inputs: never read back after a run that fails to replace it
+    rc, wall = run_logged(cmd, logfile, threads)
+    if rc == 0 and result.exists():
+        done.write_text(json.dumps({"inputs": inputs, wall_key: wall}, indent=1))
+    return Ran(rc, wall, reused=False)
+
+
 def tail(path: Path, n: int = 15) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
 
@@ -378,16 +403,13 @@ def evaluate(a, name: str, export: str, target: str, out: Path, temperature: flo
                        gamma=gamma, temperature=temperature, batch_size=a.eval_batch_size)
     weights = Path(export) / "model.safetensors"
     inputs = {"command": cmd, "export": file_digest(weights) if weights.exists() else None}
-    done = eval_dir / "peers_inputs.json"
-    if (eval_dir / "results.json").exists() and done.exists() and json.loads(done.read_text())["inputs"] == inputs:
+    ran = run_or_reuse(cmd, inputs, eval_dir / "results.json", logfile, a.threads,
+                       done=eval_dir / "peers_inputs.json", wall_key="eval_s")
+    if ran.reused:
         log(f"{name}: reusing the evaluation made before of the same export and settings ({eval_dir})")
-        wall = json.loads(done.read_text()).get("eval_s")
-    else:
-        done.unlink(missing_ok=True)
-        rc, wall = run_logged(cmd, logfile, a.threads)
-        if rc != 0:
-            return {"command": shlex.join(cmd), "rc": rc, "error": tail(logfile)}
-        done.write_text(json.dumps({"inputs": inputs, "eval_s": wall}, indent=1))
+    if ran.rc != 0:
+        return {"command": shlex.join(cmd), "rc": ran.rc, "error": tail(logfile)}
+    wall = ran.wall_s
     r = json.loads((eval_dir / "results.json").read_text())
     return {"command": shlex.join(cmd), "rc": 0, "tau": r["mean_accept_len"], "speedup": r.get("speedup"),
             "batch_size": r.get("batch_size"), "dir": str(eval_dir), "accept_rate_per_pos": r["accept_rate_per_pos"],
@@ -605,18 +627,12 @@ def serve_in_vllm(a, results: dict, target: str, out: Path) -> None:
         weights, ours_file = Path(export) / "model.safetensors", Path(e["dir"]) / "results.json"
         inputs = {"command": cmd, "export": file_digest(weights) if weights.exists() else None,
                   "ours": file_digest(ours_file) if ours_file.exists() else None}
-        done = res_file.with_name(f"{name}.inputs.json")
-        if res_file.exists() and done.exists() and json.loads(done.read_text())["inputs"] == inputs:
+        ran = run_or_reuse(cmd, inputs, res_file, out / "logs" / f"vllm-{name}.log", a.threads,
+                           done=res_file.with_name(f"{name}.inputs.json"), wall_key="s")
+        if ran.reused:
             log(f"{name}: reusing vLLM's run made before of the same export and settings ({res_file})")
-            rc, wall = 0, json.loads(done.read_text()).get("s")
-        else:
-            done.unlink(missing_ok=True)
-            res_file.unlink(missing_ok=True)
-            rc, wall = run_logged(cmd, out / "logs" / f"vllm-{name}.log", a.threads)
-            if rc == 0 and res_file.exists():
-                done.write_text(json.dumps({"inputs": inputs, "s": wall}, indent=1))
-        rec["vllm"] = {"command": shlex.join(cmd), "rc": rc, "s": wall}
-        if rc == 0 and res_file.exists():
+        rec["vllm"] = {"command": shlex.join(cmd), "rc": ran.rc, "s": ran.wall_s}
+        if ran.rc == 0 and res_file.exists():
             r = json.loads(res_file.read_text())
             rec["vllm"].update(tau=r.get("mean_accept_len"), ours_tau=e.get("tau"))
         else:

@@ -143,3 +143,30 @@ def test_a_vllm_run_is_reused_until_the_export_or_the_evaluation_changes(tmp_pat
     assert serve()["tau"] == 2.0 and len(calls) == 1
     (export / "model.safetensors").write_bytes(b"weights-2")
     assert serve()["tau"] == 3.0 and len(calls) == 2
+
+
+def test_a_failed_rerun_leaves_neither_the_stale_result_nor_a_done_record(tmp_path, monkeypatch):
+    """run_or_reuse: a result made from other inputs is never read back, even when the run that should replace it
+    fails or writes nothing."""
+    result, done, outcomes = tmp_path / "r.json", tmp_path / "r.inputs.json", []
+
+    def fake_run(cmd, logfile, threads, timeout=None):
+        rc, writes = outcomes.pop(0)
+        if writes:
+            result.write_text("{}")
+        return rc, 1.0
+
+    monkeypatch.setattr(run, "run_logged", fake_run)
+
+    def call(inputs):
+        return run.run_or_reuse(["x"], inputs, result, tmp_path / "log", 1, done=done, wall_key="s")
+
+    outcomes[:] = [(0, True)]
+    assert call({"v": 1}) == run.Ran(0, 1.0, reused=False) and done.exists()
+    assert call({"v": 1}).reused
+    outcomes[:] = [(1, False)]
+    assert call({"v": 2}).rc == 1 and not result.exists() and not done.exists()
+    outcomes[:] = [(0, False)]  # exits 0 but writes no result: nothing to reuse next time
+    assert call({"v": 2}).rc == 0 and not done.exists()
+    outcomes[:] = [(0, True)]
+    assert not call({"v": 2}).reused and call({"v": 2}).reused
