@@ -47,6 +47,8 @@ class TrainSettings:
     norms: dict = field(default_factory=dict)  # peer-specific norm switches (see converters.INEXACT)
 
 
+# recipe=eagle3_serve's settings, but for the schedule: the peers at our settings keep the lr constant after warm-up,
+# where the recipe decays it by cosine to 0.1x over the run (in our trainer that schedule is trainer.min_lr_ratio=1.0)
 OURS = TrainSettings(ttt_steps=4, step_decay=0.8, lr=1e-3, optimizer="adamw", betas=(0.9, 0.95), max_grad_norm=0.5,
                      warmup_steps=10, schedule="constant", rows_per_step=8)
 
@@ -63,7 +65,7 @@ PEER_DEFAULTS: dict[str, TrainSettings] = {
                                                       "use_last_layernorm": True}),
 }
 
-# The peer's code at our settings: our optimizer and schedule, TTT depth and decay, and the norms of our served layout
+# The peer's code at our settings: our optimizer, warm-up, TTT depth and decay, and the norms of our served layout
 OURS_NORMS: dict[str, dict] = {
     "speculators": {"norm_before_residual": False, "norm_before_fc": False, "norm_output": False},
     "specforge": {},
