@@ -163,6 +163,9 @@ def train_ours(a, target: str, shape: HeadShape, out: Path, name: str = "specdis
     if a.tiny:
         over += ["data.regenerate.max_new_tokens=24", "data.regenerate.batch_size=8", "trainer.micro_batch_size=4",
                  "trainer.eval_every=0", "trainer.save_every=2", "data.heldout_size=4", "eval.max_batches=1"]
+    # the settings every arm shares (arms.OURS), whatever the recipe's defaults; --tiny's and a variant's values win
+    shared = {"trainer.micro_batch_size": arms.OURS.rows_per_step, "trainer.warmup_steps": arms.OURS.warmup_steps}
+    over += [f"{k}={v}" for k, v in shared.items() if not any(o.startswith(f"{k}=") for o in over + list(variant))]
     cmd = [sys.executable, str(REPO / "train.py"), "recipe=eagle3_serve", *over, *variant]
     log(f"{name}: " + shlex.join(cmd))
     logfile = out / "logs" / f"{name}.log"

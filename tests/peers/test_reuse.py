@@ -97,6 +97,15 @@ def test_a_variant_trains_our_recipe_with_its_overrides_last(tmp_path, monkeypat
     assert f"trainer.output_dir={tmp_path / 'arms' / 'specdistill_optimizer_muon'}" in cmd
     assert logfile.name == "specdistill_optimizer_muon.log"
     assert rec["store"] == "/store" and rec["loss_tokens"] == 100
+    # the arms' shared batch and warm-up are passed, not left to the recipe's defaults; a variant's own value wins
+    assert f"trainer.micro_batch_size={run.arms.OURS.rows_per_step}" in cmd
+    assert f"trainer.warmup_steps={run.arms.OURS.warmup_steps}" in cmd
+    seen.clear()
+    (tmp_path / "arms" / "specdistill_optimizer_muon").rename(tmp_path / "old")
+    run.train_ours(a, "/t", run.HeadShape(), tmp_path, name="specdistill_optimizer_muon",
+                   variant=("trainer.micro_batch_size=1",))
+    batch = [c for c in seen[0][0] if c.startswith("trainer.micro_batch_size=")]
+    assert batch == ["trainer.micro_batch_size=1"]
 
 
 def test_an_arm_with_tuples_in_its_spec_is_reused(tmp_path):
