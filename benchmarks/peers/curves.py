@@ -95,10 +95,9 @@ def merge(runs: dict[str, dict], setting: Optional[str] = None) -> tuple[str, di
             raise SystemExit(f"run {name} scored with other evaluator settings than run {reference[0]} "
                              f"({reference[0]} -> {name}: {differ}); score both alike to draw them on one curve")
         for arm, p in points.items():
-            same = [q for q in curves.get(arm, []) if (q.loss_tokens, q.train_s, q.tau) == (p.loss_tokens, p.train_s,
-                                                                                          p.tau)]
-            if not same:
-                curves.setdefault(arm, []).append(p)
+            seen = curves.setdefault(arm, [])
+            if not any((q.loss_tokens, q.train_s, q.tau) == (p.loss_tokens, p.train_s, p.tau) for q in seen):
+                seen.append(p)
     return setting, {arm: sorted(ps, key=lambda p: (p.loss_tokens, p.train_s)) for arm, ps in curves.items()}
 
 

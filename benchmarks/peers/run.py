@@ -670,23 +670,13 @@ def learning_curves(a, results: dict, target: str, target_model, out: Path) -> N
 
 
 def plot_curves(out: Path, results: dict) -> None:
-    import matplotlib
+    """peers_curves.png: every arm's tau_curve (learning_curves) through benchmarks.peers.curves' plot."""
+    from benchmarks.peers.curves import CurvePoint, plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, rec in results["arms"].items():
-        c = rec.get("tau_curve") or []
-        if c:
-            ax1.plot([p["loss_tokens"] for p in c], [p["tau"] for p in c], marker="o", label=name)
-            ax2.plot([p["train_s"] for p in c], [p["tau"] for p in c], marker="o", label=name)
-    ax1.set(xlabel="loss tokens trained", ylabel="tau", title="tau against training tokens")
-    ax2.set(xlabel="training wall time (s)", ylabel="tau", title="tau against wall time")
-    ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "peers_curves.png", dpi=120)
-    plt.close(fig)
+    curves = {name: [CurvePoint(run=str(out), loss_tokens=p["loss_tokens"], train_s=p["train_s"], tau=p["tau"],
+                                tau_lo=None, tau_hi=None) for p in rec["tau_curve"]]
+              for name, rec in results["arms"].items() if rec.get("tau_curve")}
+    plot(curves, results["settings"][0], out / "peers_curves.png")
 
 
 # --------------------------------------------------------------------------------------------------------- report
