@@ -1,20 +1,21 @@
 """What each arm of the peers benchmark trains: the head's shape, the data budget and each trainer's own defaults.
 
-Two arms per peer: `defaults` (the peer's optimizer, schedule, TTT depth, norms and loss, as a user of that peer gets
-them) and `ours` (the peer's code at specdistill's settings). Every arm shares the head's shape, the aux layers, the
-draft vocabulary (one d2t / t2d for all), the training rows and the loss tokens (answer tokens only), so a difference
-in tau comes from the trainer.
+Two arms per peer by default: `defaults` (the peer's optimizer, schedule, TTT depth, norms and loss, as a user of that
+peer gets them) and `ours` (the peer's code at specdistill's settings); a third on request, `ours-1row` (our settings
+at one conversation per optimizer step, as specdistill's `trainer.micro_batch_size=1`). Every arm shares the head's
+shape, the aux layers, the draft vocabulary (one d2t / t2d for all), the training rows and the loss tokens (answer
+tokens only), so a difference in tau comes from the trainer.
 
 Aux layer conventions: specdistill, vLLM and speculators name a feature by k = hidden_states[k] (the stream after k
-decoder layers); SpecForge (SGLang) and ModelOpt name the decoder layer whose output it is, j = k - 1.
-"""
+decoder layers); SpecForge (SGLang) and ModelOpt name the decoder layer whose output it is, j = k - 1."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 PEERS = ("speculators", "specforge", "modelopt")
-ARM_KINDS = ("defaults", "ours")
+ARM_KINDS = ("defaults", "ours", "ours-1row")
+DEFAULT_ARM_KINDS = ("defaults", "ours")
 OUTPUT_ID_PEERS = ("specforge", "modelopt")  # peers that count aux layers by decoder-layer output (ours - 1)
 
 
@@ -78,7 +79,8 @@ def settings_for(peer: str, kind: str) -> TrainSettings:
         raise ValueError(f"arm {peer}/{kind}: peers {PEERS}, kinds {ARM_KINDS}")
     if kind == "defaults":
         return PEER_DEFAULTS[peer]
-    return replace(OURS, norms=dict(OURS_NORMS[peer]))
+    rows = 1 if kind == "ours-1row" else OURS.rows_per_step
+    return replace(OURS, rows_per_step=rows, norms=dict(OURS_NORMS[peer]))
 
 
 def peer_aux_ids(peer: str, ours: tuple[int, ...]) -> list[int]:

@@ -109,7 +109,7 @@ def speculators_argv(spec: dict) -> list[str]:
     argv.append("--norm-before-residual" if norms.get("norm_before_residual", True) else "--no-norm-before-residual")
     argv.append("--norm-before-fc" if norms.get("norm_before_fc", True) else "--no-norm-before-fc")
     argv.append("--norm-output" if norms.get("norm_output", True) else "--no-norm-output")
-    if spec["arm"] == "ours":
+    if spec["arm"] != "defaults":
         argv += ["--full-attention-indices", "0"]
     return argv
 

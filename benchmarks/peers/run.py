@@ -763,7 +763,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tiny", action="store_true", help="a tiny random Llama, a few prompts and steps: smoke test")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default outputs/peers[-tiny])")
     ap.add_argument("--peers", nargs="+", default=list(arms.PEERS), choices=arms.PEERS)
-    ap.add_argument("--arms", nargs="+", default=list(arms.ARM_KINDS), choices=arms.ARM_KINDS)
+    ap.add_argument("--arms", nargs="+", default=list(arms.DEFAULT_ARM_KINDS), choices=arms.ARM_KINDS,
+                    help="which arms per peer (default: defaults ours; ours-1row: our settings at one row per step)")
     ap.add_argument("--epochs", type=int, default=None, help="passes over the rows for every arm (equal loss tokens)")
     ap.add_argument("--wall-seconds", type=float, default=None, help="stop each peer arm's training after this long")
     ap.add_argument("--prompts", type=int, default=None, help="regenerated prompts (default 800; tiny 16)")

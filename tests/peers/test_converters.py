@@ -3,6 +3,8 @@ served layout expects it, aux ids come back in our convention, what the layout c
 result passes the vLLM export's own validation with the target's embeddings. No peer is installed."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -130,6 +132,14 @@ def test_every_arm_shares_the_head_and_ours_uses_our_settings():
         assert arms.arm_record(peer, "defaults", arms.HeadShape())["shape"]["draft_vocab_size"] == 8192
     with pytest.raises(ValueError, match="kinds"):
         arms.settings_for("speculators", "best")
+
+
+def test_one_row_arm_differs_from_ours_only_in_rows_per_step():
+    for peer in arms.PEERS:
+        one, ours = arms.settings_for(peer, "ours-1row"), arms.settings_for(peer, "ours")
+        assert one.rows_per_step == 1 and ours.rows_per_step == arms.OURS.rows_per_step > 1
+        assert replace(one, rows_per_step=ours.rows_per_step) == ours
+    assert set(arms.DEFAULT_ARM_KINDS) < set(arms.ARM_KINDS)
 
 
 def test_install_record_is_reused_and_a_changed_spec_rebuilds(tmp_path, monkeypatch):

@@ -26,12 +26,20 @@ def pdata():
     return {"data": data, "max_len": 100, "mean_len": 50.0}
 
 
-@pytest.mark.parametrize("kind", ["defaults", "ours"])
+@pytest.mark.parametrize("kind", ["defaults", "ours", "ours-1row"])
 def test_modelopt_arms_carry_the_validate_block_at_the_primary_gamma(tmp_path, kind):
     spec = peer_spec(args(), "modelopt", kind, HeadShape(), "/t", pdata(), tmp_path, IDS)
     assert spec["validate"] == {"prompt_ids": IDS, "gamma": 3, "max_new_tokens": 16}
     assert spec["out"] == str(tmp_path / "arms" / f"modelopt-{kind}")
     assert json.loads(json.dumps(spec))["validate"]["prompt_ids"] == IDS  # spec.json holds it as written
+
+
+def test_speculators_packs_one_rows_worth_of_tokens_at_one_row_per_step(tmp_path):
+    """speculators packs tokens, so rows per step reach it as tokens per step: 8 mean rows, or the longest row at 1."""
+    def tokens(kind):
+        return peer_spec(args(), "speculators", kind, HeadShape(), "/t", pdata(), tmp_path, [])["tokens_per_step"]
+    assert (tokens("ours"), tokens("ours-1row")) == (400, 100)
+    assert tokens("defaults") == 8192
 
 
 def test_no_validate_block_without_prompts_or_for_peers_without_a_validator(tmp_path):

@@ -37,6 +37,12 @@ def test_speculators_arm_at_our_settings_trains_the_served_layout():
     assert flag(argv, "--d2t-path").endswith("d2t-8192.npy") and flag(argv, "--draft-vocab-size") == "8192"
 
 
+def test_speculators_one_row_arm_trains_the_served_layout_too():
+    one, ours = speculators_argv(spec_for("ours-1row")), speculators_argv(spec_for("ours"))
+    assert one == ours  # the rows per step reach speculators as tokens_per_step, which the runner sets
+    assert flag(one, "--full-attention-indices") == "0"
+
+
 def test_speculators_defaults_keep_its_norms_optimizer_and_depth():
     argv = speculators_argv(spec_for("defaults"))
     assert {"--norm-before-residual", "--norm-before-fc", "--norm-output"} <= set(argv)
