@@ -212,7 +212,7 @@ class TrainerConfig:
     process_group_timeout_s: float = bounded(7200.0, "> 0")
 
 
-DRAFTERS = ("draft", "ngram", "target")  # eval.drafter
+DRAFTERS = ("draft", "ngram", "target", "oracle")  # eval.drafter
 
 
 @dataclass
@@ -251,7 +251,9 @@ class EvalConfig:
     draft_policy: str = "greedy"
     ignore_eos: bool = False  # generate exactly max_new_tokens per prompt (fixed-length benchmarking)
     seed: int = 0  # sampling at temperature > 0
-    drafter: str = one_of("draft", DRAFTERS)  # draft | ngram | target (the target as its own draft: an upper bound)
+    # draft | ngram | target (the target as its own draft) | oracle (replays the target's greedy output: tau = gamma+1
+    # at no draft cost, so the speedup measures the decoder's own overhead; temperature 0, chains)
+    drafter: str = one_of("draft", DRAFTERS)
     # a trained draft folder (.../checkpoints/step-N/draft); null: build the draft group
     draft_path: Optional[str] = None
     ngram_max: int = bounded(3, ">= 1")  # n-gram prompt lookup: longest and shortest n-gram matched

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv import BatchKV, TokenBuffer, device_of, logits_dim, max_positions
+from .kv import BatchKV, CacheMode, TokenBuffer, device_of, logits_dim, max_positions
 from .sampling import Sampler
 from .tree import Tree, TreeShape, grow
 
@@ -92,6 +92,10 @@ class Drafter(ABC):
         from the root), then next_token[b]. target_hidden: the target's per-layer hidden states (B, D+1, H) of the
         path's nodes (root first), when needs_hidden_states; row b keeps the first 1 + num_accepted[b]."""
         raise ValueError(f"{type(self).__name__} has no token tree to commit: it does not propose trees")
+
+    def prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """Work a drafter needs before these prompts (B, T) are decoded, done outside the timed decoding: the
+        evaluator calls it for every batch it builds. Most drafters need none; the oracle decodes the target here."""
 
 
 class LMDrafter(Drafter):
@@ -255,3 +259,62 @@ class NGramDrafter(Drafter):
         emitted = torch.cat([self.tokens, next_token[:, None]], dim=1)      # (B, k+1)
         emitted.scatter_(1, num_accepted[:, None], next_token[:, None])     # accepted drafts, then next_token
         self.context.append(emitted, (num_accepted + 1) * active)
+
+
+class OracleDrafter(Drafter):
+    """Replays the target's own greedy continuation: at temperature 0 every draft is accepted, so tau = gamma + 1
+    (but where a row ends at EOS or the budget) and drafting costs nothing. Speculative decoding with it measures the
+    decoder's own overhead: its speedup over target-only decoding is at most (gamma + 1) / v(gamma + 1), v(k) being a
+    k-token verify forward's time over a 1-token forward's.
+
+    prepare(input_ids, attention_mask) decodes the continuation first, by target-only greedy decoding (target_generate)
+    of max_new_tokens tokens per row, EOS ignored (a continuation past EOS is never reached); start() refuses a batch
+    it did not prepare, so the continuation's cost never lands in a timed call. Each round proposes the next k tokens
+    of the continuation at the row's offset (tokens it generated so far). Chains only: a replay has no alternatives to
+    grow token trees from. A float near-tie that the (k+1)-token verify forward breaks otherwise than the 1-token
+    forwards did ends a row's agreement with the replay: still lossless, a lower tau.
+    """
+
+    def __init__(self, target_model: torch.nn.Module, max_new_tokens: int, cache: CacheMode = CacheMode()):
+        if max_new_tokens < 1:
+            raise ValueError(f"the oracle replays max_new_tokens >= 1 tokens per prompt, got {max_new_tokens}")
+        self.target_model, self.max_new_tokens, self.cache = target_model, max_new_tokens, cache
+        self.vocab_size = logits_dim(target_model)
+        self._continuations: dict[tuple, torch.Tensor] = {}  # prompt batch -> (B, max_new_tokens) greedy tokens
+
+    @staticmethod
+    def _key(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple:
+        """A left-padded batch's identity: its real tokens and mask, whatever the padding id, dtype or device."""
+        mask = attention_mask.long().cpu()
+        return tuple(input_ids.shape), (input_ids.long().cpu() * mask).numpy().tobytes(), mask.numpy().tobytes()
+
+    @torch.no_grad()
+    def prepare(self, input_ids, attention_mask) -> None:
+        key = self._key(input_ids, attention_mask)
+        if key in self._continuations:
+            return
+        from .generate import target_generate  # generate.py imports this module to run drafters
+
+        rollout = target_generate(self.target_model, input_ids, attention_mask, max_new_tokens=self.max_new_tokens,
+                                  cache=self.cache)
+        self._continuations[key] = rollout.sequences                        # (B, max_new_tokens)
+
+    def start(self, input_ids, attention_mask, target_hidden=None, new_kv=BatchKV) -> None:
+        key = self._key(input_ids, attention_mask)
+        if key not in self._continuations:
+            raise ValueError("OracleDrafter.start: this prompt batch was not prepared; call oracle.prepare(input_ids, "
+                             "attention_mask) on the same batch before decoding it (the evaluator does so for every "
+                             "batch it builds)")
+        self.continuation = self._continuations[key].to(input_ids.device)  # (B, N)
+        self.offset = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)  # (B,)
+
+    def propose(self, k: int, sampler: Sampler) -> Proposal:
+        N = self.continuation.shape[1]
+        at = self.offset[:, None] + torch.arange(k, device=self.offset.device)  # (B, k) positions in the replay
+        # Past the replay's end (a longer budget than prepared) the last token repeats: rejected, still lossless.
+        return Proposal(self.continuation.gather(1, at.clamp(max=N - 1)), None)
+
+    def commit(self, num_accepted, next_token, active, target_hidden=None) -> None:
+        device = self.offset.device
+        self.offset = self.offset + (num_accepted.to(device) + 1) * active.to(device)  # accepted drafts + next_token
+
