@@ -34,8 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicCache, StaticLayer,
-                                      get_layer_types_and_kwargs)
+from transformers.cache_utils import Cache, DynamicCache, StaticLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, and_masks, causal_mask_function
 
 # Layer types whose attention BatchKV can mask per row (config layer_types, as transformers' cache_utils names them).
@@ -70,11 +69,37 @@ def max_positions(model: torch.nn.Module) -> int | None:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
+def layer_types(config) -> list[tuple[str, int | None]]:
+    """(layer type, sliding window or chunk size) of each decoder layer, in cache-layer order, read from the config's
+    own fields: `layer_types` where the config lists them, else every layer slides when `sliding_window` is set (or
+    is chunked when `attention_chunk_size` is). transformers infers them the same way, but the helper that does it
+    (cache_utils.get_layer_types_and_kwargs) changed its return type across 5.x, so the rule is written out here.
+    Heterogeneous configs (a `per_layer_config` view) give each layer its own window; layers that share another
+    layer's cache (`kv_sharing_modes` "reuse", `num_kv_shared_layers`) or hold no attention (moe, mlp) are "dummy"."""
+    n = config.num_hidden_layers
+    per_layer = getattr(config, "per_layer_config", None)
+    per_layer = list(per_layer) if per_layer is not None and len(per_layer) == n else [config] * n
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        types = ["sliding_attention" if getattr(c, "sliding_window", None) is not None
+                 else "chunked_attention" if getattr(c, "attention_chunk_size", None) is not None
+                 else "full_attention" for c in per_layer]
+    types = ["dummy" if t in ("moe", "mlp") else t for t in types]
+    sharing = getattr(config, "kv_sharing_modes", None)
+    if sharing is not None:
+        types = ["dummy" if mode == "reuse" else t for t, mode in zip(types, sharing)]
+    shared = getattr(config, "num_kv_shared_layers", None) or 0
+    types = types[: len(types) - shared] + ["dummy"] * shared
+    windows = [getattr(c, "sliding_window", None) if "sliding" in t
+               else getattr(c, "attention_chunk_size", None) if t == "chunked_attention" else None
+               for t, c in zip(types, per_layer)]
+    return list(zip(types, windows))
+
+
 def layer_windows(model: torch.nn.Module) -> list[int | None]:
     """Sliding window of each decoder layer, in cache-layer order (None: full attention); attention_windows() checks."""
     windows = attention_windows(model)
-    layer_types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
-    return [windows[layer_type] for layer_type in layer_types]
+    return [windows[layer_type] for layer_type, _ in layer_types(model.config.get_text_config(decoder=True))]
 
 
 def attention_windows(model: torch.nn.Module) -> dict[str, int | None]:
@@ -84,16 +109,12 @@ def attention_windows(model: torch.nn.Module) -> dict[str, int | None]:
     attention, conv, hybrid), whose mask is not a window (chunked), or that share another layer's cache (dummy).
     """
     config = model.config.get_text_config(decoder=True)
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
     windows: dict[str, int | None] = {}
-    for layer_type, kwargs in zip(layer_types, layer_kwargs):
+    for layer_type, window in layer_types(config):
         if layer_type not in SUPPORTED_LAYER_TYPES:
-            cache_layer = getattr(DYNAMIC_LAYER_TYPE_MAPPING.get(layer_type), "__name__", "unknown")
             why = _REFUSED_BECAUSE.get(layer_type, "this layer type is unknown to the rollback")
-            raise ValueError(f"{type(model).__name__} has {layer_type!r} layers ({cache_layer} cache layers): {why}; "
-                             f"speculative decoding supports targets and drafts whose layers are all "
-                             f"{' or '.join(SUPPORTED_LAYER_TYPES)}")
-        window = kwargs.get("sliding_window")
+            raise ValueError(f"{type(model).__name__} has {layer_type!r} layers: {why}; speculative decoding supports "
+                             f"targets and drafts whose layers are all {' or '.join(SUPPORTED_LAYER_TYPES)}")
         if windows.setdefault(layer_type, window) != window:
             raise ValueError(f"{type(model).__name__} has {layer_type!r} layers with different windows "
                              f"({windows[layer_type]} and {window}); one window per layer type is supported")
@@ -102,6 +123,18 @@ def attention_windows(model: torch.nn.Module) -> dict[str, int | None]:
         raise ValueError(f"{type(model).__name__} has sliding-window layers and attn_implementation={attn!r}, which "
                          f"windows by cache column; load it with attn_implementation in {MASKED_ATTENTION}")
     return windows
+
+
+def rollback(layer, tokens_to_remove: int) -> None:
+    """Drop the last `tokens_to_remove` (>= 0) columns of one cache layer: a growing layer slices, a static one moves
+    its write position back in place (its address stays; the next update overwrites the stale columns).
+    transformers' StaticLayer.crop() does the same from 5.24 on; it is written out here for the releases before."""
+    if tokens_to_remove <= 0:
+        return
+    if isinstance(layer, StaticLayer):
+        layer.cumulative_length.sub_(tokens_to_remove)
+    else:
+        layer.crop(-tokens_to_remove)
 
 
 @dataclass(frozen=True)
@@ -368,7 +401,7 @@ class BatchKV:
         last, widest, first = torch.stack([last, widest, self._first_visible(mask)]).tolist()  # one host sync
         first = min(first, S0 + last)
         for layer in self._filled_layers():
-            layer.crop(S0 + last - S)  # transformers' rollback: dynamic layers slice, static ones move back
+            rollback(layer, S - S0 - last)
         self.mask, self.positions = mask[:, : S0 + last], self.positions[:, : S0 + last]
         self.committed = S0 + last
         self._committed_length = self.length
@@ -438,7 +471,7 @@ class BatchKV:
             if front:  # a growing layer: replace its tensors
                 layer.keys, layer.values = keys, values
                 continue
-            layer.crop(widest - S)
+            rollback(layer, S - widest)
             layer.keys[:, :, :widest].copy_(keys)                           # in place: static addresses stay
             layer.values[:, :, :widest].copy_(values)
         self.front = 0
