@@ -187,6 +187,9 @@ class TrainerConfig:
     # A resume whose config changes model shapes or data order (train/checkpoint.py: EXACTNESS_KEYS) is refused;
     # true: warn and continue (the result then differs from an uninterrupted run).
     resume_allow_drift: bool = False
+    # A resume whose inputs changed content since the checkpoint (the data file's bytes, the target's files, the
+    # tokenizer or its chat template: train/inputs.py) is refused by name; true: continue on the new inputs on purpose.
+    resume_accept_changed_inputs: bool = False
     wandb: bool = False
     wandb_project: str = "specdistill"
     wandb_mode: str = "offline"  # offline | online | disabled
