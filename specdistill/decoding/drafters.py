@@ -96,6 +96,7 @@ class Drafter(ABC):
     def prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         """Work a drafter needs before these prompts (B, T) are decoded, done outside the timed decoding: the
         evaluator calls it for every batch it builds. Most drafters need none; the oracle decodes the target here."""
+        return None
 
 
 class LMDrafter(Drafter):

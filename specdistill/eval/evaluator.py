@@ -20,6 +20,9 @@ Definitions (every ratio is a ratio of sums over all prompts, never a mean of pe
                      gamma; predicted_speedup_measured_tau = tau / (g c + v) adds the measured verify cost
   by_category        the same tau and a_k within each prompt category (MT-bench's eight), from per-prompt counts that
                      outputs.jsonl keeps (category, new_tokens, target_forwards, reached/accepted per draft position)
+  oracle             eval.drafter=oracle replays the target's own greedy output, so tau = gamma+1 (but where a row ends)
+                     at no draft cost: bound = (gamma+1) / v(gamma+1) is the speedup of a free, always-accepted draft,
+                     and efficiency = speedup / bound the share of it the decoder keeps (its own overhead)
   greedy_mismatches  temperature 0 only: prompts whose speculative output differs from target-only output (should be 0;
                      a mismatch at a near-tie of the target's top-2 logits is floating-point noise, reported as such)
 """
@@ -36,6 +39,7 @@ from specdistill.config import DRAFTERS, EvalConfig
 from specdistill.constraints import check_fields
 from specdistill.decoding import (CacheMode, Drafter, DynamicGamma, FixedGamma, LMDrafter, NGramDrafter, Sampler,
                                   check_draft_policy, speculative_generate, target_generate)
+from specdistill.decoding.drafters import OracleDrafter
 from specdistill.decoding.kv import device_of, max_positions
 from specdistill.decoding.tree import TreeShape
 from specdistill.decoding.tree_generate import proposes_trees, tree_generate
@@ -44,7 +48,7 @@ from specdistill.eval.batches import PromptBatch, make_batches
 from specdistill.eval.hf_baseline import HF_MODES, hf_generate, hf_runners, hf_summary  # noqa: F401  (re-exported)
 from specdistill.eval.metrics import (SpecCounts, category_summary, leviathan_speedup, row_acceptance,
                                      weighted_percentiles)
-from specdistill.eval.results import CostRatio, EvalResult, SweepPoint  # noqa: F401  (re-exported)
+from specdistill.eval.results import CostRatio, EvalResult, OracleOverhead, SweepPoint  # noqa: F401  (re-exported)
 from specdistill.eval.timing import Run, Runner, Throughput, measure_cost, run_pass, timed  # noqa: F401
 from specdistill.eval import tree_cost, tree_search
 from specdistill.tokens import eos_ids, pad_id as pad_id_of
@@ -52,7 +56,7 @@ from specdistill.tokens import eos_ids, pad_id as pad_id_of
 
 # ------------------------------------------------------------------------------------------------ inputs
 def make_drafter(spec: Union[str, Drafter, torch.nn.Module], target_model, cfg: EvalConfig) -> tuple[Drafter, str]:
-    """'ngram' | 'target' | a Drafter | a draft causal LM -> (Drafter, its name for reports)."""
+    """'ngram' | 'target' | 'oracle' | a Drafter | a draft causal LM -> (Drafter, its name for reports)."""
     if isinstance(spec, Drafter):
         return spec, type(spec).__name__
     if isinstance(spec, torch.nn.Module):
@@ -62,7 +66,10 @@ def make_drafter(spec: Union[str, Drafter, torch.nn.Module], target_model, cfg: 
         return NGramDrafter(max_ngram=cfg.ngram_max, min_ngram=cfg.ngram_min), "ngram"
     if spec == "target":
         return LMDrafter(target_model, confidence=cfg.draft_confidence), "target"
-    raise ValueError(f"unknown drafter {spec!r}: pass a draft model, a Drafter, or one of 'ngram', 'target' "
+    if spec == "oracle":
+        cache = CacheMode(static=cfg.static_cache, compile=cfg.compile)
+        return OracleDrafter(target_model, cfg.max_new_tokens, cache=cache), "oracle"
+    raise ValueError(f"unknown drafter {spec!r}: pass a draft model, a Drafter, or one of 'ngram', 'target', 'oracle' "
                      f"(eval.drafter is one of {DRAFTERS}; 'draft' needs a model)")
 
 
@@ -90,6 +97,23 @@ def _check_tree_drafter(cfg: EvalConfig, drafter: Drafter) -> None:
     if top is not None and shape.depth > top:
         raise ValueError(f"eval.tree.depth={shape.depth} exceeds the {top} draft positions this drafter proposes per "
                          f"round (a block drafter of block size {top + 1}): set eval.tree.depth <= {top}")
+
+
+def _check_oracle(cfg: EvalConfig, drafter: Drafter) -> None:
+    """The oracle's report compares its speedup with (gamma+1) / v(gamma+1): temperature 0 (where the greedy replay is
+    what the target emits), a fixed gamma, and v measured."""
+    if not isinstance(drafter, OracleDrafter):
+        return
+    if cfg.temperature != 0:
+        raise ValueError(f"eval.drafter=oracle replays the target's greedy output, which sampling at "
+                         f"eval.temperature={cfg.temperature} leaves after its first differing token: set "
+                         "eval.temperature=0")
+    if cfg.dynamic_gamma:
+        raise ValueError("eval.drafter=oracle measures the decoder's overhead at one draft length against "
+                         "v(gamma+1): unset eval.dynamic_gamma")
+    if not cfg.measure_cost:
+        raise ValueError("eval.drafter=oracle reports its speedup against (gamma+1) / v(gamma+1), which needs the "
+                         "verify cost timed: set eval.measure_cost=true")
 
 
 def tree_shape(cfg: EvalConfig) -> Optional[TreeShape]:
@@ -198,7 +222,11 @@ class _Decoders:
         return {"target": self.target(max_new), "spec": self.spec(max_new, policy)}
 
     def batches(self, prompt_ids: list[list[int]], batch_size: int) -> list[PromptBatch]:
-        return make_batches(prompt_ids, batch_size, self.pad_id, self.device)
+        """Left-padded batches, each prepared by the drafter before any timed call (the oracle decodes it here)."""
+        batches = make_batches(prompt_ids, batch_size, self.pad_id, self.device)
+        for b in batches:
+            self.drafter.prepare(b.input_ids, b.attention_mask)
+        return batches
 
     def _sampling(self) -> dict:
         return dict(temperature=self.cfg.temperature, top_p=self.cfg.top_p, eos_token_id=self.eos)
@@ -406,7 +434,8 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
              log: Callable[[str], None] = print, source: Optional[str] = None) -> EvalResult:
     """Speculative decoding vs target-only decoding of `target_model` on `prompts`.
 
-    drafter_spec: a draft causal LM, a spec.Drafter, 'ngram' or 'target' (the target drafting for itself).
+    drafter_spec: a draft causal LM, a spec.Drafter, 'ngram', 'target' (the target drafting for itself) or 'oracle'
+    (the target's greedy output replayed: the decoder's own overhead).
     prompts: a PromptSet (specdistill.data.prompts), a list of message lists, or a list of token-id lists.
     """
     check_eval_config(cfg)
@@ -415,6 +444,7 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
     prompt_ids, source = ps.ids, ps.source
     drafter, drafter_name = make_drafter(drafter_spec, target_model, cfg)
     _check_tree_drafter(cfg, drafter)
+    _check_oracle(cfg, drafter)
     eos = eos_ids(tokenizer, target_model, cfg.ignore_eos)
     dec = _Decoders(target_model, drafter, cfg, eos, pad_id_of(tokenizer, eos), device_of(target_model))
     load_before = _loadavg()
@@ -445,6 +475,9 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
     sweep = _batch_sweep(dec, prompt_ids, main_point, progress)
     result = _assemble(cfg, drafter_name, source, len(prompt_ids), tot, cost, mismatches, sweep, hf_result,
                        _environment(dec, load_before), samples)
+    if isinstance(drafter, OracleDrafter):  # the decoder's own overhead: speedup against (gamma+1) / v(gamma+1)
+        result.oracle = OracleOverhead.of(cfg.gamma, result.mean_accept_len, result.speedup, result.decode_speedup,
+                                          cost)
     return _with_cost_model(dec, batches, prompt_ids, result, runs, tot, tcost, progress, log)
 
 

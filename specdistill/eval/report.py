@@ -96,6 +96,7 @@ def markdown(r: EvalResult) -> str:
                   "|---|---|---|---|"]
         lines += [f"| {cat} | {c['prompts']} | {_f(c['tau'])} | {', '.join(_f(a) for a in c['accept_rate_per_pos'])} |"
                   for cat, c in r.by_category.items()]
+    lines += _oracle(r)
     lines += _tree_and_cost_model(r)
     if r.hf:
         h = r.hf
@@ -115,6 +116,27 @@ def markdown(r: EvalResult) -> str:
                   f"{env.get('loadavg_before')} -> {env.get('loadavg_after')} (CPU timings on a shared machine are "
                   "noisy).", ""]
     return "\n".join(lines)
+
+
+def _oracle(r: EvalResult) -> list[str]:
+    """eval.drafter=oracle: the speedup against the bound of a free, always-accepted draft, (gamma+1) / v(gamma+1)."""
+    o = r.oracle
+    if o is None:
+        return []
+    g = o.gamma
+    rows = [("drafter", "oracle: the target's own greedy output replayed (every draft accepted, drafting free)"),
+            ("gamma", g), ("tau (tokens per target forward)", _f(o.tau)),
+            ("measured speedup (target-only time / speculative time, prefill included)", _f(o.speedup)),
+            ("measured decode-only speedup", _f(o.decode_speedup)),
+            (f"1-token forward / {g + 1}-token verify forward, ms",
+             f"{_f(o.target_step_ms, 2)} / {_f(o.verify_ms, 2)}"),
+            (f"v({g + 1}) = verify forward / 1-token forward", _f(o.v)),
+            (f"**bound (gamma+1) / v({g + 1})**", _f(o.bound)),
+            ("bound at the measured tau, tau / v", _f(o.bound_at_tau)),
+            ("**efficiency = speedup / bound** (the decoder's own overhead)", _f(o.efficiency)),
+            ("decode-only efficiency", _f(o.decode_efficiency))]
+    return (["", "## Oracle drafter: the decoder's own overhead", "", "| metric | value |", "|---|---|"]
+            + [f"| {k} | {v} |" for k, v in rows])
 
 
 def _tree_and_cost_model(r: EvalResult) -> list[str]:

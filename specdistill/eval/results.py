@@ -18,6 +18,37 @@ class CostRatio:
 
 
 @dataclass
+class OracleOverhead:
+    """eval.drafter=oracle: the speculative decoder's own overhead. The oracle replays the target's greedy output, so
+    every draft is accepted and drafting is free: the speedup cannot beat bound = (gamma+1) / v(gamma+1) (gamma+1
+    tokens per round, each round one verify forward of gamma+1 tokens), and efficiency = speedup / bound is the share
+    of that the decoder keeps (rounds cut short at the budget or EOS lower it too: bound_at_tau uses the measured
+    tau instead of gamma+1)."""
+    gamma: int
+    tau: float              # tokens per target forward; gamma+1 but for rows ending mid-round
+    speedup: float          # target-only wall time / speculative wall time, same prompts (prefill included)
+    decode_speedup: float   # the same, decode rounds only
+    target_step_ms: float   # one 1-token target forward (KV-cached), the first batch
+    verify_ms: float        # one (gamma+1)-token target forward, the same batch and context
+    v: float                # v(gamma+1) = verify_ms / target_step_ms
+    bound: float            # (gamma+1) / v
+    bound_at_tau: float     # tau / v
+    efficiency: float       # speedup / bound
+    decode_efficiency: float  # decode_speedup / bound
+
+    @classmethod
+    def of(cls, gamma: int, tau: float, speedup: float, decode_speedup: float,
+           cost: Optional[CostRatio]) -> OracleOverhead:
+        """From the measured pass's tau and speedups and the cost model's timings of a 1- and a (gamma+1)-token
+        forward (CostRatio, timed at gamma)."""
+        if cost is None:
+            raise ValueError("the oracle's bound needs v(gamma+1): time the verify cost (eval.measure_cost=true)")
+        bound = (gamma + 1) / cost.v
+        return cls(gamma, tau, speedup, decode_speedup, cost.target_step_ms, cost.verify_ms, cost.v, bound,
+                   tau / cost.v, speedup / bound, decode_speedup / bound)
+
+
+@dataclass
 class SweepPoint:
     batch_size: int
     num_prompts: int
@@ -83,6 +114,8 @@ class EvalResult:
     tree: Optional[dict] = None
     # v(k) for k = 1..32 and the chain length or tree shape with the highest predicted speedup (eval/tree_cost.py)
     cost_model: Optional[dict] = None
+    # eval.drafter=oracle: the speedup against (gamma+1) / v(gamma+1), the decoder's own overhead
+    oracle: Optional[OracleOverhead] = None
     env: dict = field(default_factory=dict)
     proposed_per_pos: list[int] = field(default_factory=list)  # drafts proposed per position: reach_rate's denominator
     samples: list[dict] = field(default_factory=list)  # decoded outputs (written to outputs.jsonl, not results.json)
@@ -108,6 +141,9 @@ class EvalResult:
             out[f"{prefix}latency_ms_{q}"] = self.latency_ms[q]
         if self.cost is not None:
             out[prefix + "cost_c"] = self.cost.c
+        if self.oracle is not None:
+            for k in ("v", "bound", "efficiency", "decode_efficiency"):
+                out[f"{prefix}oracle_{k}"] = float(getattr(self.oracle, k))
         measured = (self.cost_model or {}).get("measured")
         if measured:  # the cost model's recommended setting, decoded once more (eval.measure_recommended)
             out[prefix + "recommended_speedup"] = float(measured["speedup"])
