@@ -211,6 +211,29 @@ def _describe(holder: dict) -> str:
             f"({holder.get('command', '?')})")
 
 
+def _process_start(pid: int) -> Optional[float]:
+    """When process `pid` of this host started (Unix time, from /proc), or None where /proc does not say."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks after boot
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _reused_pid(holder: dict) -> bool:
+    """The holder's pid runs, but as a process that started after the lock was taken: the pid was reused by an
+    unrelated process and the run that took the lock is gone."""
+    try:
+        taken = time.mktime(time.strptime(str(holder.get("started")), "%Y-%m-%dT%H:%M:%S%z"))
+    except ValueError:
+        return False
+    started = _process_start(int(holder["pid"]))
+    return started is not None and started > taken + 2  # whole seconds in the lock, tick rounding in /proc
+
+
 def _create_whole(src: Path, dst: Path) -> None:
     """Create `dst` with `src`'s content, or raise FileExistsError: a hard link where the file system has them (the
     content appears at once), else an exclusive create followed by the write."""
@@ -231,8 +254,7 @@ def folder_lock(folder, setting: str, log: Callable[[str], None] = print) -> Ite
     folder). A lock whose holder is dead (a pid that no longer runs on this host) is taken over with a message. The
     same process may nest the lock (the inner one is a no-op). The lock file is created whole (written under a
     temporary name, then hard-linked into place), so a reader never sees a half-written holder."""
-    folder = Path(folder).expanduser()
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = check_writable(folder, setting)  # a read-only or full folder is named before the lock is written
     lock = folder / LOCK_FILE
     me = {"pid": os.getpid(), "host": socket.gethostname(),
           "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv)[:300]}
@@ -251,14 +273,21 @@ def folder_lock(folder, setting: str, log: Callable[[str], None] = print) -> Ite
                     continue  # released meanwhile
                 if holder.get("pid") == me["pid"] and holder.get("host") == me["host"]:
                     break  # this process holds it already: nested
-                stale = holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) and not _pid_alive(
-                    holder["pid"])
+                if not holder:
+                    raise FolderBusy(
+                        f"{lock} is unreadable (empty or not the JSON a run writes), so no holder can be named and it "
+                        f"is not taken over on a guess. If no run writes into {folder}, delete {lock}; or write "
+                        f"elsewhere with {setting}=<another folder>") from None
+                stale = holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) and (
+                    not _pid_alive(holder["pid"]) or _reused_pid(holder))
                 if not stale:
                     raise FolderBusy(
                         f"{folder} is in use by another run: {_describe(holder)} holds {lock}. Wait for it to end, "
                         f"or write elsewhere with {setting}=<another folder>. If that process is gone (another "
                         f"host's, or killed), delete {lock}") from None
-                log(f"[lock] {lock} was held by {_describe(holder)}, which is no longer running: taking it over")
+                gone = ("now belongs to a process started after the lock was taken" if _pid_alive(holder["pid"])
+                        else "is no longer running")
+                log(f"[lock] {lock} was held by {_describe(holder)}, whose pid {gone}: taking it over")
                 stale_copy = folder / f"{LOCK_FILE}.{os.getpid()}.stale"
                 try:
                     os.replace(lock, stale_copy)  # a rename: of two takers, one moves it and both retry the link

@@ -1,8 +1,10 @@
 """Config checks in one place, run by every entry point before any model or data is loaded.
 
-Knows nothing about models or tensors: it reads the composed config only. Hydra already refuses unknown keys and
-wrong types (and, since `recipe` is not optional in conf/config.yaml, an unknown recipe, listing the known ones);
+Knows nothing about models or tensors: it reads the composed config (and, for the few checks that need them, a
+draft folder's config.json and whether torch sees CUDA). Hydra already refuses wrong types, unknown keys given
+without `+` (and, since `recipe` is not optional in conf/config.yaml, an unknown recipe, listing the known ones);
 what is left is checked here:
+  - keys the schema does not have, appended with `+` (the schema is closed), with the nearest known key;
   - required values (`???` in a group YAML: data=jsonl needs data.path, target=local needs target.path);
   - the range or choices of every constrained setting, read from the schema's fields (specdistill/constraints.py),
     the key named in the message;
@@ -10,11 +12,18 @@ what is left is checked here:
   - paths that look local (./x, ~/x, /x, *.jsonl ...) must exist: a typo is a local error, never a Hub lookup;
   - data.chat_template must be an inline Jinja template or a file holding one;
   - draft sizes the chosen draft.init would ignore (draft.num_layers=2 for an EAGLE-3 head) are refused;
+  - a data or prompt setting naming a folder where one file is read;
+  - an eval.gamma (eval.max_gamma, eval.tree.depth) above what a DFlash block drafts (block_size - 1);
+  - eval.device=cuda on a machine or torch build without CUDA;
   - settings that another setting makes useless (eval.draft_path with eval.drafter=ngram) give a warning.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import json
 import os
+import typing
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -196,6 +205,139 @@ def run_name_errors(cfg: DictConfig) -> list[str]:
             "such as run_name=my_run, or set trainer.output_dir=<folder> to write somewhere else"]
 
 
+def schema_keys(cls: type, prefix: str = "") -> dict[str, Optional[type]]:
+    """Dotted key -> the config dataclass it holds (None for a leaf) for every field of the dataclass `cls`, nested
+    dataclasses included. A field typed Any or dict holds free-form settings that its own owner checks."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Optional[type]] = {}
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        key = f"{prefix}{f.name}"
+        out[key] = hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+        if out[key] is not None:
+            out.update(schema_keys(hint, key + "."))
+    return out
+
+
+def unknown_key_errors(cfg: DictConfig) -> list[str]:
+    """Keys the schema does not have. Hydra refuses them on a plain override, but `+key=value` (Hydra's own hint for
+    a mistyped key) appends one, and the run would ignore it: the schema is closed, so it is refused here with the
+    nearest known key."""
+    from specdistill.config import Config
+
+    known = schema_keys(Config)
+    errors = []
+
+    def walk(node: DictConfig, cls: type, prefix: str) -> None:
+        names = {f.name for f in dataclasses.fields(cls)}
+        for k in node.keys():
+            key = f"{prefix}{k}"
+            if k not in names:
+                errors.append(f"{key} is not a setting (the schema is closed: `+{key}=...` adds a key that nothing "
+                              f"reads): {nearest_key(key, known)}")
+            elif known.get(key) is not None and isinstance(node._get_node(k), DictConfig):
+                walk(node._get_node(k), known[key], key + ".")
+
+    walk(cfg, Config, "")
+    return errors
+
+
+def nearest_key(key: str, known: Iterable[str]) -> str:
+    """'did you mean X?' from the keys beside `key` first, then from every known key; else where they are listed."""
+    known = list(known)
+    parent = key.rpartition(".")[0]
+    siblings = [k for k in known if k.rpartition(".")[0] == parent]
+    name = key.rpartition(".")[2]
+    close = difflib.get_close_matches(name, [k.rpartition(".")[2] for k in siblings], n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {parent + '.' if parent else ''}{close[0]}?"
+    leaves = [k for k in known if not key.startswith(k + ".") and k != parent]  # never the key's own groups
+    close = difflib.get_close_matches(key, leaves, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {close[0]}?"
+    where = f"the fields of {parent}" if parent else "the top-level groups"
+    return f"see {where} in specdistill/config.py"
+
+
+def block_size_of(cfg: DictConfig) -> Optional[int]:
+    """The block size B of the block drafter eval.gamma drives, or None when the evaluated draft has none: the trained
+    folder at eval.draft_path (its config.json's block_size), else the draft group's draft.dflash.block_size."""
+    if _get(cfg, "eval.drafter")[1] != "draft":
+        return None
+    draft_path = _get(cfg, "eval.draft_path")[1]
+    if draft_path:
+        config = Path(str(draft_path)).expanduser() / "config.json"
+        try:
+            block = json.loads(config.read_text()).get("block_size")
+        except (OSError, ValueError, AttributeError):
+            return None  # the draft loader names a missing or unreadable folder
+        return block if isinstance(block, int) else None
+    if _get(cfg, "draft.init")[1] == "dflash":
+        block = _get(cfg, "draft.dflash.block_size")[1]
+        return block if isinstance(block, int) else None
+    return None
+
+
+def block_gamma_errors(cfg: DictConfig) -> list[str]:
+    """A block drafter proposes at most B - 1 tokens a round: an eval.gamma (or eval.max_gamma with dynamic_gamma,
+    or a tree deeper) above that would be cut silently, and the reports would show acceptance at positions never
+    drafted. Refused whenever real speculative decoding runs it (eval.spec_eval in training, or an evaluation of
+    eval.draft_path); a sweep over eval.block_sizes sets gamma = B - 1 per block size itself."""
+    block = block_size_of(cfg)
+    if block is None or not (_get(cfg, "eval.spec_eval")[1] or _get(cfg, "eval.draft_path")[1]):
+        return []
+    most = block - 1
+    source = (f"the drafter at eval.draft_path has block_size={block}" if _get(cfg, "eval.draft_path")[1]
+              else f"draft.dflash.block_size={block}")
+    asked = [("eval.gamma", _get(cfg, "eval.gamma")[1])]
+    if _get(cfg, "eval.dynamic_gamma")[1]:
+        asked.append(("eval.max_gamma", _get(cfg, "eval.max_gamma")[1]))
+    if (_get(cfg, "eval.tree.topk")[1] or 0) > 0:
+        asked.append(("eval.tree.depth", _get(cfg, "eval.tree.depth")[1]))
+    return [f"{key}={value} exceeds what a DFlash block drafts ({source}: one forward proposes block_size - 1 = "
+            f"{most} tokens): set {key}={most}, or draft.dflash.block_size={value + 1} (and train at it)"
+            for key, value in asked if isinstance(value, int) and value > most]
+
+
+def device_errors(cfg: DictConfig) -> list[str]:
+    """eval.device=cuda[:N] on a machine (or a torch build) without CUDA, or a device index it does not have."""
+    present, device = _get(cfg, "eval.device")
+    if not present or not str(device).startswith("cuda"):
+        return []
+    import torch
+
+    if not torch.cuda.is_available():
+        why = ("this torch build has no CUDA support" if torch.version.cuda is None
+               else "torch sees no CUDA device (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
+        return [f"eval.device={device}: {why}; set eval.device=cpu, or eval.device=auto (CUDA when present)"]
+    index = str(device).partition(":")[2]
+    if index.isdigit() and int(index) >= torch.cuda.device_count():
+        return [f"eval.device={device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0; "
+                "set eval.device=cuda:0 (or auto)"]
+    return []
+
+
+FILE_KEYS = ("data.path", "eval.prompts", "data.regenerate.prompts")  # each read as one file of rows
+
+
+def folder_errors(cfg: DictConfig) -> list[str]:
+    """A data or prompt setting that names a folder where one file of rows is read, naming the files inside it."""
+    errors, regen = [], bool(_get(cfg, "data.regenerate.enabled")[1])
+    for key in FILE_KEYS:
+        present, value = _get(cfg, key)
+        if key == ("data.regenerate.prompts" if not regen else "data.path"):
+            continue  # the source this run does not read
+        if not present or not isinstance(value, str) or is_embedded(value) or value == "heldout" or "://" in value:
+            continue
+        folder = Path(value).expanduser()
+        if folder.is_dir():
+            found = sorted(p.name for p in folder.iterdir() if p.suffix in (".json", ".jsonl", ".parquet"))[:5]
+            hint = (f"it holds {', '.join(found)}: e.g. {key}={folder / found[0]}" if found
+                    else "it holds no .json, .jsonl or .parquet file")
+            errors.append(f"{key}={value!r} is a folder; it must name one .json, .jsonl or .parquet file ({hint})")
+    return errors
+
+
 def warnings(cfg: DictConfig) -> list[str]:
     out = []
     present, drafter = _get(cfg, "eval.drafter")
@@ -207,9 +349,10 @@ def warnings(cfg: DictConfig) -> list[str]:
 
 
 def validate_config(cfg: DictConfig, log: Optional[Callable[[str], None]] = print,
-                    checks: Iterable[Callable[[DictConfig], list[str]]] = (required_errors, range_errors,
-                                                                           run_name_errors, path_errors,
-                                                                           draft_shape_errors)
+                    checks: Iterable[Callable[[DictConfig], list[str]]] = (unknown_key_errors, required_errors,
+                                                                           range_errors, run_name_errors, path_errors,
+                                                                           folder_errors, draft_shape_errors,
+                                                                           block_gamma_errors, device_errors)
                     ) -> list[str]:
     """Raise ConfigError listing every problem at once; log and return the warnings. Cheap: no model, no data."""
     errors: list[str] = []

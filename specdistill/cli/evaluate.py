@@ -7,8 +7,6 @@
 Same Hydra groups as training (target/ draft/ data/ objective/ trainer/ eval/, recipe=...); writes results.json,
 results.md, outputs.jsonl and PNG plots to eval.output_dir (default outputs/eval_<drafter>).
 """
-import sys
-
 import hydra
 from omegaconf import DictConfig
 
@@ -23,10 +21,7 @@ def _evaluate(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    register_configs()
-    # Hydra's run dir is trainer.output_dir for training; an evaluation's belongs to eval.output_dir.
-    if not any(a.startswith(("hydra.run.dir", "+hydra.run.dir")) for a in sys.argv[1:]):
-        sys.argv.append("hydra.run.dir=${eval.output_dir}")
+    register_configs()  # Hydra's run dir is the working directory (conf/config.yaml): eval.run creates the output
     _evaluate()
 
 

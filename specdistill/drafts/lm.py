@@ -39,7 +39,7 @@ class LMDraft(DraftAdapter):
 
     @classmethod
     def load(cls, path) -> torch.nn.Module:
-        return load_causal_lm(path)
+        return load_causal_lm(path, setting="eval.draft_path")
 
     @classmethod
     def warm_start_overrides(cls, path) -> list[str]:
@@ -108,7 +108,7 @@ def build_draft(cfg: DraftConfig, target_model, data=None) -> torch.nn.Module:
     elif cfg.init == "pretrained":
         if not cfg.path:
             raise ValueError("draft.init=pretrained needs draft.path=<HF folder or hub id>")
-        draft = load_causal_lm(cfg.path, cfg.dtype)
+        draft = load_causal_lm(cfg.path, cfg.dtype, setting="draft.path")
     elif cfg.init == "from_target":
         n = cfg.num_layers
         if not 1 <= n <= tcfg.num_hidden_layers:

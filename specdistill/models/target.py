@@ -35,34 +35,104 @@ def locate_model(path: str) -> str:
     return path  # a hub id; from_pretrained raises its own error, which load_causal_lm rewords
 
 
+class NotACausalLM(ValueError):
+    """A folder given as a target that is not a causal LM checkpoint (a draft head, or one missing its weights)."""
+
+
+DRAFT_FOLDERS = "a draft is evaluated with eval.draft_path, warm-started with draft.path"
+
+
+def not_a_causal_lm(config: dict) -> Optional[str]:
+    """Why a model whose config.json is `config` is not a causal LM checkpoint transformers can load whole, or None.
+    EAGLE-3 heads (ours, vLLM's or speculators' format) and DFlash drafters declare a Llama or Qwen3 model_type, so
+    AutoModelForCausalLM would load them as that LM with random decoder layers: they are named here instead."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    archs = [str(a) for a in config.get("architectures") or []]
+    if any("eagle" in a.lower() for a in archs) or "eagle_config" in config or config.get(
+            "speculators_model_type") or "draft_vocab_size" in config:
+        vocab, draft_vocab = config.get("vocab_size"), config.get("draft_vocab_size")
+        reduced = (f" with a reduced vocabulary ({draft_vocab} of {vocab} tokens)"
+                   if draft_vocab and vocab and draft_vocab != vocab else "")
+        return f"an EAGLE-3 head{reduced} (architectures {archs}): it drafts for a target and cannot be one"
+    if any("dflash" in a.lower() for a in archs) or "dflash_config" in config:
+        return f"a DFlash block drafter (architectures {archs}): it drafts for a target and cannot be one"
+    known = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if archs and not any(a in known or a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
+                         for a in archs):
+        return f"architectures {archs} name no causal LM that transformers' AutoModelForCausalLM loads"
+    return None
+
+
+def check_causal_lm(path: str, config: dict, setting: str = "target.path") -> None:
+    """Raise NotACausalLM naming `setting` when the model at `path` (its config.json as `config`) is not one."""
+    why = not_a_causal_lm(config)
+    if why:
+        raise NotACausalLM(f"{setting}={path!r} is {why}. Point {setting} at the causal LM checkpoint (an HF folder "
+                           f"or hub id with its decoder weights); {DRAFT_FOLDERS}")
+
+
+def _config_dict(where: str) -> dict:
+    """config.json of a local folder, read directly: a draft's config may name a model_type AutoConfig refuses."""
+    import json
+
+    f = Path(where) / "config.json"
+    if f.is_file():
+        try:
+            return json.loads(f.read_text())
+        except ValueError as e:
+            raise ValueError(f"{f} is not valid JSON ({e}): the model folder is damaged") from None
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(where).to_dict()  # a hub id
+
+
 def enable_tf32() -> None:
     """fp32 matmuls and convolutions on TF32 tensor cores (CUDA; nothing elsewhere): fp32 drafts and the fp32 parts
     of mixed precision run several times faster, at about bf16's mantissa."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
 
-def load_causal_lm(path: str, dtype: str = "float32", device_map: Optional[str] = None):
+def load_causal_lm(path: str, dtype: str = "float32", device_map: Optional[str] = None, setting: str = "target.path"):
     """A causal LM from an HF folder or hub id. Every command loads its models through here, so this is also where
-    a run turns on TF32. device_map="auto" spreads its layers over the machine's GPUs (target.shard=device_map)."""
+    a run turns on TF32. device_map="auto" spreads its layers over the machine's GPUs (target.shard=device_map).
+    A folder that is no causal LM checkpoint (a draft head) or lacks weights is refused, naming `setting`."""
     from transformers import AutoModelForCausalLM
 
     enable_tf32()
     where = locate_model(path)
     placement = {"device_map": device_map} if device_map else {}
     try:
-        return AutoModelForCausalLM.from_pretrained(where, dtype=parse_dtype(dtype), **placement)
+        check_causal_lm(path, _config_dict(where), setting)
+        model, info = AutoModelForCausalLM.from_pretrained(where, dtype=parse_dtype(dtype), output_loading_info=True,
+                                                           **placement)
     except OSError as e:
         raise FileNotFoundError(
             f"could not load model {path!r} ({type(e).__name__}: {str(e).splitlines()[0]}). Offline machines cannot "
             "reach the hub: download it elsewhere and pass the local folder, or use embedded:smollm2-135m-instruct"
         ) from None
+    check_weights_complete(path, info, setting)
+    return model
+
+
+def check_weights_complete(path: str, info: dict, setting: str = "target.path") -> None:
+    """Raise NotACausalLM when from_pretrained's loading info lists weights the checkpoint lacks (transformers fills
+    them at random and only warns): a model with random layers must not train or score a draft."""
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise NotACausalLM(f"{setting}={path!r} lacks {len(missing)} of its model's weights ({shown}); transformers "
+                           "would start them at random. Point it at a complete checkpoint (all its *.safetensors "
+                           f"shards and the index); {DRAFT_FOLDERS}")
 
 
 def load_target_config(path: str):
     """The target's HF config alone (config.json, no weights), for checks before anything loads."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(locate_model(path))
+    where = locate_model(path)
+    check_causal_lm(path, _config_dict(where))
+    return AutoConfig.from_pretrained(where)
 
 
 def load_tokenizer(path: str):
