@@ -4,7 +4,7 @@
 
 Hydra overrides as for train.py; --steps/--out are this script's own. Writes profile.json and profile.md (self CPU
 time by op, grouped: matmul, attention/softmax, elementwise, indexing/copies, optimizer) plus the counted FLOPs per
-loss token and the matmul peak, so the step's utilisation is read next to its breakdown. Run it on an idle machine.
+real token and this CPU's dense fp32 peak, so the step's MFU is read next to its breakdown. Run it on an idle machine.
 """
 import argparse
 import json
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     from specdistill.data.loader import StepBatches
     from specdistill.pipeline.run import build_components
     from specdistill.threads import configure_threads
-    from specdistill.train.throughput import count_flops, matmul_gflops
+    from specdistill.train.throughput import count_flops, device_peak, step_flops
 
     register_configs()
     out = Path(own.out)
@@ -58,9 +58,11 @@ def main(argv=None) -> int:
     batches = StepBatches(c.data.train, t.micro_batch_size, t.grad_accum, c.models.tokenizer.pad_token_id, t.seed)
     obj, models, opt = c.objective, c.models, c.optimizer
 
-    def one_step(step: int) -> int:
-        n = 0
+    def one_step(step: int) -> tuple[int, int]:
+        """(loss tokens, real input tokens) of the step."""
+        n, n_input = 0, 0
         for b in batches.micro_batches(step):
+            n_input += int(b["attention_mask"].sum())
             p = obj.prepare(b, models)
             n += int(obj.num_tokens(p))
             out_ = obj.loss(p, models)
@@ -68,18 +70,19 @@ def main(argv=None) -> int:
         obj.end_step()  # deferred state updates (Draft-OPD: the replay buffer)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return n
+        return n, n_input
 
     one_step(0)  # warm-up
     flops = count_flops(lambda: one_step(1))
-    per_token = flops.flops / max(flops.result, 1)
-    peak = matmul_gflops("cpu")
+    per_token = step_flops(flops.flops, batches.micro_batches(1)).flops_per_token  # per real token, padding excluded
+    peak = device_peak("cpu")
     from torch.profiler import ProfilerActivity, profile
 
-    t0, tokens = time.perf_counter(), 0
+    t0, tokens, input_tokens = time.perf_counter(), 0, 0
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for s in range(2, 2 + own.steps):
-            tokens += one_step(s)
+            n, n_input = one_step(s)
+            tokens, input_tokens = tokens + n, input_tokens + n_input
     wall = time.perf_counter() - t0  # profiled wall time (the profiler adds a little)
     by_group: dict[str, float] = {}
     rows = []
@@ -89,18 +92,20 @@ def main(argv=None) -> int:
         rows.append((e.key, self_s, e.count))
     rows.sort(key=lambda r: -r[1])
     total = sum(by_group.values()) or 1.0
-    tok_s = tokens / wall
+    tok_s, input_tok_s = tokens / wall, input_tokens / wall
+    achieved = input_tok_s * per_token
     result = {"command": command, "steps": own.steps, "loss_tokens": tokens, "wall_s": wall, "tokens_per_s": tok_s,
-              "flops_per_token": per_token, "peak_gflops": peak, "achieved_gflops": tok_s * per_token / 1e9,
-              "roofline_fraction": tok_s * per_token / 1e9 / peak, "threads": torch.get_num_threads(),
+              "input_tokens_per_s": input_tok_s, "flops_per_token": per_token, "peak": peak.as_dict(),
+              "achieved_gflops": achieved / 1e9, "mfu": achieved / peak.flops_per_s, "threads": torch.get_num_threads(),
               "groups_s": dict(sorted(by_group.items(), key=lambda kv: -kv[1])),
               "top_ops": [{"op": k, "self_s": s, "calls": n} for k, s, n in rows[:15]]}
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.json").write_text(json.dumps(result, indent=1))
     md = [f"`{command}`", "", f"{own.steps} steps, {tokens} loss tokens, {wall:.1f} s -> {tok_s:.1f} loss tokens/s; "
-          f"{per_token / 1e6:.1f} MFLOP per loss token (torch FlopCounterMode); {result['achieved_gflops']:.1f} of "
-          f"{peak:.1f} GFLOPS peak (fp32 matmul, {torch.get_num_threads()} threads) = "
-          f"{100 * result['roofline_fraction']:.0f}% of the roofline", "",
+          f"{input_tok_s:.1f} real tokens/s x {per_token / 1e6:.1f} MFLOP per real token (torch FlopCounterMode) = "
+          f"{result['achieved_gflops']:.1f} GFLOPS of {peak.flops_per_s / 1e9:.1f} GFLOPS dense peak "
+          f"({peak.source}: {peak.size}^3 {peak.dtype} products, {torch.get_num_threads()} threads) = "
+          f"MFU {100 * result['mfu']:.0f}%", "",
           "| where the time goes | self CPU s | share |", "|---|---|---|"]
     md += [f"| {g} | {s:.2f} | {100 * s / total:.0f}% |" for g, s in result["groups_s"].items()]
     md += ["", "| top ops | self CPU s | calls |", "|---|---|---|"]

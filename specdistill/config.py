@@ -195,8 +195,8 @@ class TrainerConfig:
     wandb_mode: str = "offline"  # offline | online | disabled
     # simulated-acceptance eval on held-out data every N steps (0 = only at the end)
     eval_every: int = bounded(50, ">= 0")
-    # Log FLOPs per loss token (counted on the first step), achieved GFLOPS and their fraction of a measured matmul
-    # peak (train/roofline_fraction); costs a ~0.3 s microbenchmark at start.
+    # Log FLOPs per real token (counted on the first step), achieved TFLOP/s and their fraction of the device's dense
+    # matmul peak (train/mfu; train/throughput.py: device_peak); costs a ~1 s microbenchmark at start.
     measure_roofline: bool = True
     # torch CPU threads per process (null = physical cores / local processes)
     threads: Optional[int] = bounded(None, ">= 1")

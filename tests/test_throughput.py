@@ -1,9 +1,12 @@
-"""The throughput counter: torch's FLOP count of a known step, the roofline arithmetic, and the loop logging it."""
+"""The MFU counter: torch's FLOP count of a known step, FLOPs restated on real tokens (padding changes nothing), the
+MFU arithmetic, and the loop logging it."""
 import json
 
+import pytest
 import torch
 
-from specdistill.train.throughput import Roofline, count_flops, matmul_gflops
+from specdistill.data.chat import collate
+from specdistill.train.throughput import Mfu, count_flops, step_flops
 
 
 def test_count_flops_of_a_linear_forward_backward_is_6_b_in_out():
@@ -16,20 +19,57 @@ def test_count_flops_of_a_linear_forward_backward_is_6_b_in_out():
     assert counted.flops == 6 * B * n_in * n_out
 
 
-def test_roofline_arithmetic():
-    r = Roofline(peak_gflops=40.0, flops_per_token=2e8)
-    assert r.achieved_gflops(100.0) == 20.0
-    assert r.fraction(100.0) == 0.5
-    m = r.metrics(100.0)
-    assert m["train/roofline_fraction"] == 0.5 and m["train/flops_per_token"] == 2e8
+def rows(lengths: list[int]) -> list[dict]:
+    return [{"input_ids": [3 + (7 * i + j) % 40 for j in range(n)], "loss_mask": [j % 2 for j in range(n)]}
+            for i, n in enumerate(lengths)]
 
 
-def test_matmul_microbenchmark_is_positive_and_finite():
-    g = matmul_gflops("cpu", n=128, seconds=0.02)
-    assert 0 < g < 1e5
+def pad_to(batch: dict, T: int) -> dict:
+    """The same rows right-padded to T slots."""
+    extra = T - batch["input_ids"].shape[1]
+    return {k: torch.nn.functional.pad(v, (0, extra)) for k, v in batch.items()}
 
 
-def test_the_loop_logs_flops_per_token_and_roofline(tiny_target_dir, tiny_data_file, tmp_path):
+def per_token_step(batch: dict) -> None:
+    """A forward + backward whose every matmul runs over all B x T slots (embedding, then two linear layers)."""
+    torch.manual_seed(0)
+    emb, up, down = torch.nn.Embedding(48, 16), torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+    h = down(torch.relu(up(emb(batch["input_ids"]))))  # (B, T, 16)
+    (h.sum(-1) * batch["loss_mask"]).sum().backward()
+
+
+def counted(batch: dict):
+    return step_flops(count_flops(lambda: per_token_step(batch)).flops, [batch])
+
+
+def test_padding_does_not_change_the_useful_flops_of_a_batch():
+    batch = collate(rows([5, 9, 3]), pad_id=0)  # (3, 9): 17 real tokens in 27 slots
+    counts = {T: counted(pad_to(batch, T)) for T in (9, 16, 40)}
+    assert counts[40].flops > 4 * counts[9].flops  # the executed count grows with the padding
+    assert {c.tokens for c in counts.values()} == {17}
+    assert counts[16].useful_flops == pytest.approx(counts[9].useful_flops)
+    assert counts[40].useful_flops == pytest.approx(counts[9].useful_flops)
+    # unpadded, one row at a time: the same FLOPs
+    alone = sum(counted(collate([r], 0)).flops for r in rows([5, 9, 3]))
+    assert counts[40].useful_flops == pytest.approx(alone)
+
+
+def test_step_flops_adds_up_micro_batches():
+    a, b = collate(rows([4, 2]), 0), collate(rows([3]), 0)
+    f = step_flops(1000, [a, b])
+    assert (f.slots, f.tokens) == (2 * 4 + 3, 9)
+    assert f.useful_flops == pytest.approx(1000 * 9 / 11)
+
+
+def test_mfu_arithmetic():
+    m = Mfu(peak_flops_per_s=4e13, flops_per_token=2e8)
+    assert m.achieved_flops_per_s(1e5) == 2e13
+    assert m.fraction(1e5) == 0.5
+    out = m.metrics(1e5)
+    assert out["train/mfu"] == 0.5 and out["train/flops_per_token"] == 2e8 and out["train/achieved_tflops"] == 20.0
+
+
+def test_the_loop_logs_mfu_and_the_peak(tiny_target_dir, tiny_data_file, tmp_path):
     from specdistill.build import build
     from specdistill.train.loop import fit
     from tests.conftest import compose, tiny_overrides
@@ -37,9 +77,14 @@ def test_the_loop_logs_flops_per_token_and_roofline(tiny_target_dir, tiny_data_f
     cfg = compose("eagle3", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "run", tmp_path / "cache")
                   + ["trainer.max_steps=2", "trainer.grad_accum=1"])
     fit(build(cfg))
-    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if "train/loss" in r]
-    assert train and all(r["train/flops_per_token"] > 0 and r["train/roofline_fraction"] > 0 for r in train)
+    rows_ = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows_ if "train/loss" in r]
+    assert train and all(r["train/flops_per_token"] > 0 and 0 < r["train/mfu"] < 1 for r in train)
+    for r in train:  # mfu is the achieved rate over the peak, on real input tokens
+        summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+        peak = summary["device_peak"]["peak/flops_per_s"]
+        assert r["train/mfu"] == pytest.approx(r["train/input_tokens_per_s"] * r["train/flops_per_token"] / peak)
+    assert summary["device_peak"]["peak/source"] == "measured" and summary["device_peak"]["peak/dtype"] == "float32"
     # a per-token count: the EAGLE-3 step costs at least the head's matmuls over its unrolled steps
     head_params = sum(p.numel() for n, p in build(cfg).models.draft.named_parameters() if p.requires_grad)
     assert train[0]["train/flops_per_token"] > 2 * head_params

@@ -36,7 +36,7 @@ from specdistill.train.accelerate_compat import set_gradient_sync
 from specdistill.train.checkpoint import check_resume_config, list_checkpoints, load_checkpoint, save_checkpoint
 from specdistill.train.integrity import select_resume
 from specdistill.train.results import drop_replayed, finished_run, nothing_to_do_message
-from specdistill.train.throughput import Roofline, count_flops, matmul_gflops
+from specdistill.train.throughput import DevicePeak, Mfu, count_flops, device_peak, step_flops
 
 
 @dataclass
@@ -157,8 +157,8 @@ class RunState:
     latest: dict = field(default_factory=dict)  # the latest logged metrics (saved with a checkpoint)
     phase: Optional[Phase] = None     # the phase of the current step
     bar: Any = None                   # its progress bar
-    peak_gflops: Optional[float] = None  # the matmul peak (trainer.measure_roofline), over all ranks
-    roofline: Optional[Roofline] = None  # counted on a phase's first step
+    peak: Optional[DevicePeak] = None  # one device's dense matmul peak (trainer.measure_roofline)
+    mfu: Optional[Mfu] = None  # counted on a phase's first step
 
     def wall_s(self) -> float:
         """Training wall seconds, carried across resumes (the learning curves' x axis)."""
@@ -246,9 +246,11 @@ def _start_state(c: Components, resume_from: Optional[Path], config_yaml: str) -
         s.metrics_file.unlink()  # a fresh run in an old output dir starts a fresh log (checkpoints are kept)
     if resume_from is not None and acc.is_main_process:
         drop_replayed(s.metrics_file, s.step)  # steps logged after the checkpoint are logged again as they replay
-    # Roofline: a matmul microbenchmark before the first step, whose FLOPs are counted (train/roofline_fraction).
+    # MFU: the device's dense peak measured before the first step, whose FLOPs are counted (train/mfu).
     if t.measure_roofline:
-        s.peak_gflops = matmul_gflops(acc.device, _train_dtype(acc)) * acc.num_processes
+        s.peak = device_peak(acc.device, _train_dtype(acc))
+        acc.print(f"[train] {s.peak.describe()}; train/mfu is a fraction of {s.peak.flops_per_s / 1e12:.4g} TFLOP/s "
+                  f"({s.peak.source}) x {acc.num_processes} process(es)")
     s.window = Window()  # the first log window starts here (the wall clock at the state's creation)
     return s
 
@@ -273,7 +275,7 @@ def _enter_phase(c: Components, s: RunState) -> None:
         s.bar.close()
     s.phase = c.phases.at(s.step)
     s.bar = _phase_bar(c, s.phase, s.step, many=len(c.phases.phases) > 1)
-    s.roofline = None  # another objective: its FLOPs per token are counted on its first step
+    s.mfu = None  # another objective: its FLOPs per token are counted on its first step
 
 
 def _stopped(c: Components, s: RunState, stop: StopSignal) -> bool:
@@ -303,12 +305,13 @@ def _train_step(c: Components, s: RunState, batches: Prefetcher) -> StepTaken:
     micro = [_to_device(b, acc.device) for b in batches.get(s.step)]
     s.window.data_wait_s += batches.wait_s - wait_before
     # One micro-batch at a time, the gradient that of the mean over the step's global loss tokens (accumulate).
-    if s.peak_gflops is not None and s.roofline is None:  # the first step is counted (its window includes
+    if s.peak is not None and s.mfu is None:  # the first step is counted (its window includes
         counted = count_flops(lambda: accumulate(c, micro, s.sums, objective))  # the counter's small overhead)
         n_local, n_global = counted.result
-        s.roofline = Roofline(s.peak_gflops, counted.flops / max(float(n_local), 1.0))
-        acc.print(f"[train] {s.roofline.flops_per_token / 1e6:.1f} MFLOP per loss token (forward + backward, "
-                  f"torch's FlopCounterMode); matmul peak {s.peak_gflops:.1f} GFLOPS ({t.mixed_precision})")
+        flops = step_flops(counted.flops, micro)  # per real token: padding slots do no useful work
+        s.mfu = Mfu(s.peak.flops_per_s * acc.num_processes, flops.flops_per_token)
+        acc.print(f"[train] {flops.flops_per_token / 1e6:.1f} MFLOP per real token (forward + backward, torch's "
+                  f"FlopCounterMode; {flops.tokens} real tokens in {flops.slots} slots)")
     else:
         n_local, n_global = accumulate(c, micro, s.sums, objective)
     s.sums["tokens"] = s.sums.get("tokens", 0) + n_local.float()
@@ -377,8 +380,8 @@ def _log_window(c: Components, s: RunState, taken: StepTaken) -> None:
                      "epoch": c.phases.epoch_of(s.step - 1), "tokens_seen": s.tokens_seen,
                      "wall_s": s.wall_s(), "phase": phase.name, "phase_step": phase.local(s.step),
                      "eta_phase_s": elapsed / w.steps * (phase.end - s.step)})
-    if s.roofline is not None:
-        s.latest.update(s.roofline.metrics(s.latest["train/tokens_per_s"]))
+    if s.mfu is not None:
+        s.latest.update(s.mfu.metrics(s.latest["train/input_tokens_per_s"]))
     s.bar.set_postfix(loss=f"{s.latest.get('train/loss', math.nan):.4f}",
                       tok_s=f"{s.latest['train/tokens_per_s']:.0f}")
     s.result.history.append(s.latest)
@@ -408,7 +411,7 @@ def _save(c: Components, s: RunState) -> Path:
              "phase": now.name, "phase_step": now.local(s.step), "phases": plan.describe(),
              "heldout_before": s.result.heldout_before, "wall_s": s.wall_s()}
     return save_checkpoint(c.accelerator, c.models.draft, c.models.tokenizer, c.output_dir, s.step, state, s.latest,
-                           s.config_yaml, keep=t.keep_checkpoints, objective=plan)
+                           s.config_yaml, keep=t.keep_checkpoints, objective=plan, target=c.models.target)
 
 
 def _finish(c: Components, s: RunState) -> FitResult:
@@ -422,7 +425,7 @@ def _finish(c: Components, s: RunState) -> FitResult:
                    "preempted": result.preempted, "num_processes": acc.num_processes,
                    "distributed_type": str(acc.distributed_type),
                    "torch_threads": torch.get_num_threads(),  # per process: throughput figures depend on it
-                   "wall_s": s.wall_s(),
+                   "wall_s": s.wall_s(), "device_peak": s.peak.as_dict() if s.peak is not None else None,
                    "last_train_metrics": {k: v for k, v in s.latest.items() if k.startswith("train/")}}
         (c.output_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     if c.cfg.trainer.wandb:
