@@ -180,6 +180,11 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
         # a sharded target's forwards are collective: every process then decodes every part, in step
         share = in_step(accelerator) if cfg.target.shard == "fsdp" else folder_share(accelerator)
         data = make_data(cfg, target, tokenizer, log=log, share=share)
+    from specdistill.data.dataset import check_rows_fit
+    from specdistill.decoding.kv import max_positions
+
+    if not regen:  # regenerated rows are decoded within the target's positions (the decoder's check)
+        check_rows_fit(data, max_positions(target.model), cfg.data.max_length)  # the evaluator's rule
     draft = kind.build(draft_cfg, target, data)
     if draft_cfg.init == "pretrained":
         check_draft_tokenizer(draft_cfg.path, tokenizer, log)  # or says that it is skipped

@@ -105,7 +105,8 @@ def _read_jsonl(p: Path, max_rows: Optional[int], keep_bad: bool) -> Rows:
     import json
 
     rows, lines = Rows(), []
-    with p.open(encoding="utf-8", errors="replace") as f:
+    # utf-8-sig: a byte order mark some editors write at the start is dropped, not read as part of the first row
+    with p.open(encoding="utf-8-sig", errors="replace") as f:
         for n, line in enumerate(f, start=1):
             if max_rows is not None and len(rows) >= max_rows:
                 break

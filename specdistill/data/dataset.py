@@ -132,6 +132,28 @@ def build_data(cfg: DataConfig, tokenizer, log=print) -> TokenizedData:
                          held_msgs, report, cache.name)
 
 
+def positions_error(length: int, limit: Optional[int], what: str, fix: str) -> Optional[str]:
+    """The one rule for a sequence against the target's positions: `length` tokens must fit its
+    max_position_embeddings `limit` (None: the model has no limit). Past it the target's positions (and so its logits
+    and features) are undefined, in training as in decoding. The message names `what` and the `fix`."""
+    if limit is None or length <= limit:
+        return None
+    return f"{what} has {length} tokens, more than the target's max_position_embeddings={limit}: {fix}"
+
+
+def check_rows_fit(data: TokenizedData, limit: Optional[int], max_length: int) -> None:
+    """Refuse training rows longer than the target's positions (`limit`), as the evaluator refuses a prompt whose
+    answer would pass them, naming how many and data.max_length, which cuts every row."""
+    if limit is None:
+        return
+    lengths = [len(ids) for split in (data.train, data.heldout) for ids in split["input_ids"]]
+    over = [n for n in lengths if n > limit]
+    if over:
+        error = positions_error(max(over), limit, f"the longest of {len(over)} training rows (of {len(lengths)})",
+                                f"set data.max_length={limit} or lower (rows are cut to it; now {max_length})")
+        raise ValueError(error)
+
+
 def _read_cache(cache: Path, log) -> Optional[TokenizedData]:
     """The tokenized data cached at `cache`, or None when a file there is damaged (truncated, unreadable, not what was
     written): the bad files are named, the folder moved aside and the caller rebuilds it."""

@@ -31,15 +31,16 @@ from specdistill.tokens import pad_id
 from specdistill.ranks import WorkShare, alone
 
 
-def load_prompt_rows(cfg: RegenerateConfig, tokenizer, count: int) -> tuple[list[list[int]], dict]:
+def load_prompt_rows(cfg: RegenerateConfig, tokenizer, count: int,
+                     log: Callable[[str], None] = print) -> tuple[list[list[int]], dict]:
     """Token ids of the first `count` usable first user turns (fewer if the source runs out), and what was skipped
     and why. The order depends only on the source and the filters, so a longer list extends a shorter one."""
     from specdistill.data.chat import prompt_ids
-    from specdistill.data.conversations import load_rows
+    from specdistill.data.conversations import REPLACEMENT, load_rows
     from specdistill.data.prompts import PromptError, first_turn
 
     rows = load_rows(cfg.prompts)
-    ids, skipped, seen = [], {"no usable user turn": 0, "too long": 0, "duplicate": 0}, set()
+    ids, skipped, seen, replaced = [], {"no usable user turn": 0, "too long": 0, "duplicate": 0}, set(), 0
     for i, row in enumerate(rows):
         if len(ids) >= count:
             break
@@ -57,9 +58,14 @@ def load_prompt_rows(cfg: RegenerateConfig, tokenizer, count: int) -> tuple[list
             continue
         seen.add(tuple(p))
         ids.append(p)
+        replaced += sum(str(m.get("content", "")).count(REPLACEMENT) for m in msgs)
     if not ids:
         raise ValueError(f"data.regenerate.prompts={cfg.prompts!r} gave no usable prompt (skipped: {skipped}); raise "
                          "data.regenerate.max_prompt_tokens or use another source")
+    if replaced:
+        log(f"[regenerate] {replaced} replacement characters (U+FFFD: bytes that were not valid UTF-8, or already in "
+            f"the text) in the kept prompts of {cfg.prompts}: they are answered as they are. Fix the file's encoding "
+            "to regenerate from the real text")
     return ids, skipped
 
 
@@ -250,7 +256,7 @@ def _fill(cfg: RegenerateConfig, target_model, tokenizer, root: Path, inputs: di
     else answered by the decoder or an engine); returns the number of parts the run reads (fewer than asked when the
     source runs out). Each part's timing goes to the store (pipeline/telemetry.py), and their sum to timing.json."""
     layers = inputs["layers"]
-    prompts, skipped = load_prompt_rows(cfg, tokenizer, want * cfg.batch_size)
+    prompts, skipped = load_prompt_rows(cfg, tokenizer, want * cfg.batch_size, log=log)
     batches = [prompts[s: s + cfg.batch_size] for s in range(0, len(prompts), cfg.batch_size)]
     want = len(batches)  # the source may run out
     missing = [i for i in range(want) if not part_path(root, i).exists()]
