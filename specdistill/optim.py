@@ -69,9 +69,22 @@ class MuonAdamW(torch.optim.Optimizer):
         self._link_groups()
 
 
+# Optimizers newer than the oldest torch a user may have installed: kind -> (attribute of torch.optim, first torch).
+NEEDS_TORCH = {"muon": ("Muon", "2.9")}
+
+
+def check_available(kind: str) -> None:
+    """Refuse, by name and with the fix, an optimizer this torch does not ship (before any data or model loads)."""
+    if kind in NEEDS_TORCH and not hasattr(torch.optim, NEEDS_TORCH[kind][0]):
+        name, first = NEEDS_TORCH[kind]
+        raise ValueError(f"trainer.optimizer={kind} needs torch.optim.{name}, which torch ships from {first} on; this "
+                         f"torch is {torch.__version__}. Install torch>={first} or use trainer.optimizer=adamw")
+
+
 def build_optimizer(model: torch.nn.Module, kind: str, *, lr: float, betas, weight_decay: float,
                     momentum: float = 0.95, muon_weight_decay: float = 0.1) -> torch.optim.Optimizer:
     """The optimizer trainer.optimizer names over the model's trainable parameters."""
+    check_available(kind)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if kind == "adamw":
         return torch.optim.AdamW([p for _, p in named], lr=lr, betas=tuple(betas), weight_decay=weight_decay)
@@ -85,7 +98,8 @@ def build_optimizer(model: torch.nn.Module, kind: str, *, lr: float, betas, weig
 
 def check_optimizer_backend(kind: str, accelerator) -> None:
     """Muon needs each weight matrix whole on every rank: refused under DeepSpeed (ZeRO flattens and partitions the
-    parameters it steps) and FSDP (sharded parameters), before the target loads."""
+    parameters it steps) and FSDP (sharded parameters), before the target loads; an optimizer this torch lacks too."""
+    check_available(kind)
     backend = f"{accelerator.distributed_type} {type(accelerator).__name__}".upper()
     if kind == "muon" and ("DEEPSPEED" in backend or "FSDP" in backend):
         raise ValueError(f"trainer.optimizer=muon under {accelerator.distributed_type}: Muon orthogonalises whole "

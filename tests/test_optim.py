@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from specdistill.optim import MuonAdamW, build_optimizer, check_optimizer_backend, is_hidden_matrix
+from specdistill.optim import MuonAdamW, build_optimizer, check_available, check_optimizer_backend, is_hidden_matrix
 from specdistill.pipeline.run import build_components
 from specdistill.train.checkpoint import list_checkpoints
 from specdistill.train.loop import fit
@@ -157,3 +157,13 @@ def test_a_muon_run_resumes_exactly(tiny_target_dir, tiny_data_file, tmp_path):
     got = resumed.accelerator.unwrap_model(resumed.models.draft).state_dict()
     assert all(torch.equal(want[k], got[k]) for k in want)
     assert not torch.equal(want["fc.weight"], init["fc.weight"])  # the runs trained: equal, and not by standing still
+
+
+def test_muon_is_refused_by_name_on_a_torch_without_it(monkeypatch):
+    monkeypatch.delattr(torch.optim, "Muon")
+    accelerator = SimpleNamespace(distributed_type="NO")
+    with pytest.raises(ValueError, match=r"torch\.optim\.Muon.*from 2\.9 on.*trainer\.optimizer=adamw"):
+        check_optimizer_backend("muon", accelerator)
+    with pytest.raises(ValueError, match="torch>=2.9"):
+        build_optimizer(Toy(), "muon", lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    check_available("adamw")  # AdamW needs nothing newer
