@@ -3,7 +3,8 @@
 Instead of the target's logits (V floats per token) we store its final normed hidden state (Ht floats) and rebuild
 the logits with the target's lm_head at train time: ~V/Ht times less disk (85x for SmolLM2, 31x for Llama-3-8B).
 Shards are safetensors files of concatenated tokens, cut at `shard_mb`, so the writer holds at most one shard in
-memory; the reader memory-maps slices. manifest.json maps each example to (shard, start, length).
+memory; the reader memory-maps slices. manifest.json maps each example to (shard, start, length) and records each
+shard's SHA-256, which the reader verifies (a shard damaged in place, even to the same size, is refused by name).
 """
 from __future__ import annotations
 
@@ -65,8 +66,11 @@ class FeatureWriter:
         self.shard += 1
 
     def close(self) -> Path:
+        from specdistill.files import sha256
+
         self._flush()
-        (self.dir / "manifest.json").write_text(json.dumps({"meta": self.meta, "index": self.index}))
+        sums = {f.name: sha256(f) for f in sorted(self.dir.glob("shard-*.safetensors"))}
+        (self.dir / "manifest.json").write_text(json.dumps({"meta": self.meta, "index": self.index, "sha256": sums}))
         os.replace(self.dir, self.final_dir)
         return self.final_dir
 
@@ -85,6 +89,20 @@ class FeatureStore:
         m = json.loads(man.read_text())
         self.meta, self.index = m["meta"], m["index"]
         self._handles = {}
+        self.check_shards(m.get("sha256", {}))
+
+    def check_shards(self, recorded: dict) -> None:
+        """Every shard the manifest records must hold the bytes it was written with (ValueError naming each one that
+        does not, and the fix); a manifest without checksums is not checked."""
+        from specdistill.cache import file_digest
+
+        bad = [f"{self.root / name}: " + ("missing" if not (self.root / name).exists() else
+                                          "its SHA-256 differs from the one recorded in manifest.json")
+               for name, digest in sorted(recorded.items())
+               if not (self.root / name).exists() or file_digest(self.root / name) != digest]
+        if bad:
+            raise ValueError(f"the feature store {self.root} is damaged:\n  - " + "\n  - ".join(bad) + "\nRe-run "
+                             "scripts/dump_features.py into a new data.offline_dir (or delete this one first)")
 
     def __len__(self) -> int:
         return len(self.index)

@@ -15,6 +15,8 @@ dtype, the tokenizer as it encodes with its chat template, the generation settin
                           int64, aux (N, A) bf16, final (N, H) bf16, lengths (n,), prompt_lengths (n,); written to a
                           temp name of its own process and renamed, so a part is whole or absent even when several
                           processes write into one store
+  part-NNNNN.sha256       the part's SHA-256, written before the part is renamed into place: a part whose bytes differ
+                          (damaged in place, even to the same size) is named and made again (drop_damaged_parts)
 A part's content depends only on the settings and its index, so a run asking for more prompts reuses every part an
 earlier run wrote and decodes only the rest; an interrupted run resumes at the first missing part; a changed setting
 hashes to another folder, and so does an edited prompt file or new weights in the same target folder. Other captured
@@ -114,8 +116,47 @@ def loss_mask_for(length: int, prompt_length: int) -> list[int]:
     return [1 if prompt_length - 1 <= t < length - 1 else 0 for t in range(length)]
 
 
+def checksum_path(part: Path) -> Path:
+    """Where a part's SHA-256 is recorded: part-NNNNN.sha256 beside part-NNNNN.safetensors."""
+    return Path(part).with_suffix(".sha256")
+
+
+def part_problem(part: Path) -> Optional[str]:
+    """Why a stored part cannot be used (its safetensors header or size, or bytes that differ from the SHA-256 recorded
+    when it was written), or None. A part written without a record is checked by its header only."""
+    from specdistill.cache import file_digest
+    from specdistill.files import safetensors_problem
+
+    why = safetensors_problem(part)
+    if why:
+        return why
+    try:
+        recorded = checksum_path(part).read_text().strip()
+    except OSError:
+        return None
+    if recorded and file_digest(part) != recorded:
+        return f"its SHA-256 differs from the one recorded in {checksum_path(part).name} when it was written"
+    return None
+
+
+def drop_damaged_parts(root: Path, log=print) -> list[Path]:
+    """Delete (with their checksum records) the parts of a store that part_problem finds damaged, naming each and why;
+    the regeneration then makes them again. Returns the deleted parts."""
+    dropped = []
+    for part in sorted(Path(root).glob("part-*.safetensors")):
+        why = part_problem(part)
+        if why:
+            log(f"[regenerate] {part} is damaged ({why}): a store part is a cache, so it is deleted and made again")
+            part.unlink(missing_ok=True)
+            checksum_path(part).unlink(missing_ok=True)
+            dropped.append(part)
+    return dropped
+
+
 def _write_part(path: Path, rows: list[dict]) -> None:
     from safetensors.torch import save_file
+
+    from specdistill.files import sha256
 
     tmp = path.with_name(f"{path.name}.{socket.gethostname()}-{os.getpid()}.tmp")  # one temp name per process
     save_file({"ids": torch.cat([r["ids"] for r in rows]),
@@ -123,6 +164,10 @@ def _write_part(path: Path, rows: list[dict]) -> None:
                "final": torch.cat([r["final"] for r in rows]).to(FEATURE_DTYPE).contiguous(),
                "lengths": torch.tensor([len(r["ids"]) for r in rows], dtype=torch.long),
                "prompt_lengths": torch.tensor([r["prompt_length"] for r in rows], dtype=torch.long)}, str(tmp))
+    record = checksum_path(path)
+    record_tmp = record.with_name(f"{record.name}.{socket.gethostname()}-{os.getpid()}.tmp")
+    record_tmp.write_text(sha256(tmp) + "\n")
+    os.replace(record_tmp, record)  # the record first: a part in place always has its own
     os.replace(tmp, path)
 
 

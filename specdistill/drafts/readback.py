@@ -5,7 +5,9 @@ Every kind: its adapter's check_target (the vocabulary it scores) must pass; a f
 it was trained for (an export's `specdistill_target`, or the checkpoint's config.yaml). EAGLE-3 heads also need the
 target's hidden size and enough layers for their aux ids, and their embeddings: kept when the folder holds them, else
 the target's input embeddings, shape-checked, and digest-checked where the export recorded `embed_tokens_sha256`.
-A kind with more to check adds a function to FITS. Knows nothing of the evaluator or training.
+A checkpoint's draft whose inputs.json records the digest of its target's input embeddings runs only with a target
+of the same embeddings (check_trained_target). A kind with more to check adds a function to FITS. Knows nothing of the
+evaluator or training.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+
+CHECKPOINT_INPUTS = "inputs.json"  # beside a checkpoint's draft/ folder: what it was trained on (train/inputs.py)
 
 
 def trained_for(path) -> Optional[str]:
@@ -26,6 +30,9 @@ def trained_for(path) -> Optional[str]:
         recorded = None
     if recorded:
         return str(recorded)
+    recorded = _checkpoint_inputs(path).get("target_path")
+    if recorded:
+        return str(recorded)
     run_cfg = path.parent / "config.yaml"
     if run_cfg.exists():
         from omegaconf import OmegaConf
@@ -35,6 +42,30 @@ def trained_for(path) -> Optional[str]:
         except Exception:  # an unreadable or foreign config.yaml: the folder just does not say
             return None
     return None
+
+
+def _checkpoint_inputs(path) -> dict:
+    """The inputs.json of the checkpoint holding the draft folder `path` ({} where there is none)."""
+    try:
+        return json.loads((Path(path).expanduser().parent / CHECKPOINT_INPUTS).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def check_trained_target(path, target_model, target_name: str = "the target") -> None:
+    """A checkpoint's draft must run with the target it was trained for: where the checkpoint recorded the digest of
+    that target's input embeddings (inputs.json), this target's must be the same (a target of the same shape but
+    other weights is refused by name)."""
+    from specdistill.export import embedding_digest
+
+    recorded = _checkpoint_inputs(path).get("target_embeddings")
+    if not recorded:
+        return
+    now = embedding_digest(target_model.get_input_embeddings().weight)
+    if now != recorded:
+        raise _unfit(path, target_name, f"the target's input embeddings differ from those of the target it was "
+                                        f"trained with (digest {now} != {recorded} recorded in "
+                                        f"{Path(path).expanduser().parent / CHECKPOINT_INPUTS})")
 
 
 def _unfit(path, target_name: str, problem: str) -> ValueError:
@@ -146,6 +177,7 @@ def read_back(draft, path, target_model, target_name: str = "the target", log=pr
         adapter.check_target(target_model, "a draft must share the target's tokenizer and output layer size")
     except ValueError as e:
         raise _unfit(path, target_name, str(e)) from None
+    check_trained_target(path, target_model, target_name)
     extra = FITS.get(adapter.kind)
     if extra is not None:
         extra(adapter.module, path, target_model, target_name, log)

@@ -21,9 +21,8 @@ from typing import Callable, Optional
 import torch
 
 from specdistill.config import RegenerateConfig
-from specdistill.data.regenerated import (RegeneratedStore, _write_part, num_parts, part_path, split_rows, store_inputs,
-                                          store_key)
-from specdistill.files import drop_damaged
+from specdistill.data.regenerated import (RegeneratedStore, _write_part, drop_damaged_parts, num_parts, part_path,
+                                          part_problem, split_rows, store_inputs, store_key)
 from specdistill.pipeline.engines import AnswerEngine, Sampling
 from specdistill.pipeline.telemetry import PartTiming, read_parts, record_part, stage_timing
 from specdistill.tensors import pad_rows
@@ -201,7 +200,7 @@ def regenerate_store(cfg: RegenerateConfig, target_model, tokenizer, target_path
     store_dir = Path(cfg.store_dir).expanduser()
     root = store_dir / store_key(inputs)
     root.mkdir(parents=True, exist_ok=True)
-    drop_damaged(sorted(root.glob("part-*.safetensors")), "regenerated store part", log)  # named, then made again
+    drop_damaged_parts(root, log)  # header, size or SHA-256: named, then made again
     parse_shard(cfg.shard)  # a malformed shard is refused before any work
     if cfg.engine_args and cfg.engine != "vllm":
         raise ValueError(f"data.regenerate.engine_args={dict(cfg.engine_args)} are vLLM's: set "
@@ -275,7 +274,8 @@ def _fill(cfg: RegenerateConfig, target_model, tokenizer, root: Path, inputs: di
     pad = pad_id(tokenizer)
     A = (len(layers) - 1) * target_model.config.hidden_size
     donor = answers_donor(Path(cfg.store_dir).expanduser(), inputs)
-    from_donor = [i for i in missing if donor is not None and part_path(donor, i).exists()]
+    from_donor = [i for i in missing if donor is not None and part_path(donor, i).exists()
+                  and part_problem(part_path(donor, i)) is None]  # a damaged donor part is decoded instead
     if from_donor:
         log(f"[regenerate] {len(from_donor)} of the {len(missing)} missing parts have their answers in {donor} "
             f"(layers {json.loads((donor / 'settings.json').read_text())['layers']}): recapturing their features by "

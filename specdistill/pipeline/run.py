@@ -2,26 +2,32 @@
 push after each epoch's checkpoint and at the end) -> final speculative eval -> serving export.
 
 Every stage resumes. Training resumes from its checkpoints; each stage after it (eval/final, export/<format>) is
-recorded in <output_dir>/stages.json once its files are complete, with the step of the checkpoint it was made from.
-`trainer.resume=auto` on a run whose training is done runs whichever of those stages is missing or unrecorded (a
-stage killed halfway is redone from scratch), so an interrupted run ends with the files of an uninterrupted one; with
-hub.push, a final push that failed is made again (hub/push).
-One process writes into trainer.output_dir at a time (files.folder_lock).
+recorded in <output_dir>/stages.json once its files are complete, with the step of the checkpoint it was made from
+and the size and SHA-256 of every file it wrote. `trainer.resume=auto` on a run whose training is done runs whichever
+of those stages is unrecorded or whose files are missing or changed (a stage killed halfway is redone from scratch),
+so an interrupted run ends with the files of an uninterrupted one; with hub.push, a final push that failed is made
+again (hub/push). A finished run resumed with other eval settings makes that evaluation into eval/final-<digest of
+the settings>, beside eval/final.
+One process writes into trainer.output_dir at a time (files.folder_lock), and a folder belongs to the run that first
+wrote into it: a fresh run into a folder holding another run's files is refused, checkpoint or not
+(check_folder_claim). A resume whose inputs (data, target, tokenizer) changed content since its checkpoint is refused
+by name (train/inputs.py).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from specdistill.build import build
 from specdistill.drafts import kind_for_init
 from specdistill.files import check_writable, folder_lock, named_writes, write_text_atomic
-from specdistill.train.spec_eval import final_spec_eval, spec_eval_hook
+from specdistill.train.spec_eval import final_spec_eval, run_spec_eval, spec_eval_hook
 from specdistill.hub.push import HubPusher, PushFailed, check_hub_access, check_hub_config
 from specdistill.pipeline.regenerate import build_regenerated_data
 from specdistill.threads import configure_threads
@@ -30,6 +36,12 @@ from specdistill.train.loop import FitResult, fit
 
 STAGES_FILE = "stages.json"
 HUB_STAGE = "hub/push"  # recorded when the final checkpoint's push succeeded (no folder of its own)
+FINAL_EVAL = "eval/final"
+# A run's own files in trainer.output_dir (the first, config.yaml, is written as training starts): a folder holding any
+# of them belongs to that run
+CLAIM_FILES = ("config.yaml", "metrics.jsonl", "data_report.json", "summary.json", STAGES_FILE)
+# eval.* keys that change neither what the final evaluation measures nor where it is written in the run folder
+EVAL_KEYS_IGNORED = ("output_dir", "overwrite", "draft_path", "device", "threads", "spec_eval", "spec_eval_at")
 
 
 def run(cfg: DictConfig) -> FitResult:
@@ -42,17 +54,21 @@ def run(cfg: DictConfig) -> FitResult:
     with lock:
         if acc.is_main_process:
             check_writable_folders(cfg)  # before minutes of conversion, tokenizing or regeneration
+        check_folder_claim(cfg, out_dir, log=acc.print)  # every process: reads only
         if cfg.hub.push:
             check_hub_access(cfg.hub, log=acc.print)  # before training: a push that cannot happen fails now
         c = build_components(cfg, accelerator=acc)
+        check_run_inputs(cfg, c)  # a resume over changed data, target or tokenizer is refused here
         pusher = HubPusher(cfg, c.output_dir, is_main=acc.is_main_process, log=acc.print)
         with named_writes(c.output_dir, "trainer.output_dir", lambda: kept_checkpoint(c.output_dir)):
             result = fit(c, epoch_end_hooks=(spec_eval_hook,), checkpoint_hooks=(pusher,) if cfg.hub.push else ())
         if result.nothing_to_do:  # training is done: only stages that are missing or incomplete run
-            todo = pending_stages(cfg, c.output_dir, result.step)
-            if not todo:
+            why = why_pending(cfg, c.output_dir, result.step)
+            if not why:
                 return result
-            acc.print(f"[train] training is done; finishing the stages that did not complete: {', '.join(todo)}")
+            acc.print("[train] training is done; making the stages that are not complete: "
+                      + "; ".join(f"{n} ({reason})" for n, reason in why.items()))
+            todo = list(why)
             from specdistill.train.checkpoint import load_checkpoint
 
             load_checkpoint(acc, result.final_checkpoint, c.phases)  # the draft as the run ended
@@ -108,11 +124,64 @@ def check_writable_folders(cfg: DictConfig) -> None:
         check_writable(CACHE_ROOT, "the environment variable SPECDISTILL_CACHE")
 
 
+# ---------------------------------------------------------------------------------------- the run's folder and inputs
+def check_folder_claim(cfg: DictConfig, out_dir, log: Callable[[str], None] = print) -> None:
+    """A folder belongs to the run that first wrote into it. A fresh run (trainer.resume=null) into a folder holding
+    another run's files (CLAIM_FILES) is refused, naming them and the fixes, checkpoint or not; with checkpoints the
+    training loop refuses it too. trainer.resume=auto in a folder whose run stopped before its first checkpoint starts
+    that run over (said so), unless its config.yaml is another run's (a key that breaks exactness differs)."""
+    from specdistill.train.checkpoint import config_drift, list_checkpoints
+
+    out, t = Path(out_dir), cfg.trainer
+    claimed = [str(out / n) for n in CLAIM_FILES if (out / n).exists()]
+    if not claimed or (t.resume and list_checkpoints(out)):
+        return  # a new folder, or a resume with something to resume from
+    if not t.resume:
+        held = ("and its checkpoints" if list_checkpoints(out)
+                else "and no checkpoint (it stopped before its first save)")
+        raise FileExistsError(
+            f"trainer.output_dir={out} belongs to another run: it holds {', '.join(claimed)} {held}; a fresh run would "
+            "replace them. Fix: write into another trainer.output_dir, or continue that run with trainer.resume=auto")
+    if t.resume != "auto":
+        return  # trainer.resume=PATH: the folder continues that checkpoint's run
+    old = out / "config.yaml"
+    if old.exists():
+        breaking = config_drift(old.read_text(), OmegaConf.to_yaml(cfg, resolve=True)).breaking
+        if breaking and not t.resume_allow_drift:
+            raise FileExistsError(
+                f"trainer.resume=auto: trainer.output_dir={out} holds another run's files ({', '.join(claimed)}; its "
+                f"config.yaml differs in {', '.join(breaking)}) and no checkpoint to resume from. Fix: write into "
+                "another trainer.output_dir, or run again with that run's settings")
+    log(f"[train] trainer.resume=auto: {out} has no checkpoint yet (its run stopped before its first save): the run "
+        f"starts over at step 0 and replaces {', '.join(claimed)}")
+
+
+def check_run_inputs(cfg: DictConfig, c) -> dict:
+    """The run's inputs by content (train/inputs.py; hashed here, once per cache folder, before the first checkpoint
+    records them). A resume from a checkpoint whose recorded inputs differ is refused by name, unless
+    trainer.resume_accept_changed_inputs. Every process calls this (a sharded target's embeddings are gathered)."""
+    from specdistill.ranks import caches_filled_once
+    from specdistill.train.checkpoint import resolve_resume
+    from specdistill.train.inputs import check_resume_inputs, run_inputs, target_embedding_digest
+
+    acc, t = c.accelerator, cfg.trainer
+    embeddings = target_embedding_digest(c.models.target)
+    with caches_filled_once(acc):
+        now = run_inputs(cfg, c.models.tokenizer, embeddings)
+    try:
+        checkpoint = resolve_resume(t.resume, c.output_dir)
+    except FileNotFoundError:
+        return now  # the training loop names a trainer.resume that is not a checkpoint
+    if checkpoint is not None:
+        check_resume_inputs(checkpoint, now, t.resume_accept_changed_inputs, log=acc.print)
+    return now
+
+
 # ---------------------------------------------------------------------------------------- stages after training
 def stage_names(cfg: DictConfig) -> list[str]:
     """The stages that follow training, in order: eval/final (eval.spec_eval_at=end), export/<format> per
     trainer.export_formats, and hub/push (hub.push: the final checkpoint's push, done by fit's checkpoint hook)."""
-    names = ["eval/final"] if cfg.eval.spec_eval and cfg.eval.spec_eval_at == "end" else []
+    names = [FINAL_EVAL] if cfg.eval.spec_eval and cfg.eval.spec_eval_at == "end" else []
     names += [f"export/{fmt}" for fmt in served_formats(cfg)]
     return names + ([HUB_STAGE] if cfg.hub.push else [])
 
@@ -125,16 +194,101 @@ def read_stages(output_dir) -> dict:
         return {}  # absent, or unreadable: every stage runs again
 
 
-def pending_stages(cfg: DictConfig, output_dir, step: int) -> list[str]:
-    """The stages not recorded complete for the checkpoint at `step` (or whose folder is gone). A run folder written
+def eval_settings(eval_cfg) -> dict:
+    """The eval.* settings the final evaluation's results depend on (EVAL_KEYS_IGNORED left out), resolved."""
+    node = OmegaConf.to_container(eval_cfg, resolve=True) if OmegaConf.is_config(eval_cfg) else dict(eval_cfg)
+    return {k: v for k, v in node.items() if k not in EVAL_KEYS_IGNORED}
+
+
+def recorded_eval_settings(output_dir, step: int) -> Optional[dict]:
+    """The settings eval/final was made with: its record in stages.json, else (a record without them) the eval
+    section of the config.yaml of the checkpoint it was made from; None when neither says."""
+    rec = read_stages(output_dir).get(FINAL_EVAL, {})
+    if "settings" in rec:
+        return rec["settings"]
+    from specdistill.train.checkpoint import list_checkpoints
+
+    ckpts = [Path(rec["checkpoint"])] if rec.get("checkpoint") else list_checkpoints(output_dir)[-1:]
+    f = ckpts[0] / "config.yaml" if ckpts else None
+    if f is None or not f.exists():
+        return None
+    return eval_settings(OmegaConf.load(f).eval)
+
+
+def other_eval_stage(cfg: DictConfig, output_dir, step: int) -> Optional[str]:
+    """eval/final-<digest> when eval/final is complete for the checkpoint at `step` with other eval settings than the
+    run's now (a finished run resumed with other settings): the evaluation those settings ask for; else None."""
+    if FINAL_EVAL not in stage_names(cfg) or stage_problem(output_dir, FINAL_EVAL, step) is not None:
+        return None
+    recorded, now = recorded_eval_settings(output_dir, step), eval_settings(cfg.eval)
+    if recorded is None or recorded == now:
+        return None
+    digest = hashlib.sha256(json.dumps(now, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"{FINAL_EVAL}-{digest}"
+
+
+def settings_diff(recorded: dict, now: dict) -> str:
+    """eval.k: a -> b, for each setting that differs."""
+    keys = sorted(k for k in set(recorded) | set(now) if recorded.get(k) != now.get(k))
+    return ", ".join(f"eval.{k}: {recorded.get(k)!r} -> {now.get(k)!r}" for k in keys)
+
+
+def stage_files(folder: Path) -> dict:
+    """{relative path: {size, sha256}} of every file a stage wrote into `folder`."""
+    from specdistill.cache import file_digest
+
+    return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": file_digest(p)}
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def stage_problem(output_dir, name: str, step: int) -> Optional[str]:
+    """Why stage `name` is not complete for the checkpoint at `step` (None: it is): unrecorded, recorded for another
+    checkpoint, or a file it wrote missing or changed since (its record's sizes and SHA-256). A run folder written
     before stages were recorded (no stages.json) keeps the stage folders that are complete by construction: exports
     (renamed into place whole) and an eval/final holding every report file."""
     out = Path(output_dir)
     if not (out / STAGES_FILE).exists():
-        return [n for n in stage_names(cfg) if not _complete_without_record(out, n)]
-    done = read_stages(out)
-    return [n for n in stage_names(cfg)
-            if done.get(n, {}).get("step") != step or (n != HUB_STAGE and not (out / n).exists())]
+        return None if _complete_without_record(out, name) else "not complete"
+    rec = read_stages(out).get(name)
+    if rec is None:
+        return "not made yet"
+    if rec.get("step") != step:
+        return f"made from step {rec.get('step')}, not {step}"
+    if name == HUB_STAGE:
+        return None
+    files = rec.get("files")
+    if files is None:  # recorded without its files: the folder must hold what the stage writes
+        return None if _complete_without_record(out, name) else f"{out / name} is incomplete"
+    if not files:
+        return f"{out / name} recorded no files"
+    from specdistill.cache import file_digest
+
+    for rel, meta in files.items():
+        p = out / name / rel
+        if not p.is_file():
+            return f"{p} is missing"
+        if p.stat().st_size != meta["size"] or file_digest(p) != meta["sha256"]:
+            return f"{p} changed since it was written"
+    return None
+
+
+def why_pending(cfg: DictConfig, output_dir, step: int) -> dict[str, str]:
+    """{stage: why it is not complete} for the checkpoint at `step`, in order; with other eval settings than those
+    of a complete eval/final, the evaluation they ask for (other_eval_stage) too."""
+    why = {n: p for n in stage_names(cfg) if (p := stage_problem(output_dir, n, step)) is not None}
+    other = other_eval_stage(cfg, output_dir, step)
+    if other is not None:
+        problem = stage_problem(output_dir, other, step)
+        if problem is not None:
+            diff = settings_diff(recorded_eval_settings(output_dir, step) or {}, eval_settings(cfg.eval))
+            why[other] = (f"{FINAL_EVAL} was made with other eval settings ({diff}); this evaluation goes into "
+                          f"{Path(output_dir) / other}")
+    return why
+
+
+def pending_stages(cfg: DictConfig, output_dir, step: int) -> list[str]:
+    """The stages not complete for the checkpoint at `step` (why_pending), in order."""
+    return list(why_pending(cfg, output_dir, step))
 
 
 def _complete_without_record(output_dir: Path, name: str) -> bool:
@@ -143,8 +297,10 @@ def _complete_without_record(output_dir: Path, name: str) -> bool:
     folder = output_dir / name
     if name.startswith("export/"):
         return (folder / "config.json").exists()
-    if name == "eval/final":  # the report writes its plots last
+    if name == FINAL_EVAL:  # the report writes its plots last
         return all((folder / f).exists() for f in ("results.json", "results.md", "outputs.jsonl", *PLOTS))
+    if name.startswith(FINAL_EVAL):  # eval/final-<digest>: no plots
+        return all((folder / f).exists() for f in ("results.json", "results.md", "outputs.jsonl"))
     log = output_dir / "hub" / "push_log.jsonl"  # HUB_STAGE: the push log says whether the final push went through
     lines = log.read_text().splitlines() if log.exists() else []
     return any(r.get("final") and r.get("ok") for r in map(_json_or_empty, lines))
@@ -157,10 +313,17 @@ def _json_or_empty(line: str) -> dict:
         return {}
 
 
-def record_stage(output_dir, name: str, step: int, checkpoint) -> None:
-    """Mark stage `name` complete (its files are all written) for the checkpoint at `step`."""
+def record_stage(output_dir, name: str, step: int, checkpoint, settings: Optional[dict] = None) -> None:
+    """Mark stage `name` complete (its files are all written) for the checkpoint at `step`, with the size and SHA-256
+    of each of its files (a stage with a folder) and the settings it was made with (evaluations)."""
     stages = read_stages(output_dir)
-    stages[name] = {"step": step, "checkpoint": str(checkpoint)}
+    rec: dict = {"step": step, "checkpoint": str(checkpoint)}
+    folder = Path(output_dir) / name
+    if name != HUB_STAGE and folder.is_dir():
+        rec["files"] = stage_files(folder)
+    if settings is not None:
+        rec["settings"] = settings
+    stages[name] = rec
     write_text_atomic(Path(output_dir) / STAGES_FILE, json.dumps(stages, indent=1))
 
 
@@ -175,14 +338,19 @@ def final_stages(cfg: DictConfig, c, checkpoint: Path, step: int) -> None:
         if acc.is_main_process and folder.exists():
             shutil.rmtree(folder)  # an interrupted stage's partial files
         acc.wait_for_everyone()
-        if name == "eval/final":
+        settings = None
+        if name.startswith(FINAL_EVAL):
+            settings = eval_settings(cfg.eval)
             with named_writes(folder.parent, "trainer.output_dir", f"the checkpoint {checkpoint} is complete; "
                               "trainer.resume=auto runs the evaluation again"):
-                final_spec_eval(c, epoch=-1, step=step)  # eval.spec_eval_at=end: the full benchmark, once
+                if name == FINAL_EVAL:
+                    final_spec_eval(c, epoch=-1, step=step)  # eval.spec_eval_at=end: the full benchmark, once
+                else:  # other eval settings than eval/final's: their own folder
+                    run_spec_eval(c, epoch=-1, step=step, name=Path(name).name)
         elif acc.is_main_process:
             export_final(cfg, checkpoint, c.output_dir, formats=[name.split("/", 1)[1]], log=acc.print)
         if acc.is_main_process:
-            record_stage(c.output_dir, name, step, checkpoint)
+            record_stage(c.output_dir, name, step, checkpoint, settings)
         acc.wait_for_everyone()
 
 

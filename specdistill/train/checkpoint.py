@@ -9,6 +9,9 @@ Layout of <output_dir>/checkpoints/step-0000100/:
   metrics.json        the latest metrics (training and held-out acceptance)
   config.yaml         the fully resolved config of the run; a resume compares its own with it (check_resume_config):
                       it lists the keys that differ and refuses those that break exactness (shapes, data order)
+  inputs.json         what it was trained on, by content (train/inputs.py): the data's bytes, the target's files and
+                      input embeddings, the tokenizer and its chat template; a resume over changed inputs is refused,
+                      and evaluation refuses the draft with a target of other embeddings (drafts/readback.py)
   manifest.json       size and SHA-256 of every file above (resume verifies them; a corrupt step-N is renamed
                       step-N.corrupt and the previous one is used)
 A folder whose name starts with "." is incomplete (a crash mid-save: .step-N.tmp) or being deleted (.step-N.del) and is
@@ -38,7 +41,8 @@ EXACTNESS_KEYS = ("target.path", "target.aux_layer_ids", "draft.", "data.", "obj
 # prepared data is cached and how many workers prepare it, the malformed-rows threshold.
 HARMLESS_KEYS = ("draft.path", "data.cache_dir", "data.num_proc", "data.max_malformed_fraction",
                  "data.regenerate.store_dir")
-SILENT_KEYS = ("trainer.resume", "trainer.resume_allow_drift")  # differ by design between a run and its resume
+# differ by design between a run and its resume
+SILENT_KEYS = ("trainer.resume", "trainer.resume_allow_drift", "trainer.resume_accept_changed_inputs")
 
 
 def checkpoint_dir(output_dir: str | Path) -> Path:
@@ -148,8 +152,10 @@ def _override(key: str, value: Any) -> str:
 
 
 def save_checkpoint(accelerator, draft, tokenizer, output_dir, step: int, trainer_state: dict, metrics: dict,
-                    config_yaml: str, keep: int = 2, objective=None) -> Path:
+                    config_yaml: str, keep: int = 2, objective=None, target=None) -> Path:
     """Every rank must call this (accelerate gathers state); only the main process writes shared files.
+    `target`: the run's target, whose input embeddings' digest inputs.json records (with what else the run's config
+    names: train/inputs.py).
     `objective`: its state_dict() saved per rank when not empty (not accelerate's register_for_checkpointing, which
     keeps rank 0's copy only; on-policy state such as a replay buffer differs per rank).
     A write that fails for space or permission raises files.WriteFailed naming the folder, trainer.output_dir and
@@ -161,7 +167,7 @@ def save_checkpoint(accelerator, draft, tokenizer, output_dir, step: int, traine
     try:
         with named_writes(root, "trainer.output_dir", kept):
             return _save(accelerator, draft, tokenizer, output_dir, step, trainer_state, metrics, config_yaml, keep,
-                         objective)
+                         objective, target)
     except WriteFailed:
         if accelerator.is_main_process:
             shutil.rmtree(root / f".step-{step:07d}.tmp", ignore_errors=True)  # give the space back
@@ -169,7 +175,9 @@ def save_checkpoint(accelerator, draft, tokenizer, output_dir, step: int, traine
 
 
 def _save(accelerator, draft, tokenizer, output_dir, step: int, trainer_state: dict, metrics: dict,
-          config_yaml: str, keep: int, objective) -> Path:
+          config_yaml: str, keep: int, objective, target=None) -> Path:
+    from specdistill.train.inputs import inputs_from_yaml, target_embedding_digest, write_inputs
+
     root = checkpoint_dir(output_dir)
     final = root / f"step-{step:07d}"
     tmp = root / f".step-{step:07d}.tmp"
@@ -187,6 +195,8 @@ def _save(accelerator, draft, tokenizer, output_dir, step: int, trainer_state: d
         torch.save(objective_state, tmp / "state" / f"objective_{accelerator.process_index}.pt")
     accelerator.wait_for_everyone()  # every rank's files are in place before the main process renames
     state_dict = accelerator.get_state_dict(draft)  # full state dict (gathered under FSDP/ZeRO-3)
+    # every process: a sharded target's embeddings are gathered collectively
+    embeddings = target_embedding_digest(target) if target is not None else None
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(draft)
         unwrapped.save_pretrained(tmp / "draft", state_dict=state_dict, safe_serialization=True)
@@ -194,6 +204,7 @@ def _save(accelerator, draft, tokenizer, output_dir, step: int, trainer_state: d
             tokenizer.save_pretrained(tmp / "draft")
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1))
         (tmp / "config.yaml").write_text(config_yaml)
+        write_inputs(tmp, inputs_from_yaml(config_yaml, tokenizer, embeddings))
         # trainer_state.json is written last: its presence marks the content complete, the rename makes it visible.
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
         write_manifest(tmp)  # sizes + SHA-256 of every file: resume verifies them (train/integrity.py)
