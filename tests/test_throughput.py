@@ -54,6 +54,29 @@ def test_padding_does_not_change_the_useful_flops_of_a_batch():
     assert counts[40].useful_flops == pytest.approx(alone)
 
 
+def test_padding_moves_a_real_eagle3_step_by_a_few_percent(tiny_target_dir, tiny_data_file, tmp_path):
+    """On the real objective the count is first-order: attention grows with a row's length and the head runs at
+    loss positions only, so doubling the slots with padding moves the useful FLOPs a little while the executed ones
+    nearly double."""
+    from specdistill.build import build
+    from tests.conftest import compose, tiny_overrides
+
+    c = build(compose("eagle3", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "run", tmp_path / "cache")))
+    phase = c.phases.at(0)
+    batch = phase.batches.micro_batches(0)[0]
+    T = batch["input_ids"].shape[1]
+    padded = {k: torch.cat([v, torch.zeros_like(v)], 1) if torch.is_tensor(v) and v.shape[:2] == (v.shape[0], T)
+              else v for k, v in batch.items()}  # every (B, T, ...) tensor twice as long, the new half padding
+
+    def eagle3_step(b: dict):
+        return step_flops(count_flops(lambda: phase.objective(b, c.models).loss.sum().backward()).flops, [b])
+
+    plain, twice = eagle3_step(batch), eagle3_step(padded)
+    assert twice.tokens == plain.tokens and twice.slots == 2 * plain.slots
+    assert twice.flops > 1.8 * plain.flops
+    assert twice.useful_flops == pytest.approx(plain.useful_flops, rel=0.1)
+
+
 def test_step_flops_adds_up_micro_batches():
     a, b = collate(rows([4, 2]), 0), collate(rows([3]), 0)
     f = step_flops(1000, [a, b])

@@ -91,7 +91,7 @@ class MatmulRate:
 
 
 def measure_matmul_peak(make_product: Callable[[int], Callable[[], Any]], clock: DeviceClock, *, start: int = 256,
-                        max_size: int = 16384, min_op_s: float = 1e-4, max_op_s: float = 0.05, reps: int = 3,
+                        max_size: int = 16384, min_op_s: float = 1e-4, max_op_s: float = 0.02, reps: int = 3,
                         trials: int = 3, min_gain: float = 1.05) -> MatmulRate:
     """The best dense (n x n) @ (n x n) rate: n doubles from `start` until one product lasts >= min_op_s on the
     device AND the rate gained less than min_gain over the previous size (a rate still growing that fast with n is
