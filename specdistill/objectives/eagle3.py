@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-
 from specdistill.constraints import bounded, check_fields
+from specdistill.losses.soft_ce import linear_soft_cross_entropy
 from specdistill.models.vocab import restrict_to_draft_vocab
 from specdistill.objectives.base import Models, Objective, StepOutput
 from specdistill.tensors import shift_left, unwrap
@@ -25,6 +24,9 @@ class Eagle3Objective(Objective):
     name: str = "eagle3"
     steps: int = bounded(7, ">= 1")  # unrolled TTT steps (k)
     decay: float = bounded(0.8, "(0, 1]")  # step j weighted decay^j (EAGLE, SpecForge); 1.0 weighs steps equally
+    # recompute each unrolled step's layer in backward instead of keeping its activations: less memory, one more
+    # layer forward per step
+    checkpoint_steps: bool = False
 
     def __post_init__(self):
         check_fields(self, "objective")  # the ranges on the fields above
@@ -38,23 +40,28 @@ class Eagle3Objective(Objective):
         tgt = models.target.draft_vocab_outputs(batch, lm, t2d)  # logits (N, Vd), in_vocab (N,), aux (B, T, 3Ht)
         if tgt.aux_hidden is None:
             raise ValueError("the eagle3 objective needs the target's aux hidden states: build it with draft=eagle3")
-        p_all = tgt.logits.float().softmax(-1)  # (N, Vd): p restricted to the draft vocabulary, renormalised
-        row = torch.full(lm.shape, -1, dtype=torch.long, device=lm.device)  # (B, T): row of p_all per loss position
-        row[lm] = torch.arange(p_all.shape[0], device=lm.device)
+        p_logits = tgt.logits.detach()  # (N, Vd): softmax = p restricted to the draft vocabulary, renormalised
+        with torch.no_grad():
+            p_argmax = p_logits.float().softmax(-1).argmax(-1)  # (N,)
+        row = torch.full(lm.shape, -1, dtype=torch.long, device=lm.device)  # (B, T): row of p_logits per loss position
+        row[lm] = torch.arange(p_logits.shape[0], device=lm.device)
         # slot t at step j predicts token t+2+j: the target's distribution for it sits at position t+1+j, and the
         # loss counts iff that position is a loss position (loss_mask[t+1+j]). Only those slots are read out.
         masks = [shift_left(lm, 1 + j, fill=False) for j in range(self.steps)]  # k x (B, T)
-        step_logits = head(tgt.aux_hidden, ids, am, steps=self.steps, readout_at=masks)  # k x (N_j, Vd)
+        sels = [shift_left(row, 1 + j, fill=-1)[mask] for j, mask in enumerate(masks)]  # k x (N_j,)
+
+        def soft_ce(j, h, weight):  # h (N_j, H) normed features, weight (Vd, H): soft CE, out-of-vocab targets masked
+            out = linear_soft_cross_entropy(h, weight, p_logits, rows=sels[j], mask=tgt.in_vocab[sels[j]])
+            return out.loss, out.q_argmax  # (N_j,), (N_j,)
+
+        step_ce = head(tgt.aux_hidden, ids, am, steps=self.steps, readout_at=masks, score=soft_ce,
+                       checkpoint=self.checkpoint_steps)  # k x ((N_j,), (N_j,))
         losses, weights, metrics = [], [], {}
-        for j, (mask, q_logits) in enumerate(zip(masks, step_logits)):
-            sel = shift_left(row, 1 + j, fill=-1)[mask]  # (N_j,)
-            p, in_vocab = p_all[sel], tgt.in_vocab[sel]  # (N_j, Vd), (N_j,)
-            q_log = F.log_softmax(q_logits.float(), -1)  # (N_j, Vd)
-            ce = -(p * q_log).sum(-1) * in_vocab  # soft CE; out-of-vocab targets masked
+        for j, (mask, sel, (ce, q_argmax)) in enumerate(zip(masks, sels, step_ce)):
             losses.append(ce)
             weights.append(torch.full_like(ce, self.decay ** j))
             with torch.no_grad():
-                correct = (q_log.argmax(-1) == p.argmax(-1)) & in_vocab
+                correct = (q_argmax == p_argmax[sel]) & tgt.in_vocab[sel]
                 metrics[f"acc_step{j}_sum"] = correct.sum().float()
                 metrics[f"acc_step{j}_count"] = mask.sum().float()  # no host sync: reduced at log time
         metrics["loss_sum"] = sum((l * w).sum() for l, w in zip(losses, weights)).detach()

@@ -20,10 +20,11 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from specdistill.models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin
@@ -328,7 +329,7 @@ class Eagle3Head(DraftVocabMaps, nn.Module):
 
     def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 steps: int = 1, readout_at: Optional[list[torch.Tensor]] = None,
-                chains: Optional[ChainQuery] = None):
+                chains: Optional[ChainQuery] = None, score: Optional[Callable] = None, checkpoint: bool = False):
         """TTT unroll. aux_hidden (B, T, 3Ht), input_ids/attention_mask (B, T), right-padded.
         Returns per-step logits [(B, T, Vd)] * steps; step j at slot t reads token t+1+j and predicts token t+2+j.
         readout_at: per step a (B, T) bool mask of the slots that are scored; then step j returns only their logits
@@ -336,6 +337,10 @@ class Eagle3Head(DraftVocabMaps, nn.Module):
         chains: the sparse unroll instead (unroll_chains over chains.steps steps), returning the (P, Vd) logits of
         the states chains.read names. Every training computation runs inside forward, so DDP / FSDP / DeepSpeed
         wrappers see every parameter used and sync its gradients.
+        score: score(j, features (N_j, H) after the final norm, lm_head weight (Vd, H)) in place of step j's readout,
+        whose result step j returns: a fused loss computes the logits chunk by chunk and never keeps them.
+        checkpoint: each step's layer keeps only its inputs and recomputes its activations in backward (one more
+        layer forward per step for most of the unroll's activation memory).
 
         Attention at step j: slot t sees step-0 keys at slots <= t plus the keys of steps 1..j at slot t only
         (one diagonal per step), which is what the head sees at inference after drafting j tokens past t.
@@ -350,16 +355,26 @@ class Eagle3Head(DraftVocabMaps, nn.Module):
         mask = TTTMask(rows.causal, steps - 1)
         g = self.features(aux_hidden)  # (B, T, H)
         keys, values, logits = [], [], []
-
-        def attend(q, k, v):  # q (B, nh, T, hd): step-0 block (causal) + one diagonal per earlier step
-            keys.append(k), values.append(v)
-            return _ttt_attend(q, keys[0], values[0], mask, keys[1:], values[1:], scale)
-
         for j in range(steps):
             tokens = torch.roll(input_ids, -(1 + j), dims=1)  # token t+1+j at slot t (wrapped slots are masked out)
-            g, _, _ = self._layer(tokens, g, rows.positions + j, attend)
-            logits.append(self.readout(g if readout_at is None else g[readout_at[j]]))
+            args = (mask, scale, tokens, g, rows.positions + j, list(keys), list(values))
+            g, k, v = (torch.utils.checkpoint.checkpoint(self._ttt_step, *args, use_reentrant=False) if checkpoint
+                       else self._ttt_step(*args))
+            keys.append(k), values.append(v)
+            h = g if readout_at is None else g[readout_at[j]]
+            logits.append(self.readout(h) if score is None else score(j, self.norm(h), self.lm_head.weight))
         return logits
+
+    def _ttt_step(self, mask: TTTMask, scale: float, token_ids, g, position_ids, keys: list, values: list):
+        """Step j = len(keys) of the unroll over every slot: queries attend to the step-0 block (causal) and one
+        diagonal per earlier step; keys / values: the earlier steps' j x (B, nh, T, hd). A function of its inputs
+        alone, so a checkpoint can recompute it. -> out (B, T, H), k, v (B, nh, T, hd)"""
+
+        def attend(q, k, v):  # q (B, nh, T, hd)
+            ks, vs = keys + [k], values + [v]
+            return _ttt_attend(q, ks[0], vs[0], mask, ks[1:], vs[1:], scale)
+
+        return self._layer(token_ids, g, position_ids, attend)
 
     def unroll_chains(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       slot: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
