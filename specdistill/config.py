@@ -192,7 +192,8 @@ class TrainerConfig:
     resume_accept_changed_inputs: bool = False
     wandb: bool = False
     wandb_project: str = "specdistill"
-    wandb_mode: str = "offline"  # offline | online | disabled
+    # online: a machine that cannot reach W&B logs offline instead, with a warning (cli/train.py)
+    wandb_mode: str = one_of("offline", ("offline", "online", "disabled"))
     # simulated-acceptance eval on held-out data every N steps (0 = only at the end)
     eval_every: int = bounded(50, ">= 0")
     # Log FLOPs per real token (counted on the first step), achieved TFLOP/s and their fraction of the device's dense

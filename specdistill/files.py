@@ -10,6 +10,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import struct
@@ -332,9 +333,14 @@ def _free(folder: Path) -> str:
 def disk_fault(exc: BaseException, folder: Path, setting: str,
                kept: "str | Callable[[], str]") -> Optional[WriteFailed]:
     """A WriteFailed saying what went wrong when `exc` is a space or permission fault (an OSError with such an errno,
-    or torch's zip writer's "unexpected pos" / "PytorchStreamWriter failed" on a full disk), else None."""
+    safetensors' SafetensorError naming one as "(os error N)", or torch's zip writer's "unexpected pos" /
+    "PytorchStreamWriter failed" on a full disk), else None."""
     code = getattr(exc, "errno", None)
+    rust = re.search(r"\(os error (\d+)\)", str(exc)) if not isinstance(exc, OSError) else None
     if isinstance(exc, OSError) and code in _DISK_ERRNOS:
+        why = _DISK_ERRNOS[code]
+    elif rust and int(rust.group(1)) in _DISK_ERRNOS:  # safetensors' SafetensorError wraps Rust's io::Error
+        code = int(rust.group(1))
         why = _DISK_ERRNOS[code]
     elif isinstance(exc, RuntimeError) and any(s in str(exc) for s in ("unexpected pos", "PytorchStreamWriter")):
         why, code = "torch could not write the file (a full disk, most often)", errno.EIO
@@ -353,7 +359,7 @@ def named_writes(folder, setting: str, kept: "str | Callable[[], str]") -> Itera
     failure)."""
     try:
         yield
-    except (OSError, RuntimeError) as e:
+    except Exception as e:  # OSError, torch's RuntimeError, safetensors' SafetensorError; any other is re-raised
         named = None if isinstance(e, WriteFailed) else disk_fault(e, Path(folder), setting, kept)
         if named is None:
             raise

@@ -338,6 +338,29 @@ def folder_errors(cfg: DictConfig) -> list[str]:
     return errors
 
 
+def override_errors(args: Iterable[str]) -> list[str]:
+    """Command-line overrides Hydra's lexer would refuse with only a caret under the character: a value with
+    characters outside its unquoted grammar (non-ASCII letters, most often in a folder name) must be quoted."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    errors = []
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue  # Hydra's own flags (--multirun, -cn ...)
+        try:
+            parser.parse_overrides([arg])
+        except OverrideParseException:
+            key, _, value = arg.partition("=")
+            odd = sorted({ch for ch in value if not ch.isascii()})
+            if odd and not value.startswith(("'", '"', "[", "{")):
+                errors.append(f"{arg}: Hydra reads an unquoted value only in plain ASCII; {''.join(odd)!r} needs the "
+                              f"value quoted: pass '{key}=\"{value}\"' (the shell's single quotes around Hydra's "
+                              "double quotes)")
+    return errors
+
+
 def warnings(cfg: DictConfig) -> list[str]:
     out = []
     present, drafter = _get(cfg, "eval.drafter")
