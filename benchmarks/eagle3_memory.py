@@ -11,6 +11,7 @@ Run with PYTHONPATH naming another checkout and --variants objective to measure 
 What it reports, per variant, each measured in its own process:
   saved_mib  bytes of the distinct tensors autograd keeps for backward after the forward (saved-tensor hooks; the
              parameters excluded; a checkpointed region counts the inputs it keeps to recompute from);
+  seconds    the wall time of forward + backward (on CPU, with mmap-served blocks: a rough guide only);
   peak_mib   CPU: the process's peak resident memory during forward + backward above the resident memory before it
              (glibc serves blocks of 64 KiB or more with mmap, so freed tensors leave at once; Linux only);
              CUDA: torch.cuda.max_memory_allocated during the step above the allocated memory before it.
@@ -33,6 +34,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Iterable
 
 import torch
@@ -160,6 +162,7 @@ def child(args) -> None:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current RSS
         before = _rss_kib("VmRSS") * 1024
+    start = time.perf_counter()
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"), counter:
         loss = step_loss(args.variant, head, target, batch, args.steps)
     loss.backward()
@@ -168,8 +171,12 @@ def child(args) -> None:
         peak = torch.cuda.max_memory_allocated() - before
     else:
         peak = _rss_kib("VmHWM") * 1024 - before
-    print(json.dumps({"variant": args.variant, "saved_mib": counter.bytes / 2**20, "peak_mib": peak / 2**20,
-                      "loss": float(loss)}))
+    seconds = time.perf_counter() - start
+    row = {"variant": args.variant, "saved_mib": counter.bytes / 2**20, "peak_mib": peak / 2**20, "seconds": seconds,
+           "loss": float(loss)}
+    if device.type == "cuda":  # the whole process's peak: the head's weights and gradients, the inputs, the step
+        row["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    print(json.dumps(row))
 
 
 def measure(variant: str, argv: list[str]) -> dict:
@@ -208,7 +215,8 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"  {r['variant']:14s} saved {r['saved_mib']:9.1f} MiB ({r['saved_mib'] / base['saved_mib']:.3f} of "
               f"{base['variant']})   peak {r['peak_mib']:9.1f} MiB ({r['peak_mib'] / base['peak_mib']:.3f})   "
-              f"loss {r['loss']:.6f}")
+              f"time {r['seconds']:6.2f} s   loss {r['loss']:.6f}"
+              + (f"   max allocated {r['cuda_max_allocated_mib']:9.1f} MiB" if "cuda_max_allocated_mib" in r else ""))
 
 
 if __name__ == "__main__":
