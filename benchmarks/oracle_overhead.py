@@ -8,7 +8,7 @@ the same shape (the forwards cost the same; the replay does not care what the to
 oracle_overhead.json and oracle_overhead.md (with the command) and the evaluator's results.json / results.md under
 --out/eval.
 
-  OMP_NUM_THREADS=2 .venv/bin/python benchmarks/oracle_overhead.py --prompts 6 --max-new-tokens 96
+  OMP_NUM_THREADS=2 .venv/bin/python benchmarks/oracle_overhead.py --prompts 6 --max-new-tokens 100
 """
 from __future__ import annotations
 
@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--target", default="auto", help="auto (the cached default target, else a random one of its "
                    "shape) | an HF folder | embedded:smollm2-135m-instruct (converted if not cached)")
     p.add_argument("--prompts", type=int, default=6)
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    # a multiple of gamma+1: no round is cut by the budget, so tau = gamma+1 exactly
+    p.add_argument("--max-new-tokens", type=int, default=100)
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="outputs/oracle_overhead")
