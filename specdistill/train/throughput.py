@@ -130,7 +130,8 @@ class PublishedPeak:
 
 
 HALF = (torch.bfloat16, torch.float16)
-# NVIDIA datasheets, dense bf16/fp16. SXM parts; PCIe and NVL parts differ and fall back to the measured figure.
+# NVIDIA datasheets, dense bf16/fp16 (A100: SXM and PCIe alike). H100/H200 PCIe and NVL parts are slower and not
+# listed: they get the measured figure.
 PUBLISHED_DENSE_PEAKS = (
     PublishedPeak("H200", ("NVL", "PCIe"), HALF, 989.4e12),
     PublishedPeak("H100", ("NVL", "PCIe"), HALF, 989.4e12),
