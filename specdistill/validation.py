@@ -233,13 +233,23 @@ def unknown_key_errors(cfg: DictConfig) -> list[str]:
         for k in node.keys():
             key = f"{prefix}{k}"
             if k not in names:
-                errors.append(f"{key} is not a setting (the schema is closed: `+{key}=...` adds a key that nothing "
-                              f"reads): {nearest_key(key, known)}")
+                child = node._get_node(k)
+                for leaf in (_leaves(child, key + ".") if isinstance(child, DictConfig) and len(child) else [key]):
+                    errors.append(f"{leaf} is not a setting (the schema is closed: `+{leaf}=...` adds a key that "
+                                  f"nothing reads): {nearest_key(leaf, known)}")
             elif known.get(key) is not None and isinstance(node._get_node(k), DictConfig):
                 walk(node._get_node(k), known[key], key + ".")
 
     walk(cfg, Config, "")
     return errors
+
+
+def _leaves(node: DictConfig, prefix: str) -> list[str]:
+    out = []
+    for k in node.keys():
+        child = node._get_node(k)
+        out += _leaves(child, f"{prefix}{k}.") if isinstance(child, DictConfig) and len(child) else [f"{prefix}{k}"]
+    return out
 
 
 def nearest_key(key: str, known: Iterable[str]) -> str:

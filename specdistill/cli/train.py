@@ -47,13 +47,14 @@ def wandb_offline_without_network(cfg: DictConfig, log: Callable[[str], None] = 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _train(cfg: DictConfig) -> None:
-    import torch.distributed as dist
-
-    from specdistill.pipeline.run import run
     from specdistill.validation import validate_config
 
     validate_config(cfg, log=None)  # before the wandb probe; build validates again and prints the warnings
     wandb_offline_without_network(cfg)
+    import torch.distributed as dist
+
+    from specdistill.pipeline.run import run
+
     run(cfg)
     if dist.is_available() and dist.is_initialized():  # the group's threads end before the interpreter's teardown
         dist.destroy_process_group()

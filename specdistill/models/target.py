@@ -49,14 +49,14 @@ def not_a_causal_lm(config: dict) -> Optional[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     archs = [str(a) for a in config.get("architectures") or []]
+    if any("dflash" in a.lower() for a in archs) or "dflash_config" in config:
+        return f"a DFlash block drafter (architectures {archs}): it drafts for a target and cannot be one"
     if any("eagle" in a.lower() for a in archs) or "eagle_config" in config or config.get(
             "speculators_model_type") or "draft_vocab_size" in config:
         vocab, draft_vocab = config.get("vocab_size"), config.get("draft_vocab_size")
         reduced = (f" with a reduced vocabulary ({draft_vocab} of {vocab} tokens)"
                    if draft_vocab and vocab and draft_vocab != vocab else "")
         return f"an EAGLE-3 head{reduced} (architectures {archs}): it drafts for a target and cannot be one"
-    if any("dflash" in a.lower() for a in archs) or "dflash_config" in config:
-        return f"a DFlash block drafter (architectures {archs}): it drafts for a target and cannot be one"
     known = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     if archs and not any(a in known or a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
                          for a in archs):
