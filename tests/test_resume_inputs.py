@@ -180,6 +180,20 @@ def test_a_deleted_stage_output_is_made_again_and_other_eval_settings_evaluate_i
     assert pipeline.run(run["cfg"]("trainer.resume=auto")).nothing_to_do  # eval/final's own settings: nothing
 
 
+def test_other_eval_settings_on_a_run_evaluated_at_each_epoch_ask_for_their_own_evaluation(run, tmp_path):
+    """eval.spec_eval_at=every_epoch (no eval/final stage): the settings compared are the checkpoint's config's."""
+    every = ["eval.spec_eval_at=every_epoch"]
+    ckpt = tmp_path / "run" / "checkpoints" / "step-0000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text('{"step": 2}')
+    (ckpt / "config.yaml").write_text(pipeline.OmegaConf.to_yaml(run["cfg"](*every), resolve=True))
+    out = ckpt.parent.parent
+    assert pipeline.why_pending(run["cfg"](*every), out, 2) == {}
+    assert pipeline.why_pending(run["cfg"](*every, "eval.spec_eval=false", "eval.gamma=3"), out, 2) == {}
+    (name, why), = pipeline.why_pending(run["cfg"](*every, "eval.gamma=3"), out, 2).items()
+    assert name.startswith("eval/final-") and "eval.gamma: 2 -> 3" in why and str(out / name) in why
+
+
 def _damage_in_place(path, offset_from_end=64):
     """Overwrite bytes near the end of `path` (tensor data) with large float bits, keeping its size and mtime."""
     before = path.stat()

@@ -41,7 +41,7 @@ FINAL_EVAL = "eval/final"
 # of them belongs to that run
 CLAIM_FILES = ("config.yaml", "metrics.jsonl", "data_report.json", "summary.json", STAGES_FILE)
 # eval.* keys that change neither what the final evaluation measures nor where it is written in the run folder
-EVAL_KEYS_IGNORED = ("output_dir", "overwrite", "draft_path", "device", "threads", "spec_eval", "spec_eval_at")
+EVAL_KEYS_IGNORED = ("output_dir", "overwrite", "draft_path", "device", "threads", "spec_eval_at")
 
 
 def run(cfg: DictConfig) -> FitResult:
@@ -201,13 +201,16 @@ def eval_settings(eval_cfg) -> dict:
 
 
 def recorded_eval_settings(output_dir, step: int) -> Optional[dict]:
-    """The settings eval/final was made with: its record in stages.json, else (a record without them) the eval
-    section of the config.yaml of the checkpoint it was made from; None when neither says."""
-    rec = read_stages(output_dir).get(FINAL_EVAL, {})
-    if "settings" in rec:
-        return rec["settings"]
+    """The eval settings the checkpoint at `step` was evaluated with: eval/final's record in stages.json when it was
+    made from that checkpoint, else the eval section of the checkpoint's config.yaml (the run's own, which its epoch
+    evaluations used); None when neither says."""
     from specdistill.train.checkpoint import list_checkpoints
 
+    rec = read_stages(output_dir).get(FINAL_EVAL, {})
+    if rec.get("step") != step:
+        rec = {}
+    if "settings" in rec:
+        return rec["settings"]
     ckpts = [Path(rec["checkpoint"])] if rec.get("checkpoint") else list_checkpoints(output_dir)[-1:]
     f = ckpts[0] / "config.yaml" if ckpts else None
     if f is None or not f.exists():
@@ -216,9 +219,13 @@ def recorded_eval_settings(output_dir, step: int) -> Optional[dict]:
 
 
 def other_eval_stage(cfg: DictConfig, output_dir, step: int) -> Optional[str]:
-    """eval/final-<digest> when eval/final is complete for the checkpoint at `step` with other eval settings than the
-    run's now (a finished run resumed with other settings): the evaluation those settings ask for; else None."""
-    if FINAL_EVAL not in stage_names(cfg) or stage_problem(output_dir, FINAL_EVAL, step) is not None:
+    """eval/final-<digest> when the run's evaluation settings now (eval.spec_eval) differ from those its evaluations
+    of the checkpoint at `step` were made with (eval/final's, or with eval.spec_eval_at=every_epoch the checkpoint's
+    config): the evaluation a finished run resumed with other settings asks for; else None (also while eval/final
+    itself is still to be made, with the settings of now)."""
+    if not cfg.eval.spec_eval:
+        return None
+    if FINAL_EVAL in stage_names(cfg) and stage_problem(output_dir, FINAL_EVAL, step) is not None:
         return None
     recorded, now = recorded_eval_settings(output_dir, step), eval_settings(cfg.eval)
     if recorded is None or recorded == now:

@@ -84,7 +84,10 @@ def target_embedding_digest(target) -> Optional[str]:
     from specdistill.export import embedding_digest
 
     model = getattr(target, "model", target)  # models.target.Target wraps the HF model
-    weight = model.get_input_embeddings().weight
+    try:
+        weight = model.get_input_embeddings().weight
+    except (AttributeError, NotImplementedError):  # no target, or one without input embeddings
+        return None
     if hasattr(weight, "full_tensor"):  # a DTensor (FSDP2): every process gathers it
         weight = weight.full_tensor()
     vocab = getattr(model.config.get_text_config(), "vocab_size", None)
