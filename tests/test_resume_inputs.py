@@ -62,6 +62,24 @@ def test_a_checkpoint_records_its_inputs_by_content(run):
     assert "inputs.json" in manifest  # verified with the rest of the checkpoint
 
 
+def test_only_inputs_changed_in_place_are_input_changes():
+    """An input the config names differently (another data.path, target.path or data.chat_template) is the config
+    comparison's to report (and refuse unless trainer.resume_allow_drift); the same name with other content is this
+    check's."""
+    from specdistill.train.inputs import input_changes
+
+    rec = {"data_path": "a.jsonl", "data_bytes": "sha256:1", "target_path": "t", "target_files": "sha256:2",
+           "target_embeddings": "e1", "tokenizer": "k1", "chat_template": "c1", "chat_template_setting": None}
+    assert input_changes(rec, dict(rec)) == []
+    assert [c.key for c in input_changes(rec, {**rec, "data_bytes": "sha256:9"})] == ["data_bytes"]
+    assert input_changes(rec, {**rec, "data_path": "b.jsonl", "data_bytes": "sha256:9"}) == []
+    assert input_changes(rec, {**rec, "target_path": "u", "target_files": "sha256:9", "target_embeddings": "e2"}) == []
+    templated = {**rec, "chat_template_setting": "x.jinja", "tokenizer": "k2", "chat_template": "c2"}
+    assert input_changes(rec, templated) == []
+    assert [c.key for c in input_changes(rec, {**rec, "tokenizer": "k2", "chat_template": "c2"})] == [
+        "tokenizer", "chat_template"]
+
+
 def test_a_resume_over_data_edited_in_place_is_refused_by_name(run, monkeypatch):
     data = run["data"]
     original = _same_size_edit(data)

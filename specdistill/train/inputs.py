@@ -19,6 +19,10 @@ from specdistill.drafts.readback import CHECKPOINT_INPUTS
 
 # inputs.json keys a resume compares (the others name the inputs, or are implied by these)
 CONTENT_KEYS = ("data_bytes", "offline_features", "target_files", "target_embeddings", "tokenizer", "chat_template")
+# the key naming where each content key's input is: when that differs, the config names another input, which the
+# config comparison on resume reports (train/checkpoint.py: check_resume_config) and this module leaves to it
+NAMED_BY = {"data_bytes": "data_path", "offline_features": "offline_dir", "target_files": "target_path",
+            "target_embeddings": "target_path", "tokenizer": "target_path", "chat_template": "chat_template_setting"}
 ACCEPT = "trainer.resume_accept_changed_inputs"
 
 _embedding_memo: dict[tuple, str] = {}
@@ -59,6 +63,7 @@ def run_inputs(cfg, tokenizer=None, embeddings: Optional[str] = None) -> dict:
 
         out["offline_dir"] = str(offline)
         out["offline_features"] = path_digest(offline)
+    out["chat_template_setting"] = cfg.data.get("chat_template")
     if tokenizer is not None:
         from specdistill.cache import tokenizer_digest
 
@@ -114,9 +119,13 @@ def read_inputs(checkpoint: Path) -> Optional[dict]:
 
 
 def input_changes(recorded: dict, now: dict) -> list[InputChange]:
-    """The content keys recorded in both whose values differ, each naming its setting and input."""
+    """The content keys recorded in both whose values differ while the settings naming them are the same (an input
+    changed in place), each naming its setting and input."""
     out = []
     for k in CONTENT_KEYS:
+        if recorded.get(NAMED_BY[k]) != now.get(NAMED_BY[k]) or (k == "tokenizer" and recorded.get(
+                "chat_template_setting") != now.get("chat_template_setting")):
+            continue  # another input by name: the config comparison says so
         if k in recorded and k in now and recorded[k] != now[k]:
             setting, where = _named(k, now)
             out.append(InputChange(k, setting, where, recorded[k], now[k]))
