@@ -1,5 +1,6 @@
 """Speculative decoding shared by evaluation and on-policy training: propose (drafters), verify, generate -> Rollout."""
 
+from .compiled import BATCH_BUCKETS, CompileStats, RecompileError, batch_bucket, compile_stats
 from .drafters import Drafter, LMDrafter, NGramDrafter, Proposal
 from .generate import (DynamicGamma, FixedGamma, GammaPolicy, RoundRecord, Rollout, speculative_generate,
                        target_generate)
@@ -12,7 +13,7 @@ from .tree_verify import TreeVerdict, verify_tree_greedy, verify_tree_sampling
 from .verify import Verdict, verify_greedy, verify_sampling
 
 __all__ = [
-    "CacheMode",
+    "CacheMode", "BATCH_BUCKETS", "CompileStats", "RecompileError", "batch_bucket", "compile_stats",
     "Drafter", "LMDrafter", "NGramDrafter", "Proposal",
     "DynamicGamma", "FixedGamma", "GammaPolicy", "RoundRecord", "Rollout", "speculative_generate", "target_generate",
     "DEFAULT_DRAFT_POLICY", "DRAFT_POLICIES", "Sampler", "check_draft_policy", "draft_temperature",

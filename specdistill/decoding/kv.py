@@ -21,21 +21,24 @@ such columns from their front (their masks start at that column), the full layer
 (linear attention, chunked, KV sharing) are refused by name. The columns live in transformers' DynamicLayers, or
 StaticLayers (max_length=...); both roll back through their own crop().
 
-CacheMode says which of the two a decoding call uses, and whether its decode forwards run through torch.compile
-(CUDA graphs on CUDA): a static cache keeps every tensor the forward touches at a fixed shape and address.
+CacheMode says which of the two a decoding call uses, and whether its decode forwards run as compiled graphs
+(compiled.py: one per batch bucket and step width, compiled once; CUDA graphs on CUDA). Static caches are
+compiled.ColumnLayers: an eager forward attends to the used columns only (the growing cache's width and masks, so
+a static cache is never slower), a compiled one to every column at fixed shapes and addresses, its masks ready 4D.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, StaticLayer
+from transformers.cache_utils import DynamicCache, StaticLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, and_masks, causal_mask_function
+
+from .compiled import compiled_decoding, static_cache
 
 # Layer types whose attention BatchKV can mask per row (config layer_types, as transformers' cache_utils names them).
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -141,15 +144,23 @@ def rollback(layer, tokens_to_remove: int) -> None:
 class CacheMode:
     """How one decoding call holds its KV caches (the target's and an LM draft's).
 
-    static: StaticLayers preallocated to the call's longest possible length (prompt + max_new_tokens + one round),
-    keys and values written in place at fixed addresses. compile: the decode forwards (not the prefill) run through
-    torch.compile, with CUDA graphs on CUDA ("reduce-overhead"); it implies static. Its caches are sized up to a power
-    of two and reused from call to call (static_caches), so the compiled graphs meet the same shapes and addresses
-    again instead of compiling or recording anew for every prompt length. Both give the eager path's tokens: the
-    extra columns of a static cache are masked."""
+    static: caches preallocated to the call's longest possible length (prompt + max_new_tokens + one round), keys and
+    values written in place; eager forwards attend to the used columns only, as growing caches do. compile: the decode
+    forwards (not the prefill) run as compiled graphs (compiled.py: one per batch bucket and step width, each compiled
+    once, CUDA graphs on CUDA); it implies static. Its caches belong to the model and are reused from call to call at
+    one length per run: max_length when given (the run's longest call: prompt + max_new_tokens + gamma + 1), else the
+    first call's need rounded up to 256, doubled when a later call needs more. backend: torch.compile's; "inductor"
+    serves, "eager" / "aot_eager" trace with dynamo alone (its guards and recompiles are the same: tests use them).
+    All of them decode the growing caches' tokens."""
 
     static: bool = False
     compile: bool = False
+    max_length: int | None = None
+    backend: str = "inductor"
+
+    def __post_init__(self) -> None:
+        if self.max_length is not None and self.max_length < 1:
+            raise ValueError(f"CacheMode max_length must be >= 1 (or None), got {self.max_length}")
 
     @property
     def is_static(self) -> bool:
@@ -159,43 +170,10 @@ class CacheMode:
         """model -> a BatchKV of this mode for a call whose rows hold at most max_length columns."""
         if not self.is_static:
             return BatchKV
-        if self.compile:
-            max_length = max(64, 1 << (max_length - 1).bit_length())
-        return functools.partial(BatchKV, max_length=max_length, compile=self.compile)
-
-
-# model -> (batch, max_length, dtype, device) -> static caches free for the next compiled BatchKV of that shape
-_FREE_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def static_caches(model: torch.nn.Module, owner: object, batch: int, max_length: int) -> Cache:
-    """A static Cache for `owner` (a BatchKV), reused from an earlier owner of the same shape that is gone (its
-    tensors keep their addresses, so compiled graphs replay on them), else new; it returns to the pool when `owner`
-    is garbage collected. Stale keys and values stay: the write position restarts at 0 and the masks hide the rest."""
-    param = next(model.parameters())
-    free = _FREE_CACHES.setdefault(model, {}).setdefault((batch, max_length, param.dtype, param.device), [])
-    if free:
-        cache = free.pop()
-        for layer in cache.layers:
-            if layer.is_initialized:
-                layer.cumulative_length.zero_()
-    else:
-        config = model.config.get_text_config(decoder=True)
-        cache = Cache(layers=[StaticLayer(max_cache_len=max_length) for _ in range(config.num_hidden_layers)])
-    weakref.finalize(owner, free.append, cache)
-    return cache
-
-
-def compiled_forward(model: torch.nn.Module) -> Callable:
-    """model's forward through torch.compile, made once per model (transformers keeps it on the model), with CUDA
-    graphs on CUDA. The first call compiles (seconds to a minute); a second input shape (a verify width, a batch
-    size) recompiles once with dynamic shapes, and CUDA graphs then record one graph per shape."""
-    mode = "reduce-overhead" if device_of(model).type == "cuda" else "default"
-    if hasattr(model, "get_compiled_call"):
-        from transformers import CompileConfig
-
-        return model.get_compiled_call(CompileConfig(mode=mode))
-    return torch.compile(model, mode=mode)
+        if not self.compile:
+            return functools.partial(BatchKV, max_length=max_length, compile=False)
+        return functools.partial(BatchKV, max_length=max_length, compile=True, run_length=self.max_length,
+                                 backend=self.backend)
 
 
 def window_by_position(positions: torch.Tensor, window: int) -> Callable:
@@ -227,13 +205,15 @@ def tail_visibility(visible: torch.Tensor, start: int) -> Callable:
 class BatchKV:
     """A causal LM plus its KV cache for B ragged rows; step() feeds tokens, commit() keeps some per row.
 
-    max_length None: transformers DynamicLayers that grow by concatenation. An int: StaticLayers preallocated to
-    max_length columns (fixed addresses, as torch.compile and CUDA graphs want); rollback then moves their write
-    position, and a step that would overflow compacts first, or raises if the rows' real tokens do not fit.
-    compile (static caches only): step() runs the model through compiled_forward(); prefill() stays eager.
+    max_length None: transformers DynamicLayers that grow by concatenation. An int: compiled.ColumnLayers
+    preallocated to max_length columns (fixed addresses, as torch.compile and CUDA graphs want); rollback then moves
+    their write position, and a step that would overflow compacts first, or raises if the rows' real tokens do not fit.
+    compile (static caches only): step() runs compiled graphs (compiled.CompiledDecoding, on the model's cache of the
+    batch's bucket, at least run_length columns); prefill() stays eager. backend: see CacheMode.
     """
 
-    def __init__(self, model: torch.nn.Module, max_length: int | None = None, compile: bool = False):
+    def __init__(self, model: torch.nn.Module, max_length: int | None = None, compile: bool = False, *,
+                 run_length: int | None = None, backend: str = "inductor"):
         self.model = model
         self.windows = attention_windows(model)
         self.config = model.config.get_text_config(decoder=True)
@@ -242,7 +222,7 @@ class BatchKV:
         if compile and max_length is None:
             raise ValueError("BatchKV(compile=True) needs a static cache: pass max_length (CacheMode.factory does)")
         self.max_length = max_length
-        self._forward = compiled_forward(model) if compile else model
+        self._need, self._run_length = max_length, run_length  # compile: this call's columns, the run's length
         self.sliding = any(w is not None for w in self.windows.values())
         # Where every layer slides, a column behind every row's window is dead: masking it lets compact() drop it.
         self.dead_behind = max(self.windows.values()) if all(w is not None for w in self.windows.values()) else None
@@ -255,10 +235,12 @@ class BatchKV:
         # Full-attention layers for every layer type (no config): sliding layers keep full columns, the window lives
         # in the mask. transformers' sliding layer classes would keep only the last window-1 columns, which is
         # window-1 positions only while no row has holes or padding.
-        self.cache = DynamicCache() if max_length is None else Cache(
-            layers=[StaticLayer(max_cache_len=max_length) for _ in range(self.config.num_hidden_layers)])
+        self.cache = DynamicCache() if max_length is None else static_cache(self.config.num_hidden_layers, max_length)
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
+        self.compiled = compiled_decoding(model, backend, self._cache_kwarg, "cache_position" in params) \
+            if compile else None
+        self.slot = None  # compile: the model's cache and graphs this BatchKV holds (from prefill on)
         self._keep_last_logits = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.max_positions = max_positions(model)
         self.mask: torch.Tensor | None = None       # (B, S) long, 1 = real token slot
@@ -277,8 +259,9 @@ class BatchKV:
         self.length = torch.zeros(B, dtype=torch.long, device=device)
         self._committed_length = self.length
         self.committed = 0
-        if self._forward is not self.model:  # compiled: a cache of this shape that earlier calls' graphs know
-            self.cache = static_caches(self.model, self, B, self.max_length)
+        if self.compiled is not None:  # the model's cache of this batch's bucket, which earlier calls' graphs know
+            self.slot = self.compiled.acquire(self, B, self._need, self._run_length, current=self.slot)
+            self.cache, self.max_length = self.slot.cache, self.slot.length
         if input_ids.shape[1] == 0:
             return None
         out = self.step(input_ids, attention_mask.bool(), eager=True, **self._keep_last_logits, **kwargs)
@@ -290,6 +273,7 @@ class BatchKV:
              tail_visible: torch.Tensor | None = None, eager: bool = False, **kwargs):
         """Append (B, C) tokens; valid (B, C) bool marks the real ones (others are masked padding slots).
         eager: run the model uncompiled even when the cache compiles (the prefill: a new shape per prompt batch).
+        Compiled steps take no kwargs but output_hidden_states.
 
         Token trees (decoding/tree.py): positions (B, C) are the new tokens' position ids (by depth) and tail_visible
         (B, C, T) which of the T uncommitted tail columns, these C included, each new token sees (its ancestors and
@@ -308,9 +292,18 @@ class BatchKV:
         positions = positions.clamp(0, None if self.max_positions is None else self.max_positions - 1)
         self.mask = torch.cat([self.mask, valid.long()], dim=1)            # (B, S + C)
         self.positions = torch.cat([self.positions, positions], dim=1)     # (B, S + C)
-        inputs = dict(input_ids=input_ids, attention_mask=self._attention_mask(input_ids.shape[1], tail_visible),
-                      position_ids=positions, use_cache=True, **{self._cache_kwarg: self.cache}, **kwargs)
-        out = self.model(**inputs) if eager or self._forward is self.model else self._compiled_call(inputs)
+        C = input_ids.shape[1]
+        if self.slot is not None and not eager and self.slot.ready:
+            hidden = bool(kwargs.pop("output_hidden_states", False))
+            if kwargs:
+                raise ValueError(f"compiled decode steps take a fixed kwarg set (output_hidden_states only), got "
+                                 f"{sorted(kwargs)}: pass eager=True for such a step")
+            tail = None if tail_visible is None else tail_visible.shape[-1]
+            out = self.slot.run(input_ids, positions, self._attention_mask(C, tail_visible, width=self.max_length),
+                                hidden, tail)
+        else:
+            out = self.model(input_ids=input_ids, attention_mask=self._attention_mask(C, tail_visible),
+                             position_ids=positions, use_cache=True, **{self._cache_kwarg: self.cache}, **kwargs)
         self.length = self.length + valid.sum(1)
         return out
 
@@ -319,17 +312,6 @@ class BatchKV:
         per round calls it first, since only a committed cache can compact. A growing cache always has room."""
         if self.max_length is not None:
             self._make_room(columns)
-
-    def _compiled_call(self, inputs: dict):
-        """The compiled forward, with outputs the caller owns: CUDA graphs overwrite their output buffers at the next
-        replay, so logits and hidden states are copied out (a round keeps them past the next forward)."""
-        if inputs["input_ids"].device.type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()
-        out = self._forward(**inputs)
-        out.logits = out.logits.clone()
-        if getattr(out, "hidden_states", None) is not None:
-            out.hidden_states = tuple(h.clone() for h in out.hidden_states)
-        return out
 
     def _make_room(self, C: int) -> None:
         """Static caches: compact when C more columns would overflow; raise if the real tokens alone do not fit."""
@@ -344,22 +326,21 @@ class BatchKV:
             raise ValueError(f"static KV cache of {self.max_length} columns cannot hold {self.mask.shape[1]} real "
                              f"tokens plus {C} new ones: build BatchKV with a larger max_length (or None)")
 
-    def _attention_mask(self, C: int, tail_visible: torch.Tensor | None = None):
-        """The 2D padding mask for full-attention models; else ready 4D masks (B, 1, C, S + C), one per layer type
-        where the config lists layer types (the model picks each layer's), in its attention implementation's format.
-        tail_visible (B, C, T): a token tree in the tail (see step()), always a 4D mask.
+    def _attention_mask(self, C: int, tail_visible: torch.Tensor | None = None, width: int | None = None):
+        """The 2D padding mask (B, S + C) for full-attention models; else ready 4D masks (B, 1, C, S + C), one per
+        layer type where the config lists layer types (the model picks each layer's), in its attention
+        implementation's format. tail_visible (B, C, T): a token tree in the tail (see step()), always a 4D mask.
+        width: 4D masks over that many columns whatever the model (compiled steps: every column of the cache; the
+        ones past S + C are masked). Eager forwards on either cache attend to the S + C used columns.
 
         Built as transformers' create_causal_mask builds them (its mask interface, causal AND padding AND window),
         but called directly: create_causal_mask vmaps any extra mask function, ~10x slower on CPU, while ours is
         index-based and takes the interface's broadcasting path."""
-        if not self.sliding and tail_visible is None:
-            if self.max_length is None:
-                return self.mask                                            # (B, S + C)
-            # static: one width for every step (the layers return all max_length columns; compiled graphs keep it)
-            return torch.nn.functional.pad(self.mask, (0, self.max_length - self.mask.shape[1]))  # (B, max_length)
+        if not self.sliding and tail_visible is None and width is None:
+            return self.mask                                                # (B, S + C)
         (B, S), device = self.mask.shape, self.mask.device
         build = ALL_MASK_ATTENTION_FUNCTIONS[self.config._attn_implementation]
-        kv_length = S if self.max_length is None else self.max_length      # static layers return every column
+        kv_length = S if width is None else width
         padding = torch.nn.functional.pad(self.mask.bool(), (0, kv_length - S))                  # (B, kv_length)
         positions = torch.nn.functional.pad(self.positions, (0, kv_length - S))                  # (B, kv_length)
         masks = {}
@@ -423,13 +404,15 @@ class BatchKV:
         columns = columns[:, :tail].clamp(0, tail - 1)  # a row keeps at most the tail; entries past count are unused
         W = columns.shape[1]
         at = S0 + columns.to(self.mask.device)                              # (B, W) absolute columns
+        B = at.shape[0]  # a compiled cache has its bucket's rows, the first B real
         for i, layer in enumerate(self.cache.layers):
             if not layer.is_initialized:
                 continue
             front = self.front if self._crops_front[i] else 0
             idx = (at - front)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            layer.keys[:, :, S0 - front: S0 - front + W] = layer.keys.gather(2, idx)      # (B, H, W, D)
-            layer.values[:, :, S0 - front: S0 - front + W] = layer.values.gather(2, idx)
+            keys, values = layer.keys[:B], layer.values[:B]
+            keys[:, :, S0 - front: S0 - front + W] = keys.gather(2, idx)    # (B, H, W, D)
+            values[:, :, S0 - front: S0 - front + W] = values.gather(2, idx)
         self.mask[:, S0: S0 + W] = self.mask.gather(1, at)
         self.positions[:, S0: S0 + W] = self.positions.gather(1, at)
         self.commit(torch.arange(tail, device=at.device) < count.to(at.device)[:, None])
@@ -457,7 +440,7 @@ class BatchKV:
         real = self.mask.bool()                                             # (B, S), no uncommitted tail here
         widest = int(real.sum(1).max()) if widest is None else widest
         order = torch.sort(real.int(), dim=1, stable=True).indices[:, real.shape[1] - widest:]  # (B, widest)
-        S = real.shape[1]
+        B, S = real.shape  # a compiled cache has its bucket's rows, the first B real
         for i, layer in enumerate(self.cache.layers):
             if not layer.is_initialized:
                 continue
@@ -466,14 +449,14 @@ class BatchKV:
             front = self.front if self._crops_front[i] else 0
             at = (order - front).clamp(min=0)[:, None, :, None]                # (B, 1, widest, 1)
             at = at.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            keys = layer.keys[:, :, : S - front].gather(2, at)             # (B, H, widest, D)
-            values = layer.values[:, :, : S - front].gather(2, at)
+            keys = layer.keys[:B, :, : S - front].gather(2, at)            # (B, H, widest, D)
+            values = layer.values[:B, :, : S - front].gather(2, at)
             if front:  # a growing layer: replace its tensors
                 layer.keys, layer.values = keys, values
                 continue
             rollback(layer, S - widest)
-            layer.keys[:, :, :widest].copy_(keys)                           # in place: static addresses stay
-            layer.values[:, :, :widest].copy_(values)
+            layer.keys[:B, :, :widest].copy_(keys)                          # in place: static addresses stay
+            layer.values[:B, :, :widest].copy_(values)
         self.front = 0
         self.mask = real.gather(1, order).long()
         self.positions = self.positions.gather(1, order)

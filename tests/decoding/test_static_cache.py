@@ -1,12 +1,13 @@
 """Static KV caches (CacheMode) decode the growing caches' tokens on every architecture of the tiny matrix, and the
-compile switch routes the decode forwards, never the prefill, through one compiled callable per model."""
+compile switch routes the decode forwards, never the prefill, through the model's compiled graphs (one per batch
+bucket and step width: tests/decoding/test_compiled_decoding.py checks that each compiles once)."""
 
 import gc
 
 import pytest
 import torch
 
-from specdistill.decoding import CacheMode, LMDrafter, speculative_generate, target_generate
+from specdistill.decoding import CacheMode, LMDrafter, compile_stats, speculative_generate, target_generate
 from specdistill.drafts.eagle3 import Eagle3Drafter
 from specdistill.decoding.kv import BatchKV
 from tests.decoding.test_architectures import CASES, MAX_NEW, NOISE, _perturbed, _prompts
@@ -61,59 +62,51 @@ def test_static_target_cache_is_lossless_with_an_eagle3_head():
     assert torch.equal(r.sequences, reference.sequences)
 
 
-class _FakeCompile:
-    """Stands in for torch.compile: returns the function itself, recording each compile and each call's width."""
-
-    def __init__(self):
-        self.compiled, self.widths = 0, []
-
-    def __call__(self, fn, **kwargs):
-        self.compiled += 1
-
-        def run(*args, **inputs):
-            self.widths.append(inputs["input_ids"].shape[1])
-            return fn(*args, **inputs)
-
-        return run
+COMPILED = CacheMode(compile=True, backend="eager")  # dynamo's tracer and guards without inductor's kernel builds
 
 
 @torch.no_grad()
-def test_compile_routes_decode_steps_through_one_compiled_forward_per_model(monkeypatch):
-    fake = _FakeCompile()
-    monkeypatch.setattr(torch, "compile", fake)
+def test_compile_routes_decode_steps_through_the_models_graphs_and_the_prefill_stays_eager():
+    torch._dynamo.reset()
     target = tiny_target("llama")
     draft = _perturbed(target, 0.1)
     ids, mask = _prompts()
     reference = target_generate(target, ids, mask, max_new_tokens=MAX_NEW)
-    compiled = CacheMode(compile=True)
-    for _ in range(2):  # the second call reuses both models' compiled forwards
-        r = speculative_generate(target, LMDrafter(draft), ids, mask, gamma=3, max_new_tokens=MAX_NEW, cache=compiled)
+    for _ in range(2):  # the second call replays both models' graphs
+        r = speculative_generate(target, LMDrafter(draft), ids, mask, gamma=3, max_new_tokens=MAX_NEW, cache=COMPILED)
         assert torch.equal(r.sequences, reference.sequences)
-    assert torch.equal(target_generate(target, ids, mask, max_new_tokens=MAX_NEW, cache=compiled).sequences,
+    first = {m: dict(compile_stats(m).compiles) for m in (target, draft)}
+    assert torch.equal(target_generate(target, ids, mask, max_new_tokens=MAX_NEW, cache=COMPILED).sequences,
                        reference.sequences)
-    assert fake.compiled == 2  # target and draft, once each
-    assert fake.widths and max(fake.widths) <= 4  # decode steps (1..gamma+1 tokens); prefills of 10 stay eager
+    assert compile_stats(draft).compiles == first[draft]  # nothing new for the draft; the target's 1-wide graph
+    for model in (target, draft):
+        stats = compile_stats(model)
+        assert set(stats.compiles.values()) == {1} and stats.total_calls > 2 * stats.total_compiles
+        widths = {int(name.split("_")[1].removeprefix("width")) for name in stats.compiles}
+        assert max(widths) <= 4  # decode steps (1..gamma+1 tokens); prefills of 10 stay eager
 
 
 def test_compile_implies_a_static_cache_and_a_growing_cache_cannot_compile():
-    assert CacheMode(compile=True).factory(40).keywords == {"max_length": 64, "compile": True}  # powers of two
-    assert CacheMode(compile=True).factory(129).keywords["max_length"] == 256
+    assert CacheMode(compile=True).factory(40).keywords == {"max_length": 40, "compile": True, "run_length": None,
+                                                            "backend": "inductor"}
+    assert CacheMode(compile=True, max_length=512).factory(129).keywords["run_length"] == 512
     assert CacheMode(static=True).factory(40).keywords == {"max_length": 40, "compile": False}
     assert CacheMode().factory(40) is BatchKV
     with pytest.raises(ValueError, match="compile=True.*needs a static cache"):
         BatchKV(tiny_target("llama"), compile=True)
+    with pytest.raises(ValueError, match="max_length must be >= 1"):
+        CacheMode(compile=True, max_length=0)
 
 
 @torch.no_grad()
-def test_compiled_caches_are_reused_by_later_calls_of_the_same_shape(monkeypatch):
-    """Compiled graphs replay on the same addresses: a cache returns to the pool when its BatchKV is gone, and a
+def test_compiled_caches_are_reused_by_later_calls_of_the_same_bucket():
+    """Compiled graphs replay on the same addresses: a cache returns to the model when its BatchKV is gone, and a
     BatchKV alive at the same time gets its own."""
-    monkeypatch.setattr(torch, "compile", _FakeCompile())
     model = tiny_target("llama")
     ids, mask = _prompts()
 
     def filled() -> BatchKV:
-        kv = CacheMode(compile=True).factory(30)(model)
+        kv = COMPILED.factory(30)(model)
         kv.prefill(ids, mask)
         return kv
 
@@ -124,22 +117,21 @@ def test_compiled_caches_are_reused_by_later_calls_of_the_same_shape(monkeypatch
     gc.collect()
     again = filled()
     assert any(again.cache is cache for cache in caches)
-    assert int(again.cache.layers[0].cumulative_length) == ids.shape[1]  # its write position restarted at 0
+    assert again.cache.layers[0].start == ids.shape[1]  # its write position restarted at 0
+    assert again.cache.layers[0].keys.shape[0] == 4  # 3 rows padded up to the batch bucket
 
 
 @torch.no_grad()
-def test_dynamo_traces_compiled_decoding_to_the_eager_tokens(monkeypatch):
+def test_dynamo_traces_compiled_decoding_to_the_eager_tokens():
     """torch.compile's tracer on the real decode steps (its eager backend: no inductor kernels, which a GPU check
-    covers): the cache object, padded masks and cloned outputs trace, and the tokens stay the growing caches'."""
-    compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compile(fn, backend="eager"))
+    covers): the cache object, 4D masks over the whole cache and copied-out outputs trace, and the tokens stay the
+    growing caches'."""
     torch._dynamo.reset()
     target = tiny_target("llama")
     ids, mask = _prompts()
     reference = target_generate(target, ids, mask, max_new_tokens=12)
-    compiled = CacheMode(compile=True)
-    assert torch.equal(target_generate(target, ids, mask, max_new_tokens=12, cache=compiled).sequences,
+    assert torch.equal(target_generate(target, ids, mask, max_new_tokens=12, cache=COMPILED).sequences,
                        reference.sequences)
     r = speculative_generate(target, LMDrafter(_perturbed(target, 0.1)), ids, mask, gamma=3, max_new_tokens=12,
-                             cache=compiled)
+                             cache=COMPILED)
     assert torch.equal(r.sequences, reference.sequences)

@@ -1,0 +1,443 @@
+"""Compiled decode steps that compile once: one graph per (model, batch bucket, query width), fixed shapes throughout.
+
+This module knows nothing of rows, holes or rollback (kv.BatchKV keeps those); it runs one decode forward of a model
+on a static KV cache from inputs that BatchKV has already built (token ids, position ids, ready 4D masks).
+
+What keeps torch._dynamo from recompiling (each of these, left varying, adds a guard failure and a cache entry):
+  - the batch is padded up to a bucket (BATCH_BUCKETS) with dummy rows that attend to stale columns and are never
+    read; the cache has the bucket's rows;
+  - each (bucket, query width, tree-tail width, hidden states or not) gets its own step function with its OWN code
+    object: dynamo keeps compiled entries, and counts recompiles against its limit, per code object, so one graph per
+    code object never meets the limit, and a new model gets new code objects (nothing carried over from the last);
+  - the step's inputs are persistent contiguous buffers written in place (input ids, position ids, masks, the write
+    column), and its kwarg set is fixed;
+  - the cache length is fixed per run (CacheMode.max_length, else the first call's need, doubled only when a later
+    call needs more), not sized per call.
+Every step after a graph's first runs under torch.compiler.set_stance("fail_on_recompile"): a guard that fails
+raises RecompileError naming the graph and dynamo's reason, instead of compiling again or running eagerly. The
+backend is wrapped to count its compiles (CompileStats), so a caller can check that each graph compiled exactly once.
+On CUDA the inductor backend records CUDA graphs ("reduce-overhead"); outputs are copied out of the graph's buffers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # beyond the last: multiples of it
+MAX_GRAPHS = 64  # per model: more means a shape that is not bounded (a bug in the caller), refused by name
+
+
+def batch_bucket(batch: int) -> int:
+    """The padded batch size of a compiled step: the smallest bucket >= batch (multiples of 128 beyond 128)."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    for bucket in BATCH_BUCKETS:
+        if batch <= bucket:
+            return bucket
+    return math.ceil(batch / BATCH_BUCKETS[-1]) * BATCH_BUCKETS[-1]
+
+
+def run_length(need: int, fixed: int | None = None) -> int:
+    """A run's static cache length: `fixed` (the caller's, when it knows the run's longest call), else the call's
+    need rounded up to a multiple of 256 (a later call that needs more doubles it: CompiledDecoding.acquire)."""
+    if fixed is not None:
+        if fixed < need:
+            raise ValueError(f"CacheMode(max_length={fixed}) is shorter than this call needs ({need} columns: the "
+                             "prompt, max_new_tokens and one round): raise max_length or leave it None")
+        return fixed
+    return 256 * math.ceil(need / 256)
+
+
+class RecompileError(RuntimeError):
+    """A compiled decode step met inputs its graph was not compiled for (dynamo would recompile)."""
+
+
+# ----------------------------------------------------------------------------------------------- the cache layer
+class ColumnLayer(CacheLayerMixin):
+    """One attention layer's keys and values, preallocated to `length` columns (B rows, lazily at the first update).
+
+    Eager forwards write the new columns at host column `start` and get back the used columns [0, start): the same
+    width a growing cache returns, so a static cache attends to no more columns than a growing one. Compiled
+    forwards (traced by dynamo) write at the device scalar `write_at` and get back every column (fixed shape), their
+    masks covering the unused ones. BatchKV keeps `start` right: rollback() / crop() move it back; write_at is set
+    before each compiled step. Built on transformers' CacheLayerMixin (the interface a Cache's layers implement);
+    get_mask_sizes takes a query length or a cache_position tensor, as transformers 5.x releases pass either."""
+
+    is_compileable = True
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, length: int, static_address: bool = False, rows: int | None = None):
+        super().__init__()
+        self.max_cache_len = length
+        self.rows = rows                       # the cache's rows (a batch bucket); None: the first update's
+        self.start = 0                         # host: columns in use (the next eager write goes here)
+        self.write_at: torch.Tensor | None = None  # () long on the device: the next compiled write (shared by layers)
+        self.static_address = static_address   # mark keys / values as fixed-address graph inputs (CUDA graphs)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        B, H, _, D = key_states.shape
+        B = self.rows or B
+        value_states = key_states if value_states is None else value_states
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.keys = key_states.new_zeros(B, H, self.max_cache_len, D)
+        self.values = value_states.new_zeros(B, value_states.shape[1], self.max_cache_len, value_states.shape[-1])
+        if self.static_address and not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(self.keys)
+            torch._dynamo.mark_static_address(self.values)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        C = key_states.shape[-2]
+        if torch.compiler.is_compiling():  # a compiled step: every row of the bucket, fixed shapes
+            at = self.write_at + torch.arange(C, device=key_states.device)   # (C,)
+            self.keys.index_copy_(2, at, key_states)
+            self.values.index_copy_(2, at, value_states)
+            return self.keys, self.values
+        if self.start + C > self.max_cache_len:
+            raise ValueError(f"static KV cache of {self.max_cache_len} columns overflows ({self.start} used, {C} fed)")
+        rows = key_states.shape[0]                                           # <= the cache's rows (a bucket)
+        keys, values = self.keys[:rows], self.values[:rows]
+        keys[:, :, self.start: self.start + C] = key_states
+        values[:, :, self.start: self.start + C] = value_states
+        self.start += C
+        return keys[:, :, : self.start], values[:, :, : self.start]
+
+    def get_mask_sizes(self, query, *args, **kwargs) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the next eager forward (the used columns after its write)."""
+        q = query if isinstance(query, int) else int(query.shape[0])
+        return self.start + q, 0
+
+    def get_seq_length(self, *args, **kwargs):
+        return self.write_at if torch.compiler.is_compiling() else self.start
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def get_max_cache_shape(self) -> int:
+        return self.max_cache_len
+
+    def crop(self, max_length: int) -> None:
+        """transformers' crop protocol: a negative value drops that many columns off the end, else keep max_length."""
+        self.start = self.start + max_length if max_length < 0 else min(self.start, max_length)
+
+
+def static_cache(num_layers: int, length: int, static_address: bool = False, rows: int | None = None) -> Cache:
+    return Cache(layers=[ColumnLayer(length, static_address, rows) for _ in range(num_layers)])
+
+
+# ----------------------------------------------------------------------------------------------- counters
+@dataclass(frozen=True)
+class GraphKey:
+    """What one compiled graph is specialized to."""
+
+    batch: int          # the batch bucket (rows of the cache and of every input)
+    width: int          # query tokens per row (1 for a plain step, gamma + 1 for a verification)
+    tail: int | None    # token trees: uncommitted tail columns the tree mask covers (None: a chain)
+    hidden: bool        # the step returns hidden states (output_hidden_states=True)
+    length: int         # cache columns
+    slot: int = 0       # which of the model's caches of this bucket (two live decodings of one model: 0 and 1)
+
+    def __str__(self) -> str:
+        tail = "" if self.tail is None else f"_tail{self.tail}"
+        slot = "" if self.slot == 0 else f"_slot{self.slot}"
+        return f"batch{self.batch}_width{self.width}{tail}{'_hidden' if self.hidden else ''}_len{self.length}{slot}"
+
+
+@dataclass
+class CompileStats:
+    """Compiles of one model's compiled decoding, per graph. compiles[g] == 1 for every graph g is the goal: each
+    (batch bucket, width) compiled once and replayed. A second compile of a graph raises RecompileError (so
+    recompiles stays 0 unless a caller catches it); cache_lengths lists each run length used (more than one: a
+    later call needed a longer cache, and its graphs compiled anew)."""
+
+    model: str = ""
+    backend: str = ""
+    compiles: dict[str, int] = field(default_factory=dict)  # graph (GraphKey string) -> backend compiles
+    calls: dict[str, int] = field(default_factory=dict)     # graph -> compiled steps run
+    cache_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def total_compiles(self) -> int:
+        return sum(self.compiles.values())
+
+    @property
+    def recompiles(self) -> int:
+        return sum(n - 1 for n in self.compiles.values() if n > 1)
+
+    @property
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+    def by_bucket(self) -> dict[int, int]:
+        """Batch bucket -> compiles of its graphs."""
+        out: dict[int, int] = {}
+        for name, n in self.compiles.items():
+            bucket = int(name.split("_")[0].removeprefix("batch"))
+            out[bucket] = out.get(bucket, 0) + n
+        return dict(sorted(out.items()))
+
+    def as_dict(self) -> dict:
+        """JSON-ready: totals, per bucket and per graph."""
+        return {"model": self.model, "backend": self.backend, "total_compiles": self.total_compiles,
+                "recompiles": self.recompiles, "graphs": len(self.compiles), "total_calls": self.total_calls,
+                "by_bucket": {str(k): v for k, v in self.by_bucket().items()}, "compiles": dict(self.compiles),
+                "calls": dict(self.calls), "cache_lengths": list(self.cache_lengths)}
+
+
+# ----------------------------------------------------------------------------------------------- graphs
+def _backend(name: str, device: torch.device, count: Callable[[], None]) -> Callable:
+    """A torch.compile backend that counts its compiles. "inductor": what torch.compile(mode=...) runs (inductor's
+    compile_fx with the mode's options, a torch internal that torch.compile itself calls), "reduce-overhead" (CUDA
+    graphs) on CUDA; other names: dynamo's registered backends ("eager", "aot_eager": tests of the guards)."""
+    if name == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+        inner = functools.partial(compile_fx, config_patches=torch._inductor.list_mode_options(mode))
+    else:
+        inner = torch._dynamo.lookup_backend(name)
+
+    def backend(gm, example_inputs):
+        count()
+        return inner(gm, example_inputs)
+
+    return backend
+
+
+def _with_own_code(fn: Callable, name: str) -> Callable:
+    """fn with a code object of its own: dynamo keeps its compiled entries (and its recompile count) per code object."""
+    code = fn.__code__
+    code = code.replace(**{k: name for k in ("co_name", "co_qualname") if hasattr(code, k)})
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def _step_function(cache: Cache, cache_kwarg: str, hidden: bool, write_at: torch.Tensor,
+                   takes_cache_position: bool) -> Callable:
+    """The decode step: one forward, a fixed kwarg set (cache_position only for models whose forward takes it). The
+    model is an argument, not a closure cell: the step holds no reference that would keep a dropped model alive."""
+
+    def decode_step(model, input_ids, position_ids, attention_mask):
+        extra = {}
+        if takes_cache_position:
+            extra["cache_position"] = write_at + torch.arange(input_ids.shape[1], device=input_ids.device)
+        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=True,
+                    output_hidden_states=hidden, **{cache_kwarg: cache}, **extra)
+        return out.logits, (tuple(out.hidden_states) if hidden else ())
+
+    return decode_step
+
+
+@dataclass
+class DecodeOutput:
+    """A compiled step's outputs for the real rows, owned by the caller (copied out of the graph's buffers)."""
+
+    logits: torch.Tensor                                 # (B, C, V)
+    hidden_states: tuple[torch.Tensor, ...] | None = None  # per layer (B, C, H) where asked for
+
+
+def _visible(mask: torch.Tensor) -> torch.Tensor:
+    """A mask of mask's shape and dtype that lets every query see every key (dummy rows): True, or 0 added."""
+    return torch.ones_like(mask) if mask.dtype == torch.bool else torch.zeros_like(mask)
+
+
+class _Graph:
+    """One compiled step and its persistent input buffers."""
+
+    def __init__(self, fn: Callable, input_ids: torch.Tensor, positions: torch.Tensor, masks):
+        self.fn, self.input_ids, self.positions, self.masks = fn, input_ids, positions, masks
+        self.calls = 0
+        for t in self._buffers():
+            torch._dynamo.mark_static_address(t)
+
+    def _buffers(self) -> list[torch.Tensor]:
+        masks = list(self.masks.values()) if isinstance(self.masks, dict) else [self.masks]
+        return [self.input_ids, self.positions, *masks]
+
+    def write(self, input_ids: torch.Tensor, positions: torch.Tensor, masks) -> None:
+        """Real rows' inputs into the first B rows of the buffers (dummy rows keep what they hold)."""
+        B = input_ids.shape[0]
+        self.input_ids[:B].copy_(input_ids)
+        self.positions[:B].copy_(positions)
+        if isinstance(masks, dict):
+            for name, m in masks.items():
+                self.masks[name][:B].copy_(m)
+        else:
+            self.masks[:B].copy_(masks)
+
+
+class _Slot:
+    """A static cache of one bucket and the graphs compiled on it (they replay on its tensors)."""
+
+    def __init__(self, decoding: "CompiledDecoding", bucket: int, length: int, index: int):
+        self.decoding, self.bucket, self.length, self.index = decoding, bucket, length, index
+        self.cache = static_cache(decoding.num_layers, length, static_address=True, rows=bucket)
+        self.write_at = torch.zeros((), dtype=torch.long, device=decoding.device)
+        torch._dynamo.mark_static_address(self.write_at)
+        for layer in self.cache.layers:
+            layer.write_at = self.write_at
+        self.graphs: dict[GraphKey, _Graph] = {}
+        self.busy = False
+        self.lease = 0  # counts acquires and releases: a finalizer frees only the lease it was made for
+
+    @property
+    def ready(self) -> bool:
+        """Every layer allocated (an eager forward did it): compiled steps never allocate."""
+        return all(layer.is_initialized for layer in self.cache.layers)
+
+    def start(self, rows: int) -> None:
+        """A new decoding of `rows` real rows: every layer empty (stale columns stay, masked)."""
+        for layer in self.cache.layers:
+            layer.start = 0
+        self.rows = rows
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, masks, hidden: bool,
+            tail: int | None) -> DecodeOutput:
+        """input_ids, positions (B, C); masks: 4D (B, 1, C, length) or a dict of them per layer type."""
+        B, C = input_ids.shape
+        column = self.cache.layers[0].start
+        if column + C > self.length:
+            raise ValueError(f"compiled KV cache of {self.length} columns overflows ({column} used, {C} fed)")
+        key = GraphKey(self.bucket, C, tail, hidden, self.length, self.index)
+        graph = self.graphs.get(key) or self._new_graph(key, input_ids, positions, masks)
+        graph.write(input_ids, positions, masks)
+        self.write_at.fill_(column)
+        if self.write_at.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were copied out
+        logits, states = self.decoding.call(key, graph)
+        for layer in self.cache.layers:
+            layer.start += C
+        return DecodeOutput(logits[:B].clone(), tuple(h[:B].clone() for h in states) if hidden else None)
+
+    def _new_graph(self, key: GraphKey, input_ids, positions, masks) -> _Graph:
+        d = self.decoding
+        if d.graph_count() >= MAX_GRAPHS:
+            raise RecompileError(f"compiled decoding of {d.name} would hold more than {MAX_GRAPHS} graphs "
+                                 f"(new: {key}): a step shape that keeps changing; decode it eagerly (CacheMode("
+                                 "static=True)) or fix the caller's widths")
+
+        def padded(t: torch.Tensor) -> torch.Tensor:  # dummy rows: token 0 at position 0
+            return t.new_zeros(self.bucket, *t.shape[1:])
+
+        def padded_mask(m: torch.Tensor) -> torch.Tensor:
+            return _visible(m.new_empty(self.bucket, *m.shape[1:])).contiguous()
+
+        bufs = (padded(input_ids), padded(positions),
+                {k: padded_mask(m) for k, m in masks.items()} if isinstance(masks, dict) else padded_mask(masks))
+        step = _step_function(self.cache, d.cache_kwarg, key.hidden, self.write_at,
+                              d.takes_cache_position)
+        fn = torch.compile(_with_own_code(step, f"decode_step_{key}"), backend=d.backend_for(key), fullgraph=True,
+                           dynamic=False)
+        graph = _Graph(fn, *bufs)
+        self.graphs[key] = graph
+        return graph
+
+
+class CompiledDecoding:
+    """One model's compiled decode steps: static caches per batch bucket (slots), graphs per slot and step shape."""
+
+    def __init__(self, model: torch.nn.Module, backend: str, cache_kwarg: str, takes_cache_position: bool):
+        self.model = weakref.ref(model)
+        self.name = type(model).__name__
+        self.backend = backend
+        self.device = next(model.parameters()).device
+        self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        self.cache_kwarg, self.takes_cache_position = cache_kwarg, takes_cache_position
+        self.length: int | None = None
+        self.slots: list[_Slot] = []
+        self.stats = CompileStats(model=self.name, backend=backend)
+
+    def graph_count(self) -> int:
+        return sum(len(slot.graphs) for slot in self.slots)
+
+    def backend_for(self, key: GraphKey) -> Callable:
+        def count() -> None:
+            self.stats.compiles[str(key)] = self.stats.compiles.get(str(key), 0) + 1
+
+        return _backend(self.backend, self.device, count)
+
+    def acquire(self, owner: object, rows: int, need: int, fixed: int | None, current: _Slot | None = None) -> _Slot:
+        """A free slot for `owner` (a BatchKV) of rows' bucket, holding at least `need` columns; it is free again
+        when owner is garbage collected or acquires another (current: the slot it holds). The run's length is set by
+        the first call (or `fixed`); a call that needs more doubles it (new caches and graphs: see cache_lengths)."""
+        if current is not None:
+            self._release(current)
+        if self.length is None or need > self.length:
+            self.length = max(run_length(need, fixed), 2 * self.length if self.length else 0)
+            self.slots = [slot for slot in self.slots if slot.busy]  # stale sizes go once free
+            self.stats.cache_lengths.append(self.length)
+        bucket = batch_bucket(rows)
+        mine = [s for s in self.slots if s.bucket == bucket and s.length == self.length]
+        slot = next((s for s in mine if not s.busy), None)
+        if slot is None:
+            slot = _Slot(self, bucket, self.length, index=len(mine))
+            self.slots.append(slot)
+        slot.busy = True
+        slot.start(rows)
+        slot.lease += 1
+        weakref.finalize(owner, self._release, slot, slot.lease)
+        return slot
+
+    def _release(self, slot: _Slot, lease: int | None = None) -> None:
+        """Free the slot (lease: only if no later acquire took it since)."""
+        if lease is not None and lease != slot.lease:
+            return
+        slot.busy = False
+        slot.lease += 1
+        if slot.length != self.length:
+            self.slots = [s for s in self.slots if s is not slot]
+
+    def call(self, key: GraphKey, graph: _Graph):
+        """Run a graph: its first call compiles (the backend must run exactly once), later ones must not."""
+        name = str(key)
+        self.stats.calls[name] = self.stats.calls.get(name, 0) + 1
+        if graph.calls == 0:
+            out = graph.fn(self.model(), graph.input_ids, graph.positions, graph.masks)
+            if self.stats.compiles.get(name, 0) != 1:
+                raise RecompileError(f"compiled decoding of {self.name}: graph {name} compiled "
+                                     f"{self.stats.compiles.get(name, 0)} times on its first call (expected 1): "
+                                     "torch.compile ran it eagerly or split it; see TORCH_LOGS=graph_breaks")
+        else:
+            try:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    out = graph.fn(self.model(), graph.input_ids, graph.positions, graph.masks)
+            except RuntimeError as err:
+                if "fail_on_recompile" not in str(err):
+                    raise
+                raise RecompileError(f"compiled decoding of {self.name} would recompile graph {name}: {err}") from err
+        graph.calls += 1
+        return out
+
+
+# model -> its CompiledDecoding, which goes with the model (a copy of the model gets its own)
+_DECODINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def compiled_decoding(model: torch.nn.Module, backend: str, cache_kwarg: str,
+                      takes_cache_position: bool) -> CompiledDecoding:
+    """The model's CompiledDecoding, made anew for another backend."""
+    decoding = _DECODINGS.get(model)
+    if decoding is None or decoding.backend != backend:
+        decoding = _DECODINGS[model] = CompiledDecoding(model, backend, cache_kwarg, takes_cache_position)
+    return decoding
+
+
+def decoding_of(model: torch.nn.Module) -> CompiledDecoding | None:
+    """The model's CompiledDecoding, None before its first compiled decoding."""
+    return _DECODINGS.get(model)
+
+
+def compile_stats(model: torch.nn.Module) -> CompileStats:
+    """The model's compile counters (empty when its decoding never compiled)."""
+    decoding = _DECODINGS.get(model)
+    return decoding.stats if decoding is not None else CompileStats(model=type(model).__name__)
