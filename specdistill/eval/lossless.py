@@ -20,8 +20,9 @@ This module knows nothing about which paths are compared or why; judge() is pure
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -168,6 +169,28 @@ def _num(x: Optional[float]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ measurements
+@contextmanager
+def tf32_off() -> Iterator[None]:
+    """fp32 matmuls and convolutions in full fp32 inside (CUDA would otherwise round their inputs to TF32's 10-bit
+    mantissa, about bf16's precision); the settings before are restored after. Loading a model through
+    models.target.load_causal_lm turns TF32 on, so enter this after loading."""
+    saved = (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
+             torch.backends.cudnn.allow_tf32)
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[1:]
+
+
+def tf32_state() -> dict:
+    """The TF32 switches now (matmul, cudnn): both False is what an exact fp32 comparison needs."""
+    return {"matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32}
+
+
 @dataclass(frozen=True)
 class DecodePath:
     """How one decoding feeds the target: its KV cache, and tokens per forward (1: a target-only step; gamma + 1: a
@@ -215,13 +238,14 @@ def plain_logits(model, prompt: torch.Tensor, tokens: torch.Tensor) -> torch.Ten
 def fp32_margins(model32, input_ids: torch.Tensor, attention_mask: torch.Tensor, reference: list[list[int]],
                  divergences: list[Divergence]) -> list[Divergence]:
     """Each divergence with its fp32 margin: top-1 minus top-2 of model32's logits after the row's real prompt tokens
-    and the reference's tokens before the divergence (one forward per divergence; model32 is the fp32 copy)."""
+    and the reference's tokens before the divergence (one forward per divergence; model32 is the fp32 copy, run with
+    TF32 off)."""
     out = []
     for d in divergences:
         prompt = input_ids[d.row][attention_mask[d.row].bool()]
         ids = torch.cat([prompt, torch.tensor(reference[d.row][: d.position], dtype=prompt.dtype,
                                               device=prompt.device)])[None]          # (1, P + position)
-        with torch.no_grad():
+        with torch.no_grad(), tf32_off():
             top2 = model32(input_ids=ids.to(device_of(model32))).logits[0, -1].float().topk(2).values
         out.append(Divergence(d.row, d.position, d.reference_token, d.other_token, (top2[0] - top2[1]).item()))
     return out
@@ -235,7 +259,8 @@ def deviation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def measure_noise(model, model32, input_ids: torch.Tensor, attention_mask: torch.Tensor, tokens: torch.Tensor,
                   reference: DecodePath, other: DecodePath) -> Noise:
     """Both paths of the bf16 `model` teacher-forced on tokens (B, N) (the reference decoding's), each against
-    model32's fp32 logits at the same positions, and against each other; a plain bf16 forward too (the guard)."""
+    model32's fp32 logits (TF32 off) at the same positions, and against each other; a plain bf16 forward too (the
+    guard). The bf16 paths run in the caller's settings, as their decodings ran (a compiled graph guards on them)."""
     ref = teacher_forced_logits(model, input_ids, attention_mask, tokens, reference)    # (B, M, V)
     oth = teacher_forced_logits(model, input_ids, attention_mask, tokens, other)        # (B, M', V)
     M = min(ref.shape[1], oth.shape[1])
@@ -243,7 +268,8 @@ def measure_noise(model, model32, input_ids: torch.Tensor, attention_mask: torch
     vs32 = {"reference": [], "other": [], "plain": []}
     for r in range(tokens.shape[0]):
         prompt, row = input_ids[r][attention_mask[r].bool()], tokens[r, :M]
-        exact = plain_logits(model32, prompt.to(device_of(model32)), row).to(ref.device)   # (M, V)
+        with tf32_off():
+            exact = plain_logits(model32, prompt.to(device_of(model32)), row).to(ref.device)   # (M, V)
         vs32["reference"].append(deviation(ref[r], exact))
         vs32["other"].append(deviation(oth[r], exact))
         vs32["plain"].append(deviation(plain_logits(model, prompt, row), exact))
@@ -258,12 +284,13 @@ def compare_decodings(model, model32, input_ids: torch.Tensor, attention_mask: t
     """Two greedy decodings of the same left-padded prompts (B, T) judged: divergences with their fp32 margins
     (model32), then judge(). exact: model is fp32 with TF32 off and the tokens must be identical. Else model is the
     bf16 target, and the noise of `paths` (reference's, other's) is measured on the first noise_rows rows, fed the
-    reference tokens (cut to the shortest of those rows)."""
+    reference tokens (cut to the shortest of those rows). model32 runs with TF32 off (tf32_off); model runs in the
+    caller's settings (as its decodings ran)."""
+    if not exact and paths is None:
+        raise ValueError("a bf16 comparison needs the two DecodePaths whose noise to measure")
     divergences = fp32_margins(model32, input_ids, attention_mask, reference, first_divergences(reference, other))
     if exact:
         return judge(len(reference), divergences, exact=True)
-    if paths is None:
-        raise ValueError("a bf16 comparison needs the two DecodePaths whose noise to measure")
     rows = min(noise_rows, len(reference))
     n = min(len(t) for t in reference[:rows])
     tokens = torch.tensor([t[:n] for t in reference[:rows]], device=input_ids.device)   # (rows, n)
