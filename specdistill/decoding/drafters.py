@@ -312,7 +312,7 @@ class OracleDrafter(Drafter):
     def propose(self, k: int, sampler: Sampler) -> Proposal:
         N = self.continuation.shape[1]
         at = self.offset[:, None] + torch.arange(k, device=self.offset.device)  # (B, k) positions in the replay
-        # Past the replay's end (a longer budget than prepared) the last token repeats: rejected, still lossless.
+        # Past the replay's end (a budget beyond the prepared one) its last token repeats; verification stays lossless.
         return Proposal(self.continuation.gather(1, at.clamp(max=N - 1)), None)
 
     def commit(self, num_accepted, next_token, active, target_hidden=None) -> None:
