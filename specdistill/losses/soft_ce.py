@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-CHUNK_BYTES = 256 * 2**20  # the fused form's working set: this many bytes of fp32 (chunk, V) logits at a time
+CHUNK_BYTES = 128 * 2**20  # the fused form's working set: this many bytes of fp32 (chunk, V) logits at a time
 
 
 @dataclass
@@ -95,8 +95,9 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
                 e = min(s + ctx.chunk, h.shape[0])
                 z = F.linear(h[s:e], w).float()                                 # (C, V) as in forward
                 p = p_logits[rows[s:e]].float().softmax(-1)                     # (C, V)
-                # log_softmax's backward of the upstream gradient -p g: g (softmax(z) sum(p) - p)
-                dz = (F.log_softmax(z, -1).exp() * p.sum(-1, keepdim=True) - p) * g[s:e, None]
+                # log_softmax's backward of the upstream gradient -p g: g (softmax(z) sum(p) - p), in place
+                dz = F.log_softmax(z, -1).exp_().mul_(p.sum(-1, keepdim=True)).sub_(p).mul_(g[s:e, None])
+                del z, p
                 dz = dz.to(ctx.dtype)                                            # (C, V)
                 if need_h:
                     grad_h[s:e] = dz @ w
