@@ -1,12 +1,13 @@
 """Memory of one EAGLE-3 training step (the objective's TTT unroll, soft cross-entropy, backward) at a given shape, for
-three ways of computing it:
+each way of computing it:
   plain       the head reads out (N_j, Vd) logits per step and the soft cross-entropy is plain autograd
               (losses.soft_ce.soft_cross_entropy: keeps the fp32 log-softmax and the gathered target p per step);
-  objective   Eagle3Objective as the installed code computes it (here: the fused soft cross-entropy,
-              losses.soft_ce.linear_soft_cross_entropy, which keeps no (N_j, Vd) tensor and recomputes the logits in
-              backward);
-  objective+ckpt  the same with objective.checkpoint_steps: each step's layer recomputed in backward.
-Run with PYTHONPATH naming another checkout and --variants objective to measure that code's objective.
+  fused       Eagle3Objective with checkpoint_steps=false: the fused soft cross-entropy
+              (losses.soft_ce.linear_soft_cross_entropy), which keeps no (N_j, Vd) tensor and recomputes the logits
+              in backward;
+  fused+ckpt  Eagle3Objective with checkpoint_steps=true: each step's layer recomputed in backward as well;
+  objective   Eagle3Objective with its defaults, whatever the importable code is: with PYTHONPATH naming another
+              checkout, --variants objective measures that code's objective.
 
 What it reports, per variant, each measured in its own process:
   saved_mib  bytes of the distinct tensors autograd keeps for backward after the forward (saved-tensor hooks; the
@@ -39,7 +40,7 @@ from typing import Iterable
 
 import torch
 
-VARIANTS = ("plain", "objective", "objective+ckpt")
+VARIANTS = ("plain", "fused", "fused+ckpt")
 
 
 class SavedBytes:
@@ -139,7 +140,8 @@ def step_loss(variant: str, head, target, batch, steps: int) -> torch.Tensor:
 
     if variant == "plain":
         return plain_loss(head, target, batch, steps, 0.8)
-    obj = Eagle3Objective(steps=steps, decay=0.8, **({"checkpoint_steps": True} if variant.endswith("+ckpt") else {}))
+    knobs = {"fused": {"checkpoint_steps": False}, "fused+ckpt": {"checkpoint_steps": True}, "objective": {}}[variant]
+    obj = Eagle3Objective(steps=steps, decay=0.8, **knobs)
     out = obj.loss(batch, Models(head, target))
     return (out.loss * out.weight).sum()
 
@@ -200,7 +202,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=7)
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {VARIANTS}")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {VARIANTS + ('objective',)}")
     p.add_argument("--variant", help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
@@ -213,7 +215,7 @@ def main(argv=None) -> None:
     rows = [measure(v, argv) for v in args.variants.split(",")]
     base = rows[0]
     for r in rows:
-        print(f"  {r['variant']:14s} saved {r['saved_mib']:9.1f} MiB ({r['saved_mib'] / base['saved_mib']:.3f} of "
+        print(f"  {r['variant']:10s} saved {r['saved_mib']:9.1f} MiB ({r['saved_mib'] / base['saved_mib']:.3f} of "
               f"{base['variant']})   peak {r['peak_mib']:9.1f} MiB ({r['peak_mib'] / base['peak_mib']:.3f})   "
               f"time {r['seconds']:6.2f} s   loss {r['loss']:.6f}"
               + (f"   max allocated {r['cuda_max_allocated_mib']:9.1f} MiB" if "cuda_max_allocated_mib" in r else ""))

@@ -25,8 +25,7 @@ class Eagle3Objective(Objective):
     steps: int = bounded(7, ">= 1")  # unrolled TTT steps (k)
     decay: float = bounded(0.8, "(0, 1]")  # step j weighted decay^j (EAGLE, SpecForge); 1.0 weighs steps equally
     # recompute each unrolled step's layer in backward instead of keeping its activations: one more layer forward per
-    # step for most of the unroll's activation memory (benchmarks/eagle3_memory.py: 4.6x fewer saved bytes, 1.04x the
-    # step time on CPU at a scaled-down 8B shape)
+    # step for most of the unroll's activation memory (benchmarks/eagle3_memory.py measures both)
     checkpoint_steps: bool = True
 
     def __post_init__(self):
