@@ -335,3 +335,26 @@ def test_an_unquoted_non_ascii_override_is_refused_with_the_quoting(tmp_path, mo
         main()
     assert f"""'trainer.output_dir="{tmp_path}/résultats"'""" in str(e.value.code)
     assert not (tmp_path / "résultats").exists()
+
+
+# ------------------------------------------------------------------------------------------ what the cost model serves
+def test_the_cost_model_recommends_only_what_engines_serve_for_a_drafter_without_served_trees():
+    from specdistill.decoding.tree import TreeShape
+    from specdistill.eval.tree_cost import (Setting, VerifyCurve, best, chain_settings, cost_model_markdown,
+                                            cost_model_report, tree_report)
+
+    curve = VerifyCurve(step_ms=1.0, ms=[1.0] * 32, context_tokens=64)
+    chains = chain_settings([0.8, 0.6, 0.4], 0.05, curve)
+    shape = TreeShape(3, 3, 8)
+    tree = Setting(shape.name, 3.5, 0.1, shape.size + 1, 1.0, flags=shape.sglang_flags(), shape=shape)
+    assert best(chains + [tree]) is tree  # the tree is predicted fastest
+    served = cost_model_report(curve, chains + [tree])
+    assert served["recommended"] == tree.name and served["recommended_sglang"] == shape.sglang_flags()
+    chains_only = cost_model_report(curve, chains + [tree], serves_trees=False)
+    rec = best(chains, True)
+    assert chains_only["recommended"] == rec.name and chains_only["recommended_sglang"] == rec.flags
+    tree_row = next(r for r in chains_only["settings"] if r["name"] == tree.name)
+    assert "sglang" not in tree_row and tree_row["served"] is False
+    assert "no serving engine decodes them" in " ".join(cost_model_markdown(chains_only))
+    assert "sglang" not in tree_report(shape, None, serves_trees=False)
+    assert tree_report(TreeShape(1, 3), None, serves_trees=False)["sglang"]  # a chain is served

@@ -40,6 +40,7 @@ from specdistill.constraints import check_fields
 from specdistill.decoding import (CacheMode, Drafter, DynamicGamma, FixedGamma, LMDrafter, NGramDrafter, Sampler,
                                   check_draft_policy, speculative_generate, target_generate)
 from specdistill.decoding.drafters import OracleDrafter
+from specdistill.decoding.compiled import compile_stats
 from specdistill.decoding.kv import device_of, max_positions
 from specdistill.decoding.tree import TreeShape
 from specdistill.decoding.tree_generate import proposes_trees, tree_generate
@@ -169,6 +170,7 @@ class _Decoders:
     eos: Optional[list[int]]
     pad_id: int
     device: torch.device
+    serves_trees: bool = True  # engines decode the draft's token trees (drafts/: DraftAdapter.serves_trees)
     _seeds: Iterator[int] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -386,6 +388,10 @@ def _environment(dec: _Decoders, load_before: Optional[float]) -> dict:
            "target_params": sum(p.numel() for p in model.parameters())}
     if isinstance(dec.drafter, LMDrafter):
         env["draft_params"] = sum(p.numel() for p in dec.drafter.model.parameters())
+    if dec.cfg.compile:  # compiles per graph of the compiled decode steps (each should be 1: decoding.CompileStats)
+        env["compile_stats"] = {"target": compile_stats(model).as_dict()}
+        if isinstance(dec.drafter, LMDrafter):
+            env["compile_stats"]["draft"] = compile_stats(dec.drafter.model).as_dict()
     return env
 
 
@@ -446,7 +452,8 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
     _check_tree_drafter(cfg, drafter)
     _check_oracle(cfg, drafter)
     eos = eos_ids(tokenizer, target_model, cfg.ignore_eos)
-    dec = _Decoders(target_model, drafter, cfg, eos, pad_id_of(tokenizer, eos), device_of(target_model))
+    serves_trees = draft_adapter(drafter_spec).serves_trees if isinstance(drafter_spec, torch.nn.Module) else True
+    dec = _Decoders(target_model, drafter, cfg, eos, pad_id_of(tokenizer, eos), device_of(target_model), serves_trees)
     load_before = _loadavg()
     hf, hf_warm = {}, {}
     if cfg.compare_hf:
@@ -490,7 +497,7 @@ def _with_cost_model(dec: _Decoders, batches: list[PromptBatch], prompt_ids: lis
     (_recommend)."""
     shape = tree_shape(dec.cfg)
     if shape is not None:
-        result.tree = tree_cost.tree_report(shape, tcost)
+        result.tree = tree_cost.tree_report(shape, tcost, dec.serves_trees)
     if result.cost is None:
         return result
     curve = tree_cost.verify_curve(dec.target_model, batches[0], cache=dec.cache())
@@ -499,7 +506,7 @@ def _with_cost_model(dec: _Decoders, batches: list[PromptBatch], prompt_ids: lis
         return result
     settings = (tree_cost.chain_settings(result.accept_rate_per_pos, result.cost.c, curve) if shape is None
                 else [tree_cost.tree_setting(shape, result.mean_accept_len, tcost)])
-    result.cost_model = tree_cost.cost_model_report(curve, settings)
+    result.cost_model = tree_cost.cost_model_report(curve, settings, dec.serves_trees)
     return result
 
 
@@ -535,8 +542,8 @@ def _recommend(dec: _Decoders, batches: list[PromptBatch], prompt_ids: list[list
     tokens = result.new_tokens / max(result.num_prompts, 1)  # per row: each row's last round is cut short
     for s in settings:
         s.tokens = tokens
-    model = tree_cost.cost_model_report(curve, settings)
-    rec = tree_cost.best(settings)
+    model = tree_cost.cost_model_report(curve, settings, dec.serves_trees)
+    rec = tree_cost.best(settings, dec.serves_trees)
     main_name = _main_setting(cfg)
     model["baseline"] = baseline
     model["tokens_per_row"] = tokens

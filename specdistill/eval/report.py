@@ -144,8 +144,10 @@ def _tree_and_cost_model(r: EvalResult) -> list[str]:
     lines = []
     if r.tree:
         t = r.tree
-        flags = " ".join(f"{k} {v}" for k, v in t["sglang"].items())
-        lines += ["", f"## Token tree {t['name']}", "", f"Served by SGLang with `{flags}`; a_k above is acceptance by "
+        flags = " ".join(f"{k} {v}" for k, v in t.get("sglang", {}).items())
+        served = (f"Served by SGLang with `{flags}`" if flags else
+                  "No serving engine decodes this drafter's trees (specdistill's decoding only)")
+        lines += ["", f"## Token tree {t['name']}", "", f"{served}; a_k above is acceptance by "
                   "depth (the accepted path reached depth k, given depth k-1)."]
         if "draft_round_ms" in t:
             lines.append(f"Draft {_f(t['draft_round_ms'], 2)} ms per round (d = {_f(t['d'])} target steps), verify of "

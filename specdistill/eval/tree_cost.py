@@ -117,10 +117,18 @@ def linear(x1: int, y1: float, x2: int, y2: float) -> Callable[[int], float]:
     return lambda x: y1 + (x - x1) * (y2 - y1) / (x2 - x1)
 
 
-def best(settings: list[Setting]) -> Setting:
+def served(setting: Setting, serves_trees: bool = True) -> bool:
+    """Whether a serving engine decodes `setting` for the draft: chains (and trees of topk 1) always, wider trees only
+    for a draft kind whose trees engines serve (drafts/: DraftAdapter.serves_trees; a DFlash drafter's are not)."""
+    return serves_trees or setting.shape is None or setting.shape.topk == 1
+
+
+def best(settings: list[Setting], serves_trees: bool = True) -> Setting:
+    """The highest predicted speedup among the settings an engine serves (all of them when none is)."""
     if not settings:
         raise ValueError("no setting to choose from")
-    return max(settings, key=lambda s: s.predicted_speedup)
+    pool = [s for s in settings if served(s, serves_trees)] or settings
+    return max(pool, key=lambda s: s.predicted_speedup)
 
 
 # ------------------------------------------------------------------------------------------------ measurements
@@ -213,15 +221,24 @@ def tree_setting(shape: TreeShape, tau: float, cost: TreeCost) -> Setting:
 
 
 # ------------------------------------------------------------------------------------------------ the report
-def cost_model_report(curve: VerifyCurve, settings: list[Setting]) -> dict:
+def cost_model_report(curve: VerifyCurve, settings: list[Setting], serves_trees: bool = True) -> dict:
     """The evaluator's cost_model entry: v(k) for k = 1 .. len(curve), each setting's predicted speedup, and the
-    recommended (highest predicted) one."""
-    rec = best(settings)
+    recommended one: the highest predicted that an engine serves. serves_trees=False (a draft whose trees no engine
+    decodes): its trees stay as candidates without engine flags, and the recommendation is a chain."""
+    rec = best(settings, serves_trees)
+    rows = []
+    for s in settings:
+        row = s.to_dict()
+        if not served(s, serves_trees):
+            row.pop("sglang", None)
+            row["served"] = False  # specdistill's decoding only
+        rows.append(row)
     return {"target_step_ms": curve.step_ms, "context_tokens": curve.context_tokens,
             "v_curve": curve.ratios, "v_curve_ms": curve.ms,
-            "settings": [s.to_dict() for s in settings],
+            "settings": rows,
             "recommended": rec.name, "recommended_predicted_speedup": rec.predicted_speedup,
-            **({"recommended_sglang": rec.flags} if rec.flags else {})}
+            **({"recommended_sglang": rec.flags} if rec.flags and served(rec, serves_trees) else {}),
+            **({} if serves_trees else {"engines_serve_trees": False})}
 
 
 def _f(x, digits: int = 3) -> str:
@@ -270,16 +287,20 @@ def cost_model_markdown(m: dict) -> list[str]:
         main = m["main"]
         lines.append(f"Against the configured {main['name']}: {_f(measured['speedup'])}x vs {_f(main['speedup'])}x "
                      "measured (prefill included).")
+    if m.get("engines_serve_trees") is False:
+        lines.append("Trees of this drafter are specdistill's decoding only (no serving engine decodes them; vLLM "
+                     "serves it as chains), so the recommendation is among chains; trees are listed for comparison.")
     for note in m.get("notes", []):
         lines.append(f"Note: {note}")
     lines += ["", "v(k) for k = 1..32: " + ", ".join(_f(v, 2) for v in m["v_curve"])]
     return lines
 
 
-def tree_report(shape: TreeShape, cost: TreeCost | None) -> dict:
-    """The evaluator's tree entry: the shape, SGLang's flags for it, and its measured costs."""
-    out = {"topk": shape.topk, "depth": shape.depth, "nodes": shape.size, "name": shape.name,
-           "sglang": shape.sglang_flags()}
+def tree_report(shape: TreeShape, cost: TreeCost | None, serves_trees: bool = True) -> dict:
+    """The evaluator's tree entry: the shape, SGLang's flags for it (none where no engine serves the draft's trees:
+    served false), and its measured costs."""
+    out = {"topk": shape.topk, "depth": shape.depth, "nodes": shape.size, "name": shape.name}
+    out |= {"sglang": shape.sglang_flags()} if serves_trees or shape.topk == 1 else {"served": False}
     if cost is not None:
         out |= {"draft_round_ms": cost.draft_round_ms, "draft_prefill_ms": cost.draft_prefill_ms,
                 "verify_ms": cost.verify_ms, "target_step_ms": cost.target_step_ms, "d": cost.d, "v": cost.v}
