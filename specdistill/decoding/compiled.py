@@ -6,6 +6,7 @@ on a static KV cache from inputs that BatchKV has already built (token ids, posi
 What keeps torch._dynamo from recompiling (each of these, left varying, adds a guard failure and a cache entry):
   - the batch is padded up to a bucket (BATCH_BUCKETS) with dummy rows that attend to stale columns and are never
     read; the cache has the bucket's rows;
+  - token-tree steps are padded up to a power-of-two width (width_bucket) with slots dropped after the forward;
   - each (bucket, query width, tree-tail width, hidden states or not) gets its own step function with its OWN code
     object: dynamo keeps compiled entries, and counts recompiles against its limit, per code object, so one graph per
     code object never meets the limit, and a new model gets new code objects (nothing carried over from the last);
@@ -43,6 +44,13 @@ def batch_bucket(batch: int) -> int:
         if batch <= bucket:
             return bucket
     return math.ceil(batch / BATCH_BUCKETS[-1]) * BATCH_BUCKETS[-1]
+
+
+def width_bucket(width: int) -> int:
+    """The padded query width of a compiled token-tree step: the next power of two (chains keep their gamma + 1)."""
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+    return 1 << (width - 1).bit_length()
 
 
 def run_length(need: int, fixed: int | None = None) -> int:

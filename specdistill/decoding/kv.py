@@ -38,7 +38,7 @@ import torch
 from transformers.cache_utils import DynamicCache, StaticLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, and_masks, causal_mask_function
 
-from .compiled import compiled_decoding, static_cache
+from .compiled import compiled_decoding, static_cache, width_bucket
 
 # Layer types whose attention BatchKV can mask per row (config layer_types, as transformers' cache_utils names them).
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -277,10 +277,15 @@ class BatchKV:
 
         Token trees (decoding/tree.py): positions (B, C) are the new tokens' position ids (by depth) and tail_visible
         (B, C, T) which of the T uncommitted tail columns, these C included, each new token sees (its ancestors and
-        itself) instead of every earlier one; commit_path() then keeps one path per row."""
+        itself) instead of every earlier one; commit_path() then keeps one path per row. Compiled tree steps run at
+        their width's bucket (compiled.width_bucket), padded with slots that are dropped again after the forward."""
         device = device_of(self.model)
         input_ids = input_ids.to(device)
         valid = torch.ones_like(input_ids, dtype=torch.bool) if valid is None else valid.to(device)
+        if self.slot is not None and not eager and tail_visible is not None and self.slot.ready:
+            pad = width_bucket(input_ids.shape[1]) - input_ids.shape[1]
+            if pad:
+                return self._padded_step(input_ids, valid, positions, tail_visible.to(device), pad, **kwargs)
         if self.max_length is not None:
             self._make_room(input_ids.shape[1])
         tail = self.mask.shape[1] + input_ids.shape[1] - self.committed     # uncommitted columns once these are fed
@@ -305,6 +310,25 @@ class BatchKV:
             out = self.model(input_ids=input_ids, attention_mask=self._attention_mask(C, tail_visible),
                              position_ids=positions, use_cache=True, **{self._cache_kwarg: self.cache}, **kwargs)
         self.length = self.length + valid.sum(1)
+        return out
+
+    def _padded_step(self, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor | None,
+                     tail_visible: torch.Tensor, pad: int, **kwargs):
+        """A compiled tree step widened by `pad` padding slots (masked: no query sees them, their own queries see the
+        committed columns), which are dropped again right after the forward: the tail, the cache and the outputs are
+        those of the C tokens fed. Trees of any size then share a few graphs (widths 1, 2, 4, ...)."""
+        if positions is None:
+            positions = self.length[:, None] + valid.long().cumsum(1) - 1  # (B, C)
+        F = torch.nn.functional
+        out = self.step(F.pad(input_ids, (0, pad)), F.pad(valid, (0, pad), value=False),
+                        positions=torch.cat([positions, positions[:, -1:].expand(-1, pad)], dim=1),
+                        tail_visible=F.pad(tail_visible, (0, pad, 0, pad), value=False), **kwargs)  # (B, C+p, T+p)
+        self.mask, self.positions = self.mask[:, :-pad], self.positions[:, :-pad]
+        for layer in self._filled_layers():
+            rollback(layer, pad)
+        out.logits = out.logits[:, :-pad]
+        if out.hidden_states is not None:
+            out.hidden_states = tuple(h[:, :-pad] for h in out.hidden_states)
         return out
 
     def reserve(self, columns: int) -> None:

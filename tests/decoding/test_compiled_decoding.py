@@ -70,7 +70,7 @@ def test_speculative_decoding_compiles_each_graph_once_and_keeps_the_eager_token
     recompile), for the target and the LM draft, and greedy output stays the target's."""
     target = tiny_target("llama")
     drafter = LMDrafter(_perturbed(target, 0.1))
-    for seed, lengths in enumerate([[11, 6, 3], [4, 9, 7, 5], [3, 8, 6]]):  # one bucket: fewer graphs to trace
+    for seed, lengths in enumerate([[11, 6, 3], [4, 9, 7, 5]]):  # one bucket: fewer graphs to trace
         ids, mask = _batch(lengths, seed)
         reference = target_generate(target, ids, mask, max_new_tokens=MAX_NEW)
         rollout = speculative_generate(target, drafter, ids, mask, gamma=3, max_new_tokens=MAX_NEW, cache=COMPILED)
@@ -198,3 +198,25 @@ def test_compiled_steps_refuse_kwargs_outside_their_fixed_set():
     with pytest.raises(ValueError, match="fixed kwarg set.*logits_to_keep"):
         kv.step(ids[:, -1:], logits_to_keep=1)
     assert isinstance(kv, BatchKV)
+
+
+@torch.no_grad()
+def test_compiled_token_trees_pad_to_width_buckets_and_keep_the_eager_tokens(no_recompiles):
+    """Tree steps (target verification of N+1 nodes, the draft's beams per depth) run at power-of-two widths with
+    padding slots dropped after the forward: greedy output stays the target's, every width is a power of two."""
+    from specdistill.decoding import TreeShape, tree_generate
+
+    target = tiny_target("llama")
+    drafter = LMDrafter(_perturbed(target, 0.1))
+    ids, mask = _batch([9, 5, 3], 0)
+    reference = target_generate(target, ids, mask, max_new_tokens=6)
+    for _ in range(2):
+        rollout = tree_generate(target, drafter, ids, mask, tree=TreeShape(topk=2, depth=2, nodes=4),
+                                max_new_tokens=6, cache=COMPILED)
+        assert torch.equal(rollout.sequences, reference.sequences)
+    for model in (target, drafter.model):
+        stats = compile_stats(model)
+        assert set(stats.compiles.values()) == {1}, stats.compiles
+        tree_widths = [int(name.split("_")[1].removeprefix("width")) for name in stats.compiles if "_tail" in name]
+        assert all(w & (w - 1) == 0 for w in tree_widths)
+    assert any("_tail" in name for name in compile_stats(target).compiles)

@@ -119,19 +119,3 @@ def test_compiled_caches_are_reused_by_later_calls_of_the_same_bucket():
     assert any(again.cache is cache for cache in caches)
     assert again.cache.layers[0].start == ids.shape[1]  # its write position restarted at 0
     assert again.cache.layers[0].keys.shape[0] == 4  # 3 rows padded up to the batch bucket
-
-
-@torch.no_grad()
-def test_dynamo_traces_compiled_decoding_to_the_eager_tokens():
-    """torch.compile's tracer on the real decode steps (its eager backend: no inductor kernels, which a GPU check
-    covers): the cache object, 4D masks over the whole cache and copied-out outputs trace, and the tokens stay the
-    growing caches'."""
-    torch._dynamo.reset()
-    target = tiny_target("llama")
-    ids, mask = _prompts()
-    reference = target_generate(target, ids, mask, max_new_tokens=12)
-    assert torch.equal(target_generate(target, ids, mask, max_new_tokens=12, cache=COMPILED).sequences,
-                       reference.sequences)
-    r = speculative_generate(target, LMDrafter(_perturbed(target, 0.1)), ids, mask, gamma=3, max_new_tokens=12,
-                             cache=COMPILED)
-    assert torch.equal(r.sequences, reference.sequences)
