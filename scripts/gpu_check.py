@@ -312,15 +312,14 @@ class CompileCount:
     cudagraph_skips: int = 0
     decoder: Optional[int] = None
 
-    def _combine(self, other: "CompileCount", op: Callable) -> "CompileCount":
-        a, b = asdict(self), asdict(other)
-        return CompileCount(**{k: None if a[k] is None or b[k] is None else op(a[k], b[k]) for k in a})
-
     def __add__(self, other: "CompileCount") -> "CompileCount":
-        return self._combine(other, lambda x, y: x + y)
+        """Sums; an uncounted decoder count (None) adds nothing to a counted one."""
+        a, b = asdict(self), asdict(other)
+        return CompileCount(**{k: b[k] if a[k] is None else a[k] if b[k] is None else a[k] + b[k] for k in a})
 
     def __sub__(self, other: "CompileCount") -> "CompileCount":
-        return self._combine(other, lambda x, y: x - y)
+        a, b = asdict(self), asdict(other)
+        return CompileCount(**{k: None if a[k] is None or b[k] is None else a[k] - b[k] for k in a})
 
 
 def decoder_stats(models: tuple) -> Optional[dict]:
@@ -347,7 +346,12 @@ def compile_count(models: tuple = ()) -> CompileCount:
 
 
 def counted(fn: Callable, models: tuple = ()):
-    """(fn(), the CompileCount of the compiles it caused)."""
+    """(fn(), the CompileCount of the compiles it caused). Garbage is collected first: an earlier call's decoding
+    state held only by reference cycles releases its compiled caches, as it does between the calls of a long loop
+    (else the decoders may give this call a second cache, and compile its graphs, while the first is still held)."""
+    import gc
+
+    gc.collect()
     before = compile_count(models)
     out = fn()
     return out, compile_count(models) - before
@@ -534,6 +538,7 @@ def evaluate_head(target_dir: Path, head_dir: Path, data: Path, sizes: Sizes, de
                   compile_ok: Callable[[], bool]) -> dict:
     """The evaluator in bf16 (speedup, tau); speculative against target-only decoding of the same prompts judged
     lossless (eval/lossless.py); then both compiled, which must compile once and decode losslessly too."""
+    import torch
     from omegaconf import OmegaConf
 
     from specdistill.decoding import CacheMode
@@ -558,38 +563,45 @@ def evaluate_head(target_dir: Path, head_dir: Path, data: Path, sizes: Sizes, de
     eager = CacheMode()
     reference = decode_target(m.target, ids, mask, n, eager)
     spec = decode_spec(m.target, drafter, ids, mask, n, gamma, eager)
-    paths = (DecodePath("target-only"), DecodePath("speculative verify", chunk=gamma + 1))
+    paths = (DecodePath("target-only"),
+             DecodePath("speculative verify", chunk=gamma + 1, hidden_states=drafter.needs_hidden_states))
     out["lossless"] = {"speculative_vs_target_only": compare_decodings(
         m.target, m.target32, ids, mask, reference, spec, exact=False, paths=paths, noise_rows=NOISE_ROWS).to_dict()}
     if not compile_ok():
         out["compiled"] = {"skipped": "the time budget (--budget-s) or --compile off"}
         return out
 
-    # Compiled: the evaluator warms the graphs up on its prompts; decoding them again, as one batch twice, must
-    # compile that batch's shapes once and nothing after.
+    # Compiled: the evaluator (batch 1, no cost model: its verify-width sweep would compile a graph per width) warms
+    # the graphs up on its prompts; decoding each prompt again, alone, must compile nothing.
     reset_compiled()
     ccfg = OmegaConf.to_object(compose(m.overrides + [f"eval.num_prompts={sizes.compile_prompts}",
-                                                      "eval.compile=true"]).eval)
+                                                      "eval.compile=true", "eval.measure_cost=false"]).eval)
     cps = prompts_of(m, data, sizes.compile_prompts, sizes)
-    t0 = time.perf_counter()
     models = (m.target, m.head)
+    t0 = time.perf_counter()
     c, evaluator_count = counted(lambda: evaluate(m.target, m.tokenizer, m.head, cps, ccfg, progress=False,
                                                   log=lambda *_: None), models)
     compiled = CacheMode(compile=True)
-    ids, mask = prompt_batch(cps.ids, pad_id(m.tokenizer), device)
+
+    def one_by_one(decode: Callable) -> list[list[int]]:
+        return [decode(torch.tensor([p], device=device))[0] for p in cps.ids]
+
     decoded, check = warm_then_timed({
-        "target-only": lambda: decode_target(m.target, ids, mask, n, compiled),
-        "speculative": lambda: decode_spec(m.target, drafter, ids, mask, n, gamma, compiled)}, models)
+        "target-only": lambda: one_by_one(lambda x: decode_target(m.target, x, torch.ones_like(x), n, compiled)),
+        "speculative": lambda: one_by_one(lambda x: decode_spec(m.target, drafter, x, torch.ones_like(x), n, gamma,
+                                                                compiled))}, models)
     check = CompileCheck(evaluator_count + check.warm, check.timed, {"evaluator": evaluator_count, **check.calls},
                          check.stats)
-    paths = (DecodePath("compiled target-only", compiled), DecodePath("compiled verify", compiled, chunk=gamma + 1))
+    paths = (DecodePath("compiled target-only", compiled),
+             DecodePath("compiled verify", compiled, chunk=gamma + 1, hidden_states=drafter.needs_hidden_states))
+    ids, mask = prompt_batch(cps.ids, pad_id(m.tokenizer), device)
     out["compiled"] = {
         "seconds_with_compilation": time.perf_counter() - t0, "speedup": c.speedup, "tokens_per_s": c.tokens_per_s,
         "target_only_tokens_per_s": c.target_only_tokens_per_s, "evaluator_greedy_mismatches": c.greedy_mismatches,
         "compile": check.to_dict(),
         "lossless": {"speculative_vs_target_only": compare_decodings(
             m.target, m.target32, ids, mask, decoded["target-only"], decoded["speculative"], exact=False, paths=paths,
-            noise_rows=NOISE_ROWS).to_dict()}}
+            noise_rows=NOISE_ROWS, rows_per_call=1).to_dict()}}
     return out
 
 

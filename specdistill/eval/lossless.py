@@ -257,35 +257,47 @@ def deviation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def measure_noise(model, model32, input_ids: torch.Tensor, attention_mask: torch.Tensor, tokens: torch.Tensor,
-                  reference: DecodePath, other: DecodePath) -> Noise:
+                  reference: DecodePath, other: DecodePath, rows_per_call: Optional[int] = None) -> Noise:
     """Both paths of the bf16 `model` teacher-forced on tokens (B, N) (the reference decoding's), each against
     model32's fp32 logits (TF32 off) at the same positions, and against each other; a plain bf16 forward too (the
-    guard). The bf16 paths run in the caller's settings, as their decodings ran (a compiled graph guards on them)."""
-    ref = teacher_forced_logits(model, input_ids, attention_mask, tokens, reference)    # (B, M, V)
-    oth = teacher_forced_logits(model, input_ids, attention_mask, tokens, other)        # (B, M', V)
-    M = min(ref.shape[1], oth.shape[1])
-    ref, oth = ref[:, :M], oth[:, :M]
-    vs32 = {"reference": [], "other": [], "plain": []}
-    for r in range(tokens.shape[0]):
-        prompt, row = input_ids[r][attention_mask[r].bool()], tokens[r, :M]
-        with tf32_off():
-            exact = plain_logits(model32, prompt.to(device_of(model32)), row).to(ref.device)   # (M, V)
-        vs32["reference"].append(deviation(ref[r], exact))
-        vs32["other"].append(deviation(oth[r], exact))
-        vs32["plain"].append(deviation(plain_logits(model, prompt, row), exact))
-    flips = int((ref.argmax(-1) != oth.argmax(-1)).sum())
-    return Noise(Spread.of(torch.cat(vs32["reference"])), Spread.of(torch.cat(vs32["other"])),
-                 Spread.of(deviation(ref, oth)), Spread.of(torch.cat(vs32["plain"])), flips)
+    guard). The bf16 paths run in the caller's settings, as their decodings ran (a compiled graph guards on them).
+    rows_per_call: rows fed per teacher-forced call (default all B; 1 feeds each row without its padding, as a
+    decoding at batch 1 ran: a compiled path then reuses that decoding's graphs)."""
+    B = tokens.shape[0]
+    k = B if rows_per_call is None else rows_per_call
+    dev = {"reference": [], "other": [], "plain": [], "paths": []}
+    flips = 0
+    for s in range(0, B, k):
+        ids, mask = input_ids[s: s + k], attention_mask[s: s + k]
+        if k == 1:
+            ids = ids[:, mask[0].bool()]
+            mask = torch.ones_like(ids)
+        ref = teacher_forced_logits(model, ids, mask, tokens[s: s + k], reference)      # (k, M, V)
+        oth = teacher_forced_logits(model, ids, mask, tokens[s: s + k], other)          # (k, M', V)
+        M = min(ref.shape[1], oth.shape[1])
+        ref, oth = ref[:, :M], oth[:, :M]
+        dev["paths"].append(deviation(ref, oth).flatten())
+        flips += int((ref.argmax(-1) != oth.argmax(-1)).sum())
+        for i in range(ids.shape[0]):
+            prompt, row = ids[i][mask[i].bool()], tokens[s + i, :M]
+            with tf32_off():
+                exact = plain_logits(model32, prompt.to(device_of(model32)), row).to(ref.device)   # (M, V)
+            dev["reference"].append(deviation(ref[i], exact))
+            dev["other"].append(deviation(oth[i], exact))
+            dev["plain"].append(deviation(plain_logits(model, prompt, row), exact))
+    spread = {key: Spread.of(torch.cat(values)) for key, values in dev.items()}
+    return Noise(spread["reference"], spread["other"], spread["paths"], spread["plain"], flips)
 
 
 def compare_decodings(model, model32, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       reference: list[list[int]], other: list[list[int]], *, exact: bool,
-                      paths: Optional[tuple[DecodePath, DecodePath]] = None, noise_rows: int = 16) -> Verdict:
+                      paths: Optional[tuple[DecodePath, DecodePath]] = None, noise_rows: int = 16,
+                      rows_per_call: Optional[int] = None) -> Verdict:
     """Two greedy decodings of the same left-padded prompts (B, T) judged: divergences with their fp32 margins
     (model32), then judge(). exact: model is fp32 with TF32 off and the tokens must be identical. Else model is the
     bf16 target, and the noise of `paths` (reference's, other's) is measured on the first noise_rows rows, fed the
-    reference tokens (cut to the shortest of those rows). model32 runs with TF32 off (tf32_off); model runs in the
-    caller's settings (as its decodings ran)."""
+    reference tokens (cut to the shortest of those rows), rows_per_call at a time (measure_noise). model32 runs with
+    TF32 off (tf32_off); model runs in the caller's settings (as its decodings ran)."""
     if not exact and paths is None:
         raise ValueError("a bf16 comparison needs the two DecodePaths whose noise to measure")
     divergences = fp32_margins(model32, input_ids, attention_mask, reference, first_divergences(reference, other))
@@ -294,5 +306,5 @@ def compare_decodings(model, model32, input_ids: torch.Tensor, attention_mask: t
     rows = min(noise_rows, len(reference))
     n = min(len(t) for t in reference[:rows])
     tokens = torch.tensor([t[:n] for t in reference[:rows]], device=input_ids.device)   # (rows, n)
-    noise = measure_noise(model, model32, input_ids[:rows], attention_mask[:rows], tokens, *paths)
+    noise = measure_noise(model, model32, input_ids[:rows], attention_mask[:rows], tokens, *paths, rows_per_call)
     return judge(len(reference), divergences, exact=False, noise=noise)

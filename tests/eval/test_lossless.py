@@ -152,6 +152,9 @@ def test_bf16_paths_noise_is_rounding_and_decides_divergences(target, prompts):
     n = measure_noise(bf16, target, ids, mask, torch.tensor(growing), *paths)
     assert n.plausible and 0 < n.deviation and n.bound == 2 * n.deviation
     assert n.reference_vs_fp32.positions == 4 * 12 and n.between_paths.max <= 2 * n.deviation
+    alone = measure_noise(bf16, target, ids, mask, torch.tensor(growing), *paths, rows_per_call=1)  # unpadded rows
+    assert alone.plausible and alone.reference_vs_fp32.positions == 4 * 12
+    assert alone.deviation == pytest.approx(n.deviation, rel=0.5)  # rounding of the same size, padded or not
     static = decode(bf16, ids, mask, CacheMode(static=True))
     v = compare_decodings(bf16, target, ids, mask, growing, static, exact=False, paths=paths)
     assert v.ok == all(j.rounding for j in v.judged) and v.noise is not None
