@@ -358,3 +358,18 @@ def test_the_cost_model_recommends_only_what_engines_serve_for_a_drafter_without
     assert "no serving engine decodes them" in " ".join(cost_model_markdown(chains_only))
     assert "sglang" not in tree_report(shape, None, serves_trees=False)
     assert tree_report(TreeShape(1, 3), None, serves_trees=False)["sglang"]  # a chain is served
+
+
+def test_an_lm_draft_whose_config_disagrees_with_its_tensors_is_refused_by_name(tmp_path):
+    from specdistill.drafts.lm import LMDraft
+    from specdistill.models.target import NotACausalLM
+
+    folder = tmp_path / "draft"
+    make_tiny_lm(100, layers=1, hidden=16).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
+    with pytest.raises(NotACausalLM, match=rf"eval.draft_path='{folder}': its config.json disagrees with the shapes"):
+        LMDraft.load(folder)
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    with pytest.raises(NotACausalLM, match=r"eval.draft_path=.* lacks 9 of its model's weights \(model.layers.1"):
+        LMDraft.load(folder)

@@ -68,8 +68,8 @@ def check_causal_lm(path: str, config: dict, setting: str = "target.path") -> No
     """Raise NotACausalLM naming `setting` when the model at `path` (its config.json as `config`) is not one."""
     why = not_a_causal_lm(config)
     if why:
-        raise NotACausalLM(f"{setting}={path!r} is {why}. Point {setting} at the causal LM checkpoint (an HF folder "
-                           f"or hub id with its decoder weights); {DRAFT_FOLDERS}")
+        raise NotACausalLM(f"{setting}={str(path)!r} is {why}. Point {setting} at the causal LM checkpoint (an HF "
+                           f"folder or hub id with its decoder weights); {DRAFT_FOLDERS}")
 
 
 def _config_dict(where: str) -> dict:
@@ -111,6 +111,13 @@ def load_causal_lm(path: str, dtype: str = "float32", device_map: Optional[str] 
             f"could not load model {path!r} ({type(e).__name__}: {str(e).splitlines()[0]}). Offline machines cannot "
             "reach the hub: download it elsewhere and pass the local folder, or use embedded:smollm2-135m-instruct"
         ) from None
+    except RuntimeError as e:
+        if "mismatched_sizes" not in str(e) and "size mismatch" not in str(e):
+            raise
+        raise NotACausalLM(f"{setting}={str(path)!r}: its config.json disagrees with the shapes of its tensors "
+                           "(transformers' load report above lists each one, checkpoint against config): the config "
+                           "belongs to another model or was edited; restore the config.json saved with these "
+                           "weights") from None
     check_weights_complete(path, info, setting)
     return model
 
@@ -121,9 +128,9 @@ def check_weights_complete(path: str, info: dict, setting: str = "target.path") 
     missing = sorted(info.get("missing_keys") or ())
     if missing:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
-        raise NotACausalLM(f"{setting}={path!r} lacks {len(missing)} of its model's weights ({shown}); transformers "
-                           "would start them at random. Point it at a complete checkpoint (all its *.safetensors "
-                           f"shards and the index); {DRAFT_FOLDERS}")
+        raise NotACausalLM(f"{setting}={str(path)!r} lacks {len(missing)} of its model's weights ({shown}); "
+                           "transformers would start them at random. Point it at a complete checkpoint (all its "
+                           f"*.safetensors shards and the index); {DRAFT_FOLDERS}")
 
 
 def load_target_config(path: str):
