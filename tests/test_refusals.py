@@ -327,13 +327,15 @@ def test_wandb_online_without_network_logs_offline_with_a_warning(tiny_target_di
     assert not wandb_offline_without_network(cfg, reachable=lambda: pytest.fail("probed without wandb"))
 
 
-def test_an_unquoted_non_ascii_override_is_refused_with_the_quoting(tmp_path, monkeypatch, capsys):
-    from specdistill.cli.train import main
+@pytest.mark.parametrize("command, key", [("train", "trainer.output_dir"), ("evaluate", "eval.output_dir")])
+def test_an_unquoted_non_ascii_override_is_refused_with_the_quoting(command, key, tmp_path, monkeypatch):
+    import importlib
 
-    monkeypatch.setattr(sys, "argv", ["specdistill-train", "recipe=kd", f"trainer.output_dir={tmp_path}/résultats"])
+    main = importlib.import_module(f"specdistill.cli.{command}").main
+    monkeypatch.setattr(sys, "argv", [f"specdistill-{command}", "recipe=kd", f"{key}={tmp_path}/résultats"])
     with pytest.raises(SystemExit) as e:
         main()
-    assert f"""'trainer.output_dir="{tmp_path}/résultats"'""" in str(e.value.code)
+    assert f"""'{key}="{tmp_path}/résultats"'""" in str(e.value.code)
     assert not (tmp_path / "résultats").exists()
 
 

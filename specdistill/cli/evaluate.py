@@ -7,6 +7,8 @@
 Same Hydra groups as training (target/ draft/ data/ objective/ trainer/ eval/, recipe=...); writes results.json,
 results.md, outputs.jsonl and PNG plots to eval.output_dir (default outputs/eval_<drafter>).
 """
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
@@ -21,6 +23,11 @@ def _evaluate(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    from specdistill.validation import override_errors
+
+    problems = override_errors(sys.argv[1:])  # Hydra's lexer error shows only a caret under the character
+    if problems:
+        sys.exit("bad override (nothing was started):\n  - " + "\n  - ".join(problems))
     register_configs()  # Hydra's run dir is the working directory (conf/config.yaml): eval.run creates the output
     _evaluate()
 
