@@ -278,9 +278,11 @@ def block_size_of(cfg: DictConfig) -> Optional[int]:
     if draft_path:
         config = Path(str(draft_path)).expanduser() / "config.json"
         try:
-            block = json.loads(config.read_text()).get("block_size")
-        except (OSError, ValueError, AttributeError):
+            saved = json.loads(config.read_text())
+            archs = [str(a).lower() for a in saved.get("architectures") or []]
+        except (OSError, ValueError, AttributeError, TypeError):
             return None  # the draft loader names a missing or unreadable folder
+        block = saved.get("block_size") if "dflash_config" in saved or any("dflash" in a for a in archs) else None
         return block if isinstance(block, int) else None
     if _get(cfg, "draft.init")[1] == "dflash":
         block = _get(cfg, "draft.dflash.block_size")[1]
