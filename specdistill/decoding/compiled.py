@@ -114,12 +114,13 @@ class ColumnLayer(CacheLayerMixin):
             return self.keys, self.values
         if self.start + C > self.max_cache_len:
             raise ValueError(f"static KV cache of {self.max_cache_len} columns overflows ({self.start} used, {C} fed)")
-        rows = key_states.shape[0]                                           # <= the cache's rows (a bucket)
-        keys, values = self.keys[:rows], self.values[:rows]
-        keys[:, :, self.start: self.start + C] = key_states
-        values[:, :, self.start: self.start + C] = value_states
+        keys, values = self.keys, self.values
+        if key_states.shape[0] != keys.shape[0]:                           # B real rows of a bucket's cache
+            keys, values = keys[: key_states.shape[0]], values[: key_states.shape[0]]
+        keys.narrow(2, self.start, C).copy_(key_states)
+        values.narrow(2, self.start, C).copy_(value_states)
         self.start += C
-        return keys[:, :, : self.start], values[:, :, : self.start]
+        return keys.narrow(2, 0, self.start), values.narrow(2, 0, self.start)
 
     def get_mask_sizes(self, query, *args, **kwargs) -> tuple[int, int]:
         """(kv_length, kv_offset) of the next eager forward (the used columns after its write)."""
