@@ -305,7 +305,7 @@ def training_mfu(result: dict, limits: dict, floor: Optional[float], judged: boo
 class CompileCount:
     """Compile counts: torch._dynamo's own (frames compiled, graphs made, hits of its recompile limit past which it
     runs a frame eagerly, CUDA graph captures inductor skipped), and the decoders' (compiles of the given models'
-    decode graphs, specdistill.decoding.compile_stats; None where the decoders keep no count)."""
+    decode graphs, specdistill.decoding.compile_stats; None when no model was given)."""
     frames: int = 0
     graphs: int = 0
     limit_hits: int = 0
@@ -322,14 +322,12 @@ class CompileCount:
         return CompileCount(**{k: None if a[k] is None or b[k] is None else a[k] - b[k] for k in a})
 
 
-def decoder_stats(models: tuple) -> Optional[dict]:
-    """The decoders' compile counters of these models (per graph: each is meant to compile once), or None where
-    specdistill.decoding keeps none (dynamo's counters then decide alone)."""
-    import specdistill.decoding as decoding
+def decoder_stats(models: tuple) -> dict:
+    """The decoders' compile counters (specdistill.decoding.compile_stats) of these models, by position and class:
+    per graph (batch bucket, step width), each meant to compile once."""
+    from specdistill.decoding import compile_stats
 
-    stats = getattr(decoding, "compile_stats", None)
-    models = [m for m in models if m is not None]
-    return None if stats is None else {f"{i}:{type(m).__name__}": stats(m) for i, m in enumerate(models)}
+    return {f"{i}:{type(m).__name__}": compile_stats(m) for i, m in enumerate(m for m in models if m is not None)}
 
 
 def compile_count(models: tuple = ()) -> CompileCount:
@@ -361,8 +359,8 @@ def counted(fn: Callable, models: tuple = ()):
 class CompileCheck:
     """A compiled path's compiles: its first calls (warm-up: compiling expected) and the calls after them with the
     same shapes, which must compile nothing. Fails when nothing compiled (the path ran eagerly: counted by the
-    decoders where they count, else by dynamo's graphs), when dynamo hit its recompile limit (a frame then runs
-    eagerly), or when a call after the warm-up compiled (a shape outside the compiled buckets)."""
+    decoders, else by dynamo's graphs), when dynamo hit its recompile limit (a frame then runs eagerly), or when a
+    call after the warm-up compiled (a shape outside the compiled buckets, or a cache length doubled)."""
     warm: CompileCount
     timed: CompileCount
     calls: dict                    # per call: its CompileCount, for the report
@@ -376,6 +374,9 @@ class CompileCheck:
             out.append("compiled nothing: no decode graph was compiled, so the compiled path ran eagerly")
         if total.limit_hits:
             out.append(f"dynamo hit its recompile limit {total.limit_hits} time(s): past it a frame runs eagerly")
+        recompiled = {k: s.recompiles for k, s in (self.stats or {}).items() if s.recompiles}
+        if recompiled:
+            out.append(f"graphs compiled more than once (the decoders' count, by model): {recompiled}")
         again = max(self.timed.graphs, self.timed.frames, self.timed.decoder or 0)
         if again:
             out.append(f"{again} compile(s) after the warm-up, at shapes already decoded: a shape outside the "

@@ -81,6 +81,12 @@ def test_compile_check_fails_a_path_that_compiled_nothing_hit_the_limit_or_compi
     assert "recompile limit" in gc.CompileCheck(C(3, 3, limit_hits=1), C(), {}).problems()[0]
     after = gc.CompileCheck(C(2, 2), C(1, 1), {}).to_dict()
     assert not after["ok"] and "after the warm-up" in after["problems"][0]
+    # the decoders' count decides whether anything compiled, and names graphs compiled twice
+    from specdistill.decoding import CompileStats
+
+    assert "compiled nothing" in gc.CompileCheck(C(0, 3, decoder=0), C(decoder=0), {}).problems()[0]
+    twice = CompileStats(model="m", compiles={"batch16_width1_len256": 2})
+    assert "more than once" in gc.CompileCheck(C(0, 2, decoder=2), C(decoder=0), {}, {"0:m": twice}).problems()[0]
 
 
 def test_compile_count_reads_dynamo_compiles_and_recompile_limit_hits(gc):
