@@ -52,6 +52,7 @@ DECODE_FLOORS = {"growing": 0.10, "static": 0.10, "compiled": 0.30}  # decoding:
 PUBLISHED_BANDWIDTH = (("H200", ("NVL",), 4.8e12), ("H100", ("NVL", "PCIe"), 3.35e12),
                        ("A100", ("PCIe", "40GB"), 2.039e12))
 NOISE_ROWS = 16  # rows whose bf16 noise is measured teacher-forced (eval/lossless.py)
+OPTIONAL_STAGES = ("eagle3", "draft_opd", "evaluate", "lossless_fp32", "regenerate")  # after assets and limits
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "user", "assistant", "system"]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -645,7 +646,7 @@ def exact_decoding(target_dir: Path, head_dir: Optional[Path], data: Path, sizes
             out["lossless"][f"{name}_vs_growing"] = compare_decodings(m.target, m.target, ids, mask, reference,
                                                                       tokens, exact=True).to_dict()
     if drafter is None:
-        out["speculative"] = {"skipped": "no trained head (eagle3 failed)"}
+        out["speculative"] = {"skipped": "no trained head (eagle3 skipped or failed)"}
     out["peak_mem_mb"] = peak_memory_mb(device)
     return out
 
@@ -813,8 +814,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=450.0, help="optional stages are skipped past this")
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "specdistill_gpu_check")
     ap.add_argument("--out", type=Path, default=None, help="folder for gpu_check.json (default $OUT, else --work)")
+    ap.add_argument("--skip", default="", help=f"stages not to run, comma-separated, of {','.join(OPTIONAL_STAGES)} "
+                    "(said so in the JSON's skipped; evaluate needs eagle3's head)")
     ap.add_argument("--missing", action="store_true", help="print the pip names of missing packages and exit")
     args = ap.parse_args(argv)
+    skip = {name for name in args.skip.split(",") if name}
+    if skip - set(OPTIONAL_STAGES):
+        ap.error(f"--skip {','.join(sorted(skip - set(OPTIONAL_STAGES)))}: no such stage; the stages are "
+                 f"{','.join(OPTIONAL_STAGES)}")
     if args.missing:
         print("\n".join(missing_packages()))
         return 0
@@ -873,24 +880,28 @@ def main(argv: list[str] | None = None) -> int:
         result["efficiency"] = {"mfu": training_mfu(result, limits or no_limits, floor, judged)}
         return result
 
-    eagle3 = report.stage("eagle3", lambda: trained("eagle3", "eagle3", big, [f"trainer.max_steps={sizes.steps}"],
-                                                    MFU_FLOOR), args.device)
+    def stage(name: str, fn: Callable[[], dict]) -> Optional[dict]:
+        if name in skip:
+            report.skip(name, "--skip")
+            return None
+        return report.stage(name, fn, args.device)
+
+    eagle3 = stage("eagle3", lambda: trained("eagle3", "eagle3", big, [f"trainer.max_steps={sizes.steps}"],
+                                             MFU_FLOOR))
     # one on-policy step, its time mostly decoding: MFU reported, not judged
-    report.stage("draft_opd", lambda: trained("draft_opd", "draft_opd", small,
-                                              ["warmup.mode=never", "data.regenerate.enabled=false",
-                                               "trainer.max_steps=1", "trainer.export_formats=[]",
-                                               "objective.max_new_tokens=32"], None), args.device)
+    stage("draft_opd", lambda: trained("draft_opd", "draft_opd", small,
+                                       ["warmup.mode=never", "data.regenerate.enabled=false", "trainer.max_steps=1",
+                                        "trainer.export_formats=[]", "objective.max_new_tokens=32"], None))
     head = final_draft(args.work / "eagle3") if eagle3 is not None else None
-    if head is None:
-        report.skip("evaluate", "no trained head (eagle3 failed)")
+    if head is None and "evaluate" not in skip:
+        report.skip("evaluate", "no trained head (eagle3 skipped or failed)")
     else:
-        report.stage("evaluate", lambda: evaluate_head(big, head, data, sizes, args.device,
-                                                       lambda: compile and report.left_s() > 150), args.device)
-    report.stage("lossless_fp32", lambda: exact_decoding(big, head, data, sizes, args.device,
-                                                         lambda: compile and report.left_s() > 120), args.device)
-    report.stage("regenerate", lambda: regeneration_rate(big, sizes, args.device,
-                                                         lambda: compile and report.left_s() > 75, limits),
-                 args.device)
+        stage("evaluate", lambda: evaluate_head(big, head, data, sizes, args.device,
+                                                lambda: compile and report.left_s() > 150))
+    stage("lossless_fp32", lambda: exact_decoding(big, head, data, sizes, args.device,
+                                                  lambda: compile and report.left_s() > 120))
+    stage("regenerate", lambda: regeneration_rate(big, sizes, args.device, lambda: compile and report.left_s() > 75,
+                                                  limits))
     return finish(report)
 
 

@@ -131,6 +131,13 @@ def test_every_stage_error_and_failed_check_lands_in_problems(gc, tmp_path):
     assert json.loads((tmp_path / "clean.json").read_text())["ok"] is True
 
 
+def test_skip_names_only_stages_and_says_which_exist(gc, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        gc.main(["--device", "cpu", "--tiny", "--skip", "eagle3,training", "--work", str(tmp_path / "w")])
+    assert "--skip training: no such stage" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()  # refused before any work
+
+
 # ------------------------------------------------------------------------------------------------ toy models
 @pytest.fixture(scope="module")
 def toy_target(gc, tmp_path_factory):
