@@ -441,6 +441,12 @@ def compiled_decoding(model: torch.nn.Module, backend: str, cache_kwarg: str,
     return decoding
 
 
+def release(model: torch.nn.Module) -> None:
+    """Drop the model's compiled graphs and caches now (they go with the model anyway): a stage that is done with a
+    model it keeps frees their memory. A BatchKV still decoding keeps its own cache until it is gone."""
+    _DECODINGS.pop(model, None)
+
+
 def decoding_of(model: torch.nn.Module) -> CompiledDecoding | None:
     """The model's CompiledDecoding, None before its first compiled decoding."""
     return _DECODINGS.get(model)

@@ -7,7 +7,8 @@ generated token comes out of a round: target forwards = rounds, and mean_accept_
 Batch > 1: one shared cache per model with per-row masks and positions (see kv.py); rows accept different counts,
 and a row that hit EOS or max_new_tokens stops counting (its later compute is wasted, never emitted).
 cache=CacheMode(static=True) preallocates both models' caches to the call's longest possible length (compile=True also
-compiles their decode forwards): the same tokens as the growing caches, at fixed shapes.
+runs their decode forwards as graphs compiled once per batch bucket and step width: compiled.py, compile_stats): the
+same tokens as the growing caches.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import torch
 
 from specdistill.decoding import (BATCH_BUCKETS, CacheMode, LMDrafter, RecompileError, batch_bucket, compile_stats,
                                   speculative_generate, target_generate)
-from specdistill.decoding.compiled import ColumnLayer, decoding_of
+from specdistill.decoding.compiled import ColumnLayer, decoding_of, release
 from specdistill.decoding.kv import BatchKV
 from tests.conftest import left_padded_prompts
 from tests.decoding.test_architectures import _perturbed
@@ -102,7 +102,7 @@ def test_a_guard_that_fails_raises_instead_of_recompiling():
 @torch.no_grad()
 def test_a_new_model_compiles_its_own_graphs_and_a_dropped_one_is_freed():
     """A second model (a later stage's) compiles its own graphs rather than finding its code objects spent, its
-    stats are its own, and a model that is dropped takes its graphs and caches with it."""
+    stats are its own, and a model that is dropped (or released) takes its graphs and caches with it."""
     torch._dynamo.reset()
     ids, mask = _batch([6, 4, 2], 1)
     first = tiny_target("llama", seed=0)
@@ -115,6 +115,10 @@ def test_a_new_model_compiles_its_own_graphs_and_a_dropped_one_is_freed():
     del first
     gc.collect()
     assert gone() is None
+    release(second)  # dropped on request: the next compiled decoding starts from nothing, compiling once again
+    assert compile_stats(second).total_compiles == 0
+    target_generate(second, ids, mask, max_new_tokens=2, cache=COMPILED)
+    assert compile_stats(second).compiles == {"batch4_width1_len256": 1}
 
 
 @torch.no_grad()
