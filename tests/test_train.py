@@ -276,3 +276,35 @@ def test_a_run_stopped_early_leaves_no_prefetch_thread():
     with Prefetcher(_toy_batches().micro_batches, 0, 1000, depth=2) as pf:
         pf.get(0)
     assert not any(t.name == "specdistill-prefetch" for t in threading.enumerate())
+
+
+def test_a_sigterm_during_the_final_save_stops_after_it(tiny_target_dir, tiny_data_file, tmp_path, monkeypatch):
+    """A preemption notice that lands while the last checkpoint is written: the checkpoint is whole, the run reports
+    itself preempted (so the pipeline skips the final evaluation and exports), and a resume finishes it."""
+    import os
+    import signal
+
+    from specdistill.pipeline.run import run
+    from specdistill.train import loop
+
+    real_save = loop._save
+
+    def save_then_signal(c, s):
+        saved = real_save(c, s)
+        if s.step == c.phases.total_steps:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return saved
+
+    monkeypatch.setattr(loop, "_save", save_then_signal)
+    out = tmp_path / "run"
+    overrides = tiny_overrides(tiny_target_dir, tiny_data_file, out, tmp_path / "cache") + [
+        "trainer.max_steps=2", "eval.spec_eval=true", "eval.spec_eval_at=end", "eval.prompts=heldout",
+        "eval.num_prompts=2", "eval.warmup_prompts=0", "eval.measure_cost=false"]
+    res = run(compose("kd", overrides))
+    assert res.preempted == "SIGTERM" and res.step == 2
+    assert list_checkpoints(out)[-1].name.endswith("2")
+    assert not (out / "eval" / "final").exists()
+    monkeypatch.setattr(loop, "_save", real_save)
+    done = run(compose("kd", overrides + ["trainer.resume=auto"]))
+    assert done.preempted is None
+    assert (out / "eval" / "final" / "results.json").exists()

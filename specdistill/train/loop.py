@@ -195,6 +195,12 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
                 break
             taken = _train_step(c, s, batches)
             _after_step(c, s, taken, epoch_end_hooks, checkpoint_hooks)
+        # A signal during the last step or its save: the checkpoint is whole, but the run stops here (no final
+        # evaluation or export), as at any other step; trainer.resume=auto finishes them.
+        if s.result.preempted is None and stop.agreed(c.accelerator):
+            s.result.preempted = stop.requested or "a signal on another rank"
+            c.accelerator.print(f"[train] {s.result.preempted} during the final checkpoint: stopped after it "
+                                f"({s.result.final_checkpoint}); continue with trainer.resume=auto")
     if s.bar is not None:
         s.bar.close()
     return _finish(c, s)
