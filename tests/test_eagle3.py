@@ -203,3 +203,15 @@ def test_objective_equals_the_full_logit_reference_on_every_target_path(target, 
     got = obj(batch, Models(head, wrapped))
     ref = _reference_eagle3_loss(head, o.logits, aux, ids, am, lm.bool(), 3, 0.8)
     torch.testing.assert_close(got.loss * got.weight, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_config_that_disagrees_with_the_tensors_is_named(target, tmp_path):
+    import json
+
+    _head(target, vd=50).save_pretrained(tmp_path / "h")
+    cfg_path = tmp_path / "h" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["intermediate_size"] = cfg["intermediate_size"] + 8  # hand-edited, or copied from another head
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"disagrees with its tensors: midlayer\.mlp\..*intermediate_size"):
+        Eagle3Head.from_pretrained(tmp_path / "h")

@@ -468,6 +468,14 @@ class Eagle3Head(DraftVocabMaps, nn.Module):
         path = Path(path)
         head = cls(Eagle3Config.from_hf_dict(json.loads((path / "config.json").read_text())))
         sd = load_file(str(path / "model.safetensors"))
+        own = head.state_dict()
+        misshapen = [f"{k} {tuple(v.shape)} (its config.json makes {tuple(own[k].shape)})" for k, v in sd.items()
+                     if k in own and v.shape != own[k].shape]
+        if misshapen:
+            raise ValueError(f"EAGLE-3 checkpoint {path}: its config.json disagrees with its tensors: "
+                             f"{'; '.join(misshapen[:4])}{' ...' if len(misshapen) > 4 else ''}. Restore the "
+                             "config.json saved with these weights (sizes: hidden_size, intermediate_size, "
+                             "num_attention_heads, num_key_value_heads, vocab_size, draft_vocab_size)")
         missing, unexpected = head.load_state_dict(sd, strict=False)
         # engines reuse the target's embeddings; a full-vocabulary head's vLLM export has no vocab maps (the
         # head's identity maps stand)
