@@ -224,3 +224,18 @@ def test_compiled_token_trees_pad_to_width_buckets_and_keep_the_eager_tokens(no_
         tree_widths = [int(name.split("_")[1].removeprefix("width")) for name in stats.compiles if "_tail" in name]
         assert all(w & (w - 1) == 0 for w in tree_widths)
     assert any("_tail" in name for name in compile_stats(target).compiles)
+
+
+@torch.no_grad()
+def test_compiled_sliding_window_layers_keep_the_eager_tokens(no_recompiles):
+    """Gemma-3 (sliding and full layers: a 4D mask per layer type in the graph's inputs, windows moving past rejected
+    drafts) decodes compiled as it does eagerly."""
+    from tests.decoding.test_architectures import MAX_NEW as LONG, NOISE
+
+    target = tiny_target("gemma3", attn_implementation="sdpa")
+    ids, mask = _batch([11, 6, 3], 0)
+    reference = target_generate(target, ids, mask, max_new_tokens=LONG)
+    drafter = LMDrafter(_perturbed(target, NOISE["gemma3"]))
+    rollout = speculative_generate(target, drafter, ids, mask, gamma=3, max_new_tokens=LONG, cache=COMPILED)
+    assert torch.equal(rollout.sequences, reference.sequences)
+    assert set(compile_stats(target).compiles.values()) == {1}
