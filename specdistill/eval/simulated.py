@@ -45,9 +45,9 @@ def simulated_acceptance(draft, target, batches, gamma: int, reduce=lambda t: t)
     total = None
     for batch in batches:
         p = target(batch["input_ids"], batch["attention_mask"])
-        counts = adapter.chain_counts(p, batch, gamma)
+        counts = adapter.chain_counts(p, batch, gamma)  # (K+1,): K <= gamma, the drafts the kind can make
         total = counts if total is None else total + counts
     draft.train(was_training)
     if total is None:
         return SimulatedAcceptance(gamma, [0.0] * gamma, 1.0, 0.0, 0)
-    return summarize(reduce(total), gamma)
+    return summarize(reduce(total), len(total) - 1)

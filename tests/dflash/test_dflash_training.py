@@ -103,3 +103,17 @@ def test_position_weights_decay_exponentially():
 def test_bad_objective_settings_are_refused_by_name(raw, key):
     with pytest.raises(ValueError, match=key):
         make_objective({"name": "dflash", **raw})
+
+
+def test_held_out_acceptance_reports_the_gamma_a_block_can_draft():
+    """A block of 4 drafts 3 tokens: asked for gamma 6, the held-out proxy reports gamma 3 and three rates, never
+    positions no block reaches; within the block it counts what gamma 3 counts."""
+    from specdistill.eval.simulated import simulated_acceptance
+
+    model = tiny_target()
+    draft = tiny_dflash(model, 4)
+    target = Target(model, draft.config.aux_layer_ids)
+    asked = simulated_acceptance(draft, target, [_batch()], gamma=6)
+    ran = simulated_acceptance(draft, target, [_batch()], gamma=3)
+    assert asked.gamma == 3 and len(asked.accept_rate_per_pos) == 3
+    assert asked == ran

@@ -233,9 +233,10 @@ def chain_anchors(loss_mask: torch.Tensor, per_row: int) -> tuple[torch.Tensor, 
 
 @torch.no_grad()
 def dflash_chain_counts(model, target_out, batch: dict, gamma: int, per_row: int = 16) -> torch.Tensor:
-    """(gamma+1,) teacher-forced chain counts (eval/simulated.py) over up to per_row evenly spaced anchors per row: a
+    """(K+1,) teacher-forced chain counts (eval/simulated.py) over up to per_row evenly spaced anchors per row: a
     chain from anchor a reaches k if block positions 1..k all propose the target's argmax for tokens a+1 .. a+k (loss
-    positions all). Draft positions beyond B-1 are never reached."""
+    positions all). K = min(gamma, block size - 1): a block drafts no further, so the counts stop there and the
+    report's gamma is the one that ran."""
     inner = unwrap(model)
     lm = batch["loss_mask"].bool()                                             # (B, T)
     ids = batch["input_ids"]
@@ -250,7 +251,7 @@ def dflash_chain_counts(model, target_out, batch: dict, gamma: int, per_row: int
     hit &= (anchors[..., None] + torch.arange(K, device=ids.device)) < T
     ok = valid.clone()
     reached = [ok.sum()]
-    for k in range(gamma):
-        ok = ok & hit[..., k] if k < K else torch.zeros_like(ok)
+    for k in range(K):
+        ok = ok & hit[..., k]
         reached.append(ok.sum())
     return torch.stack(reached)
