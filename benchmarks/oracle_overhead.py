@@ -89,7 +89,6 @@ def markdown(report: dict) -> str:
             ("decode-only speedup", f"{o['decode_speedup']:.3f}"),
             (f"1-token / {g + 1}-token forward, ms", f"{o['target_step_ms']:.2f} / {o['verify_ms']:.2f}"),
             (f"**v({g + 1})**", f"{o['v']:.3f}"),
-            (f"v({g + 1}) from the cost model's curve (tree-mask path)", report["curve_v"]),
             (f"**bound (gamma+1) / v({g + 1})**", f"{o['bound']:.3f}"),
             ("bound at the measured tau", f"{o['bound_at_tau']:.3f}"),
             ("**efficiency = speedup / bound**", f"{o['efficiency']:.3f}"),
@@ -122,10 +121,9 @@ def main(argv: list[str] | None = None) -> dict:
                      max_new_tokens=args.max_new_tokens, ignore_eos=True, warmup_prompts=1, measure_cost=True,
                      device="cpu", threads=args.threads)
     load_before = os.getloadavg()[0]
-    r = evaluate(model, tok, "oracle", prompts, cfg, progress=False)
+    r = evaluate(model, tok, "oracle", prompts, cfg, progress=True)
     out = Path(args.out)
     write_report(r, out / "eval", plots=False)
-    curve = (r.cost_model or {}).get("v_curve") or []  # v(k) at index k-1
     report = {
         "command": " ".join(["OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "unset"), sys.executable]
                             + [shlex.quote(a) for a in sys.argv]),
@@ -134,7 +132,6 @@ def main(argv: list[str] | None = None) -> dict:
         "loadavg_before": load_before, "loadavg_after": os.getloadavg()[0],
         "greedy_mismatches": r.greedy_mismatches, "tokens_per_s": r.tokens_per_s,
         "target_tokens_per_s": r.target_only_tokens_per_s,
-        "curve_v": f"{curve[args.gamma]:.3f}" if len(curve) > args.gamma else "-",
         "oracle": r.oracle.__dict__, "wall_seconds": time.perf_counter() - start,
     }
     (out / "oracle_overhead.json").write_text(json.dumps(report, indent=1))

@@ -483,8 +483,10 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
     result = _assemble(cfg, drafter_name, source, len(prompt_ids), tot, cost, mismatches, sweep, hf_result,
                        _environment(dec, load_before), samples)
     if isinstance(drafter, OracleDrafter):  # the decoder's own overhead: speedup against (gamma+1) / v(gamma+1)
+        # in place of the cost model, whose settings all accept everything here
         result.oracle = OracleOverhead.of(cfg.gamma, result.mean_accept_len, result.speedup, result.decode_speedup,
                                           cost)
+        return result
     return _with_cost_model(dec, batches, prompt_ids, result, runs, tot, tcost, progress, log)
 
 
