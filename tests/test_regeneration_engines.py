@@ -116,7 +116,7 @@ def test_a_crash_or_a_lost_part_resumes_with_only_the_missing_parts(tiny, tiny_d
     with pytest.raises(RuntimeError, match="engine died"):
         regenerate_store(cfg2, model, tok, "tiny", AUX, engine=FixedAnswers(len(tok), fail_on=1), **QUIET)
     root2 = tmp_path / "two" / root.name
-    assert sorted(p.name for p in root2.glob("part-*")) == ["part-00000.safetensors"]
+    assert sorted(p.name for p in root2.glob("part-*")) == ["part-00000.safetensors", "part-00000.sha256"]
     resumed = FixedAnswers(len(tok))
     regenerate_store(cfg2, model, tok, "tiny", AUX, engine=resumed, **QUIET)
     assert len(resumed.asked) == n - 1
@@ -157,7 +157,7 @@ def test_a_shard_run_writes_its_parts_and_ends_without_training(tiny, tiny_data_
     with pytest.raises(SystemExit) as ended:
         build_regenerated_data(cfg, NS(config=model.config, aux_layer_ids=AUX, model=model), tok, log=said.append)
     assert ended.value.code in (0, None)
-    assert [p.name for p in tmp_path.glob("*/part-*")] == ["part-00001.safetensors"]
+    assert sorted(p.name for p in tmp_path.glob("*/part-*")) == ["part-00001.safetensors", "part-00001.sha256"]
     assert "1 of 3 parts" in said[-1] and "data.regenerate.shard=null" in said[-1]
 
 
