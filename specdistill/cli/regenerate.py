@@ -110,6 +110,8 @@ def regenerate_batch(model, tokenizer, convs: list[list[dict]], max_new_tokens: 
 
 
 def main(argv: list[str] | None = None) -> None:
+    from specdistill.config import RegenerateConfig
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="embedded:smollm2-135m-instruct")
     ap.add_argument("--data", default="embedded:sharegpt")
@@ -118,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-turns", type=int, default=2, help="user turns kept per conversation")
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-new-tokens", type=int, default=RegenerateConfig.max_new_tokens,
+                    help="answer tokens per prompt (data.regenerate.max_new_tokens's default)")
     ap.add_argument("--max-prompt-tokens", type=int, default=768, help="longer first prompts are skipped")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
