@@ -280,7 +280,9 @@ class EvalConfig:
     # the cost model searches chain lengths and tree shapes (eval.tree.probe_prompts, search_depth), decodes the
     # prompts once with the best and reports its measured speedup beside the prediction (eval/tree_search.py)
     measure_recommended: bool = False
-    position_bucket: int = bounded(16, ">= 1")  # acceptance against output position, in buckets of this many tokens
+    # acceptance against output position: where each bucket starts (output tokens before a round; increasing, from 0,
+    # the last bucket open-ended), reported with bootstrap intervals over prompts
+    position_buckets: list[int] = bounded(range=">= 0", default_factory=lambda: [0, 128, 256, 512, 1024])
     compare_hf: bool = False  # side by side with HF transformers' assisted generation at batch 1 (temperature 0)
     # The KV caches of the run's decoding (evaluation, Draft-OPD rollouts, regeneration): static_cache preallocates
     # them to each call's longest length; compile also runs the decode forwards through torch.compile (CUDA graphs on

@@ -18,6 +18,10 @@ Definitions (every ratio is a ratio of sums over all prompts, never a mean of pe
                      gamma+1 tokens / of 1 token, both timed here on the first batch (medians)
   predicted_speedup  Leviathan et al. (2023): (1 - a^(g+1)) / ((1 - a)(g c + 1)) with a = overall alpha, g = mean
                      gamma; predicted_speedup_measured_tau = tau / (g c + v) adds the measured verify cost
+  accept_by_output_position  per bucket of output position (eval.position_buckets; a round belongs to the bucket of
+                     the output position where it starts): tau = tokens / row-rounds and accept_rate = accepted drafts
+                     / proposed drafts within the bucket, each with a 95% bootstrap interval over the prompts that
+                     reached it (from the per-prompt counts outputs.jsonl keeps)
   by_category        the same tau and a_k within each prompt category (MT-bench's eight), from per-prompt counts that
                      outputs.jsonl keeps (category, new_tokens, target_forwards, reached/accepted per draft position)
   oracle             eval.drafter=oracle replays the target's own greedy output, so tau = gamma+1 (but where a row ends)
@@ -47,8 +51,9 @@ from specdistill.decoding.tree_generate import proposes_trees, tree_generate
 from specdistill.drafts import draft_adapter
 from specdistill.eval.batches import PromptBatch, make_batches
 from specdistill.eval.hf_baseline import HF_MODES, hf_generate, hf_runners, hf_summary  # noqa: F401  (re-exported)
-from specdistill.eval.metrics import (SpecCounts, category_summary, leviathan_speedup, row_acceptance,
-                                     weighted_percentiles)
+from specdistill.eval.metrics import (SpecCounts, category_summary, check_position_buckets, leviathan_speedup,
+                                     output_position_buckets, output_position_summary, row_acceptance,
+                                     row_bucket_counts, weighted_percentiles)
 from specdistill.eval.results import CostRatio, EvalResult, OracleOverhead, SweepPoint  # noqa: F401  (re-exported)
 from specdistill.eval.timing import Run, Runner, Throughput, measure_cost, run_pass, timed  # noqa: F401
 from specdistill.eval import tree_cost, tree_search
@@ -76,6 +81,7 @@ def make_drafter(spec: Union[str, Drafter, torch.nn.Module], target_model, cfg: 
 
 def check_eval_config(cfg: EvalConfig) -> None:
     check_fields(cfg, "eval")  # every range and choice its fields declare (specdistill/config.py)
+    check_position_buckets(cfg.position_buckets)
     if cfg.dynamic_gamma and cfg.max_gamma < cfg.gamma:
         raise ValueError(f"eval.max_gamma={cfg.max_gamma} must be >= eval.gamma={cfg.gamma} with dynamic_gamma")
     check_draft_policy(cfg.draft_policy, "eval.draft_policy")
@@ -252,8 +258,8 @@ class _Totals:
                           self.speedup(), self.counts.tau(), mismatches)
 
 
-def _totals(runs: dict[str, list[Run]], max_gamma: int, bucket: int) -> _Totals:
-    out = _Totals(Throughput(), Throughput(), SpecCounts(max_gamma, bucket))
+def _totals(runs: dict[str, list[Run]], max_gamma: int) -> _Totals:
+    out = _Totals(Throughput(), Throughput(), SpecCounts(max_gamma))
     for run in runs["spec"]:
         out.spec.add(run)
         out.counts.add(run.rollout)
@@ -326,17 +332,20 @@ def _greedy_mismatches(target_model, batches: list[PromptBatch], runs: dict[str,
 
 
 def _samples(tokenizer, batches: list[PromptBatch], runs: dict[str, list[Run]], categories: list[Optional[str]],
-             max_gamma: int) -> list[dict]:
-    """Per prompt: its category, decoded speculative output and counts, per draft position too (outputs.jsonl)."""
+             max_gamma: int, position_buckets: list[int]) -> list[dict]:
+    """Per prompt: its category, decoded speculative output and counts, per draft position and per bucket of output
+    position too (outputs.jsonl)."""
     samples = []
     for b, rs, rt in zip(batches, runs["spec"], runs["target"]):
         rows = row_acceptance(rs.rollout, max_gamma) if rs.rollout is not None else None
+        buckets = output_position_buckets(rs.rollout.rounds, position_buckets) if rs.rollout is not None else None
         for row, i in enumerate(b.index):
             samples.append({"prompt": i, "category": categories[i], "prompt_tokens": int(b.attention_mask[row].sum()),
                             "new_tokens": len(rs.tokens[row]),
                             "target_forwards": 0 if rs.rollout is None else int(rs.rollout.target_forwards[row]),
                             "reached_per_pos": [] if rows is None else rows.reached[row].tolist(),
                             "accepted_per_pos": [] if rows is None else rows.accepted[row].tolist(),
+                            "output_buckets": {} if buckets is None else row_bucket_counts(buckets, row),
                             "identical": rs.tokens[row] == rt.tokens[row],
                             "text": tokenizer.decode(rs.tokens[row], skip_special_tokens=False)})
     return samples
@@ -371,7 +380,7 @@ def _batch_sweep(dec: _Decoders, prompt_ids: list[list[int]], main_point: SweepP
             sweep.append(main_point)
             continue
         runs = run_pass(dec.batches(prompt_ids[:n_sweep], bs), dec.pair(cfg.max_new_tokens), f"sweep B={bs}", progress)
-        tot = _totals(runs, dec.policy().max_gamma, cfg.position_bucket)
+        tot = _totals(runs, dec.policy().max_gamma)
         sweep.append(tot.point(bs, n_sweep, _row_mismatches(runs) if greedy else None))
     return sweep
 
@@ -417,7 +426,9 @@ def _assemble(cfg: EvalConfig, drafter_name: str, source: str, num_prompts: int,
         mean_accept_len=counts.tau(), accept_rate_per_pos=counts.accept_rate_per_pos(),
         reach_rate_per_pos=counts.reach_rate_per_pos(), proposed_per_pos=counts.proposed.tolist(), alpha=alpha,
         alpha_per_pos=counts.alpha_per_pos(),
-        accept_len_hist=counts.hist.tolist(), accept_by_output_position=counts.by_output_position(),
+        accept_len_hist=counts.hist.tolist(),
+        accept_by_output_position=output_position_summary(samples, cfg.position_buckets),
+        position_buckets=list(cfg.position_buckets),
         tokens_per_s=spec_t.tokens_per_s(), target_only_tokens_per_s=target_t.tokens_per_s(),
         speedup=tot.speedup(),
         decode_tokens_per_s=spec_t.decode_tokens_per_s(),
@@ -471,10 +482,10 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
     hf_inline = bool(hf) and cfg.batch_size == 1
     runners = dec.pair(cfg.max_new_tokens, policy) | (hf if hf_inline else {})
     runs = run_pass(batches, runners, f"eval {drafter_name} gamma={cfg.gamma} B={cfg.batch_size}", progress)
-    tot = _totals(runs, policy.max_gamma, cfg.position_bucket)
+    tot = _totals(runs, policy.max_gamma)
     greedy = cfg.temperature == 0
     mismatches = _greedy_mismatches(target_model, batches, runs, log) if greedy else []
-    samples = _samples(tokenizer, batches, runs, ps.categories, policy.max_gamma)
+    samples = _samples(tokenizer, batches, runs, ps.categories, policy.max_gamma, cfg.position_buckets)
 
     # 4. HF side by side at batch 1; 5. the batch-size sweep; 6. assemble.
     hf_result = _hf_side_by_side(dec, prompt_ids, runs, hf, drafter_name, progress) if hf else None
@@ -670,7 +681,7 @@ def _measure(dec: _Decoders, batches: list[PromptBatch], runs: dict[str, list[Ru
         again = replace(dec, cfg=replace(cfg, gamma=rec.gamma, dynamic_gamma=False, tree=replace(cfg.tree, topk=0)))
         runner, max_gamma = again.spec(cfg.max_new_tokens, FixedGamma(rec.gamma)), rec.gamma
     spec_runs = run_pass(batches, {"spec": runner}, f"eval recommended {rec.name}", progress)["spec"]
-    spec, counts = Throughput(), SpecCounts(max_gamma, cfg.position_bucket)
+    spec, counts = Throughput(), SpecCounts(max_gamma)
     for run in spec_runs:
         spec.add(run)
         counts.add(run.rollout)

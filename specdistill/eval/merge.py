@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from specdistill.eval.metrics import category_summary, leviathan_speedup
+from specdistill.eval.metrics import category_summary, leviathan_speedup, output_position_summary
 from specdistill.eval.results import EvalResult, SweepPoint
 
 
@@ -82,7 +82,7 @@ def merge_results(parts: list[EvalResult], prompt_index: list[list[int]]) -> Eva
         proposed_per_pos=[int(x) for x in proposed],
         alpha=alpha, alpha_per_pos=[a / max(n, 1) for a, n in zip(alpha_reached, reached)],
         accept_len_hist=[int(x) for x in _sum_lists([r.accept_len_hist for r in parts])],
-        accept_by_output_position=_merge_positions([r.accept_by_output_position for r in parts]),
+        accept_by_output_position=output_position_summary(samples, first.position_buckets),
         tokens_per_s=tps, target_only_tokens_per_s=target_tps, speedup=speedup,
         decode_tokens_per_s=decode_tps, target_only_decode_tokens_per_s=target_decode_tps,
         decode_speedup=decode_tps / target_decode_tps, seconds=seconds, target_only_seconds=target_seconds,
@@ -96,20 +96,6 @@ def merge_results(parts: list[EvalResult], prompt_index: list[list[int]]) -> Eva
         greedy_mismatches=mismatch_count, mismatches=mismatches, by_category=category_summary(samples),
         batch_sweep=[SweepPoint(first.batch_size, num_prompts, tps, target_tps, speedup, tau, mismatch_count)],
         env={**first.env, "processes": len(parts)}, samples=samples)
-
-
-def _merge_positions(tables: list[list[dict]]) -> list[dict]:
-    cells: dict[int, dict] = {}
-    for table in tables:
-        for row in table:
-            c = cells.setdefault(row["start"], {"start": row["start"], "end": row["end"], "rounds": 0, "tokens": 0,
-                                                "accepted_x_rounds": 0.0})
-            c["rounds"] += row["rounds"]
-            c["tokens"] += row["tokens"]
-            c["accepted_x_rounds"] += row["accept_rate"] * row["rounds"]
-    return [{"start": c["start"], "end": c["end"], "rounds": c["rounds"], "tokens": c["tokens"],
-             "tau": c["tokens"] / max(c["rounds"], 1), "accept_rate": c["accepted_x_rounds"] / max(c["rounds"], 1)}
-            for _, c in sorted(cells.items())]
 
 
 def _merge_latency(tables: list[dict], weights: list[float]) -> dict:

@@ -2,17 +2,24 @@
 
 SpecCounts sums acceptance over rollouts, row_acceptance keeps the same counts per row (per prompt, for per-category
 and paired comparisons: category_summary), weighted_percentiles gives token-weighted latency percentiles, and
-leviathan_speedup is Leviathan et al.'s (2023) predicted speedup. Tests call them directly
-(tests/eval/test_eval_metrics.py, tests/eval/test_eval_categories.py).
+leviathan_speedup is Leviathan et al.'s (2023) predicted speedup. output_position_buckets counts acceptance by where in
+the output a round starts (the evaluator's report and Draft-OPD's rollout metrics both call it), and
+output_position_summary turns per-prompt bucket counts into rates with bootstrap intervals over prompts. Tests call
+them directly (tests/eval/test_eval_metrics.py, tests/eval/test_eval_categories.py, tests/eval/test_output_buckets.py).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
-from specdistill.decoding import Rollout
+from specdistill.decoding import Rollout, RoundRecord
+from specdistill.eval.stats import sum_ratio_interval
+
+# Output positions (tokens generated before a round) where each bucket starts: long outputs get wide buckets.
+DEFAULT_POSITION_BUCKETS = (0, 128, 256, 512, 1024)
 
 
 def weighted_percentiles(values: list[float], weights: list[float], qs=(50, 95, 99)) -> dict:
@@ -80,20 +87,112 @@ def category_summary(samples: list[dict]) -> dict[str, dict]:
             for cat, c in sums.items()}
 
 
+def check_position_buckets(starts: Sequence[int], name: str = "eval.position_buckets") -> None:
+    """Bucket starts must be increasing integers from 0 (each bucket runs to the next start; the last is open)."""
+    starts = list(starts)
+    if not starts or starts[0] != 0 or any(not isinstance(x, int) or isinstance(x, bool) for x in starts) or any(
+            b <= a for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"{name}={starts} must list bucket starts as increasing integers beginning at 0, e.g. "
+                         f"{list(DEFAULT_POSITION_BUCKETS)} (buckets 0-127, 128-255, 256-511, 512-1023, 1024+)")
+
+
+def bucket_name(start: int, end: Optional[int]) -> str:
+    """"0_127" for [0, 128), "1024_plus" for the open last bucket: usable in metric names."""
+    return f"{start}_plus" if end is None else f"{start}_{end - 1}"
+
+
+def bucket_label(start: int, end: Optional[int]) -> str:
+    """"0-127", "1024+": for tables and plots."""
+    return f"{start}+" if end is None else f"{start}-{end - 1}"
+
+
+@dataclass
+class BucketCounts:
+    """One bucket of output positions [start, end) (end None: no upper bound), per row: the row-rounds that started
+    there (offset = tokens the row had generated before the round) and what they proposed, accepted and emitted."""
+    start: int
+    end: Optional[int]
+    rounds: torch.Tensor    # (B,) long, row-rounds (target forwards) that started in the bucket
+    tokens: torch.Tensor    # (B,) long, tokens those rounds emitted (accepted drafts + correction/bonus, cut at EOS)
+    proposed: torch.Tensor  # (B,) long, drafts they proposed (gamma of each round)
+    accepted: torch.Tensor  # (B,) long, drafts the verifier accepted
+
+    @property
+    def name(self) -> str:
+        return bucket_name(self.start, self.end)
+
+    @property
+    def label(self) -> str:
+        return bucket_label(self.start, self.end)
+
+
+def output_position_buckets(rounds: Sequence[RoundRecord], starts: Sequence[int] = DEFAULT_POSITION_BUCKETS,
+                            ) -> list[BucketCounts]:
+    """A rollout's rounds -> per-bucket, per-row counts, one BucketCounts per bucket start (empty buckets included).
+
+    A round belongs to the bucket of the output position where it starts (RoundRecord.offset); only active rows count.
+    Worked example, starts (0, 4), one row, gamma 2: rounds at offsets 0, 3, 5 accepting 2, 0, 1 drafts ->
+    bucket 0-3: rounds 2, proposed 4, accepted 2; bucket 4+: rounds 1, proposed 2, accepted 1.
+    """
+    check_position_buckets(starts, "position bucket starts")
+    if not rounds:
+        return [BucketCounts(s, e, *(torch.zeros(0, dtype=torch.long) for _ in range(4)))
+                for s, e in zip(starts, list(starts[1:]) + [None])]
+    B, NB = rounds[0].active.shape[0], len(starts)
+    edges = torch.tensor(list(starts), dtype=torch.long)                   # (NB,)
+    sums = torch.zeros(4, NB, B, dtype=torch.long)                         # rounds, tokens, proposed, accepted
+    rows = torch.arange(B)
+    for rnd in rounds:
+        active = rnd.active.cpu().long()                                   # (B,)
+        which = torch.searchsorted(edges, rnd.offset.cpu().long(), right=True) - 1  # (B,) bucket of the round start
+        per_row = torch.stack([active, rnd.num_emitted.cpu().long() * active, active * rnd.gamma,
+                               rnd.num_accepted.cpu().long() * active])     # (4, B)
+        sums[:, which, rows] += per_row
+    ends = list(starts[1:]) + [None]
+    return [BucketCounts(s, e, *sums[:, i]) for i, (s, e) in enumerate(zip(starts, ends))]
+
+
+def output_position_summary(samples: list[dict], starts: Sequence[int], seed: int = 0) -> list[dict]:
+    """Per-prompt bucket counts (the evaluator's samples: "output_buckets" {name: {rounds, tokens, proposed,
+    accepted}}) -> one row per bucket that some prompt reached: summed counts, tau = tokens / rounds and accept_rate =
+    accepted / proposed (ratios of sums), each with a 95% bootstrap interval over the prompts that reached the bucket
+    (None with fewer than two)."""
+    out = []
+    for s, e in zip(starts, list(starts[1:]) + [None]):
+        name = bucket_name(s, e)
+        cells = [x["output_buckets"][name] for x in samples if x.get("output_buckets", {}).get(name, {}).get("rounds")]
+        if not cells:
+            continue
+        tot = {k: sum(c[k] for c in cells) for k in ("rounds", "tokens", "proposed", "accepted")}
+        out.append({"start": s, "end": e, "name": name, "label": bucket_label(s, e), "prompts": len(cells), **tot,
+                    "tau": tot["tokens"] / max(tot["rounds"], 1),
+                    "tau_ci95": sum_ratio_interval([[c["tokens"], c["rounds"]] for c in cells], seed),
+                    "accept_rate": tot["accepted"] / max(tot["proposed"], 1),
+                    "accept_rate_ci95": sum_ratio_interval([[c["accepted"], c["proposed"]] for c in cells], seed)})
+    return out
+
+
+def row_bucket_counts(buckets: list[BucketCounts], row: int) -> dict[str, dict]:
+    """One row's non-empty buckets as {name: {rounds, tokens, proposed, accepted}} (the evaluator's per-prompt
+    samples, outputs.jsonl)."""
+    return {b.name: {"rounds": int(b.rounds[row]), "tokens": int(b.tokens[row]), "proposed": int(b.proposed[row]),
+                     "accepted": int(b.accepted[row])} for b in buckets if int(b.rounds[row]) > 0}
+
+
 class SpecCounts:
     """Acceptance counts summed over rollouts: the Rollout's own counters plus what needs the round records
-    (whether a drafted position's prefix was accepted, and where in the output the round started)."""
+    (whether a drafted position's prefix was accepted). Acceptance by output position is per prompt
+    (output_position_buckets, summed by output_position_summary)."""
 
-    def __init__(self, max_gamma: int, bucket: int):
+    def __init__(self, max_gamma: int):
         G = max_gamma
-        self.G, self.bucket = G, bucket
+        self.G = G
         self.tokens = self.forwards = 0
         self.proposed = torch.zeros(G, dtype=torch.long)
         self.accepted = torch.zeros(G, dtype=torch.long)
         self.reached = torch.zeros(G, dtype=torch.long)        # drafted at k with drafts 1..k-1 accepted
         self.alpha_reached = torch.zeros(G, dtype=torch.float64)
         self.hist = torch.zeros(G + 1, dtype=torch.long)
-        self.by_pos: dict[int, list[int]] = {}                   # bucket -> [rounds, tokens, proposed, accepted]
 
     def add(self, r: Rollout) -> None:
         G = self.G
@@ -103,19 +202,11 @@ class SpecCounts:
         self.accepted += r.position_accepted.cpu()[:G]
         self.hist += r.accept_hist.cpu()[:G + 1]
         for rnd in r.rounds:
-            active = rnd.active.cpu()
             K = rnd.gamma
             if K:
                 _, reach = _reach(rnd)                                              # (B, K)
                 self.reached[:K] += reach.sum(0)
                 self.alpha_reached[:K] += (rnd.alpha.cpu().double() * reach).sum(0)
-            starts = (rnd.offset.cpu() // self.bucket).tolist()
-            for b in active.nonzero().flatten().tolist():
-                cell = self.by_pos.setdefault(starts[b], [0, 0, 0, 0])
-                cell[0] += 1
-                cell[1] += int(rnd.num_emitted[b])
-                cell[2] += K
-                cell[3] += int(rnd.num_accepted[b])
 
     # ratios of sums
     def tau(self) -> float:
@@ -135,14 +226,6 @@ class SpecCounts:
 
     def mean_gamma(self) -> float:
         return self.proposed.sum().item() / max(self.forwards, 1)
-
-    def by_output_position(self) -> list[dict]:
-        out = []
-        for b in sorted(self.by_pos):
-            rounds, tokens, proposed, accepted = self.by_pos[b]
-            out.append({"start": b * self.bucket, "end": (b + 1) * self.bucket, "rounds": rounds, "tokens": tokens,
-                        "tau": tokens / max(rounds, 1), "accept_rate": accepted / max(proposed, 1)})
-        return out
 
 
 def leviathan_speedup(alpha: float, gamma: float, c: float) -> tuple[float, float]:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from specdistill.eval.evaluator import EvalResult
+from specdistill.eval.metrics import bucket_label
 from specdistill.eval.tree_cost import cost_model_markdown
 
 REQUIRED_KEYS = ("mean_accept_len", "accept_rate_per_pos", "tokens_per_s", "target_only_tokens_per_s", "speedup",
@@ -86,11 +87,7 @@ def markdown(r: EvalResult) -> str:
                   "| batch | prompts | tokens/s spec | tokens/s target | speedup | tau |", "|---|---|---|---|---|---|"]
         lines += [f"| {p.batch_size} | {p.num_prompts} | {_f(p.tokens_per_s, 2)} | {_f(p.target_only_tokens_per_s, 2)} "
                   f"| {_f(p.speedup)} | {_f(p.mean_accept_len)} |" for p in r.batch_sweep]
-    if r.accept_by_output_position:
-        lines += ["", "## Acceptance against output position", "", "| tokens | rounds | tau | accept rate |",
-                  "|---|---|---|---|"]
-        lines += [f"| {b['start']}-{b['end'] - 1} | {b['rounds']} | {_f(b['tau'])} | {_f(b['accept_rate'])} |"
-                  for b in r.accept_by_output_position]
+    lines += _output_positions(r)
     if r.by_category:
         lines += ["", "## Per category", "", "| category | prompts | tau | a_k per draft position |",
                   "|---|---|---|---|"]
@@ -116,6 +113,26 @@ def markdown(r: EvalResult) -> str:
                   f"{env.get('loadavg_before')} -> {env.get('loadavg_after')} (CPU timings on a shared machine are "
                   "noisy).", ""]
     return "\n".join(lines)
+
+
+def _ci(ci) -> str:
+    return "" if ci is None else f" [{_f(ci[0])}, {_f(ci[1])}]"
+
+
+def _output_positions(r: EvalResult) -> list[str]:
+    """Acceptance by where in the output a round starts, per bucket, with 95% bootstrap intervals over prompts."""
+    if not r.accept_by_output_position:
+        return []
+    lines = ["", "## Acceptance against output position", "",
+             "A round belongs to the bucket of the output position where it starts; [95% CI]: bootstrap over the "
+             "prompts that reached the bucket.", "",
+             "| output tokens | prompts | rounds | tau [95% CI] | accepted / proposed drafts [95% CI] |",
+             "|---|---|---|---|---|"]
+    for b in r.accept_by_output_position:
+        lines.append(f"| {bucket_label(b['start'], b['end'])} | {b.get('prompts', '-')} | {b['rounds']} "
+                     f"| {_f(b['tau'])}{_ci(b.get('tau_ci95'))} "
+                     f"| {_f(b['accept_rate'])}{_ci(b.get('accept_rate_ci95'))} |")
+    return lines
 
 
 def _oracle(r: EvalResult) -> list[str]:
@@ -208,9 +225,20 @@ def write_plots(r: EvalResult, out: Path) -> dict[str, Path]:
     ax.set_xscale("log", base=2)
     save(fig, "speedup_vs_batch_size.png")
 
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, (ax_tau, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.5))
     buckets = r.accept_by_output_position
-    curve(ax, [b["start"] for b in buckets], [b["tau"] for b in buckets], [b["rounds"] for b in buckets], "rounds")
-    ax.set(xlabel="output position (round start, tokens)", ylabel="tau", title="acceptance against output position")
+    xs = list(range(len(buckets)))  # one slot per bucket: the buckets widen (0-127 .. 1024+)
+    for ax, key, ylabel in ((ax_tau, "tau", "tau (tokens per target forward)"),
+                            (ax_acc, "accept_rate", "accepted / proposed drafts")):
+        curve(ax, xs, [b[key] for b in buckets], [b["rounds"] for b in buckets], "rounds")
+        band = [(x, b[f"{key}_ci95"]) for x, b in zip(xs, buckets) if b.get(f"{key}_ci95") is not None]
+        if band:
+            ax.fill_between([x for x, _ in band], [ci[0] for _, ci in band], [ci[1] for _, ci in band], alpha=0.25,
+                            label="95% CI (bootstrap over prompts)")
+            ax.legend(fontsize=7)
+        ax.set(xlabel="output tokens before the round", ylabel=ylabel, xticks=xs,
+               xticklabels=[bucket_label(b["start"], b["end"]) for b in buckets])
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle("acceptance against output position", fontsize=10)
     save(fig, "accept_by_output_position.png")
     return paths

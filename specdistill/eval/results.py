@@ -5,6 +5,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from specdistill.eval.metrics import bucket_name
+
 
 @dataclass
 class CostRatio:
@@ -82,7 +84,10 @@ class EvalResult:
     alpha: float
     alpha_per_pos: list[float]
     accept_len_hist: list[int]       # row-rounds by number of accepted drafts (0..max_gamma)
-    accept_by_output_position: list[dict]  # buckets of output position: rounds, tokens, tau, accept rate
+    # per bucket of output position (eval.position_buckets) that some prompt reached: start, end (None: open), name,
+    # label, prompts, rounds, tokens, proposed, accepted, tau [tau_ci95], accept_rate [accept_rate_ci95] (bootstrap
+    # over prompts; None with fewer than 2)
+    accept_by_output_position: list[dict]
     # speed
     tokens_per_s: float
     target_only_tokens_per_s: float
@@ -118,6 +123,7 @@ class EvalResult:
     oracle: Optional[OracleOverhead] = None
     env: dict = field(default_factory=dict)
     proposed_per_pos: list[int] = field(default_factory=list)  # drafts proposed per position: reach_rate's denominator
+    position_buckets: list[int] = field(default_factory=list)  # where each bucket of accept_by_output_position starts
     samples: list[dict] = field(default_factory=list)  # decoded outputs (written to outputs.jsonl, not results.json)
 
     def to_dict(self, samples: bool = False) -> dict:
@@ -127,7 +133,8 @@ class EvalResult:
         return d
 
     def flat(self, prefix: str = "spec/") -> dict[str, float]:
-        """Scalar metrics for loggers: spec/mean_accept_len, spec/speedup, spec/accept_rate_pos1.. ."""
+        """Scalar metrics for loggers: spec/mean_accept_len, spec/speedup, spec/accept_rate_pos1.., per bucket of output
+        position spec/accept_bucket_0_127 (accepted / proposed drafts) and spec/tau_bucket_0_127 .. ."""
         out = {}
         for k in ("mean_accept_len", "alpha", "mean_gamma", "tokens_per_s", "target_only_tokens_per_s", "speedup",
                   "decode_speedup", "round_cost_ratio", "predicted_speedup", "predicted_speedup_measured_tau",
@@ -139,6 +146,10 @@ class EvalResult:
             out[f"{prefix}accept_rate_pos{k + 1}"] = a
         for q in ("p50", "p95", "p99"):
             out[f"{prefix}latency_ms_{q}"] = self.latency_ms[q]
+        for b in self.accept_by_output_position:  # spec/accept_bucket_0_127, spec/tau_bucket_0_127, ..
+            name = bucket_name(b["start"], b["end"])
+            out[f"{prefix}accept_bucket_{name}"] = float(b["accept_rate"])
+            out[f"{prefix}tau_bucket_{name}"] = float(b["tau"])
         if self.cost is not None:
             out[prefix + "cost_c"] = self.cost.c
         if self.oracle is not None:

@@ -4,7 +4,8 @@ tau = sum(new tokens) / sum(target forwards) is a ratio of sums, so its uncertai
 by the bootstrap over prompts. Two drafts evaluated on the same prompts are compared PAIRED (the same resampled
 prompts for both), which removes the prompt-to-prompt spread both share.
 
-counts: (N, 2) per prompt [new tokens, target forwards], as in the evaluator's samples (outputs.jsonl).
+counts: (N, 2) per prompt [new tokens, target forwards], as in the evaluator's samples (outputs.jsonl); the same
+bootstrap serves any ratio of sums, e.g. a bucket of output positions' [accepted drafts, proposed drafts].
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ Counts = Sequence[Sequence[int]]
 
 
 def _resampled_tau(c: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """c (N, 2), idx (S, N) -> (S,) tau of each resample."""
+    """c (N, 2), idx (S, N) -> (S,) ratio of sums (tau) of each resample."""
     return c[idx, 0].sum(1) / c[idx, 1].sum(1).clamp(min=1)
 
 
@@ -29,12 +30,20 @@ def _indices(n: int, samples: int, seed: int) -> torch.Tensor:
     return torch.randint(n, (samples, n), generator=torch.Generator().manual_seed(seed))
 
 
-def tau_interval(counts: Counts, seed: int = 0, samples: int = 2000, level: float = 0.95) -> Optional[list[float]]:
-    """[lo, hi] bootstrap interval of tau over prompts; None with fewer than 2 prompts or no forwards."""
+def sum_ratio_interval(counts: Counts, seed: int = 0, samples: int = 2000, level: float = 0.95,
+                       ) -> Optional[list[float]]:
+    """[lo, hi] bootstrap interval over prompts of any ratio of sums sum(x) / sum(y), counts (N, 2) per prompt [x, y]
+    (tau: [new tokens, target forwards]; an acceptance rate: [accepted drafts, proposed drafts]); None with fewer
+    than 2 prompts or a zero denominator."""
     c = torch.tensor(counts, dtype=torch.float64).reshape(-1, 2)
     if len(c) < 2 or c[:, 1].sum() <= 0:
         return None
     return _quantiles(_resampled_tau(c, _indices(len(c), samples, seed)), level)
+
+
+def tau_interval(counts: Counts, seed: int = 0, samples: int = 2000, level: float = 0.95) -> Optional[list[float]]:
+    """[lo, hi] bootstrap interval of tau over prompts; None with fewer than 2 prompts or no forwards."""
+    return sum_ratio_interval(counts, seed, samples, level)
 
 
 def ratio_interval(a: Counts, b: Counts, seed: int = 0, samples: int = 2000, level: float = 0.95,

@@ -29,12 +29,11 @@ def test_tau_is_one_plus_sum_of_products_when_every_round_drafts_gamma():
                 position_proposed=torch.full((g,), 120),
                 position_accepted=torch.stack([rd.accepted for rd in rounds]).sum((0, 1)),
                 position_alpha=torch.zeros(g), prefill_seconds=0.0, round_seconds=[0.0] * 40)
-    c = SpecCounts(g, bucket=16)
+    c = SpecCounts(g)
     c.add(r)
     a = c.accept_rate_per_pos()
     assert c.tau() == pytest.approx(1 + sum(math.prod(a[: k + 1]) for k in range(g)))
     assert c.alpha_per_pos() == pytest.approx(a)
-    assert sum(b["rounds"] for b in c.by_output_position()) == 120
 
 
 def test_formulas():
@@ -47,9 +46,9 @@ def test_formulas():
 
 
 def test_counts_of_an_empty_sum_are_zero_not_nan():
-    c = SpecCounts(3, bucket=8)
+    c = SpecCounts(3)
     assert c.tau() == 0 and c.mean_gamma() == 0 and c.alpha() == 0
-    assert c.accept_rate_per_pos() == [0.0] * 3 and c.by_output_position() == []
+    assert c.accept_rate_per_pos() == [0.0] * 3
     p = weighted_percentiles([], [])
     assert all(math.isnan(v) for v in p.values()) and set(p) == {"p50", "p95", "p99", "mean"}
 
@@ -62,9 +61,8 @@ def test_per_position_rates_by_hand():
                 target_forwards=torch.tensor([2]), accept_hist=torch.bincount(n.flatten(), minlength=3),
                 position_proposed=torch.tensor([2, 2]), position_accepted=torch.tensor([2, 1]),
                 position_alpha=torch.zeros(2), prefill_seconds=0.0, round_seconds=[0.0, 0.0])
-    c = SpecCounts(2, bucket=2)
+    c = SpecCounts(2)
     c.add(r)
     assert c.tau() == pytest.approx(5 / 2) and c.mean_gamma() == pytest.approx(2.0)
     assert c.accept_rate_per_pos() == pytest.approx([1.0, 0.5]) and c.reach_rate_per_pos() == pytest.approx([1.0, 0.5])
     assert c.hist.tolist() == [0, 1, 1]
-    assert [b["start"] for b in c.by_output_position()] == [0, 2]
