@@ -397,6 +397,11 @@ class CompiledDecoding:
         weakref.finalize(owner, self._release, slot, slot.lease)
         return slot
 
+    def release(self, slot: _Slot) -> None:
+        """Free the slot now (its holder's decoding call ended: BatchKV.close), for the next call to reuse with its
+        warm graphs; the finalizer of the lease it ends does nothing then."""
+        self._release(slot, slot.lease)
+
     def _release(self, slot: _Slot, lease: int | None = None) -> None:
         """Free the slot (lease: only if no later acquire took it since)."""
         if lease is not None and lease != slot.lease:

@@ -1,6 +1,9 @@
 """Drafters propose tokens for the target to verify: a standalone LM with its own KV cache, or prompt lookup (n-grams).
 
-The protocol, per generation: start(prompt) once, then each round propose(k) -> Proposal and commit(verdict info).
+The protocol, per generation: start(prompt) once, then each round propose(k) -> Proposal and commit(verdict info),
+and close() when the call ends (a drafter on a compiled cache hands its slot back for the next call to reuse).
+A decoding loop that brings its own values to the host once per round commits in two halves: commit_begin() (device
+work, its host-needed sizes as a tensor), then commit_end() with those sizes, synced together with the loop's own.
 Like the target, a drafter holds every token but the last ("pending") one in its state: propose(k) feeds the
 pending token(s) and drafts k; commit() keeps the accepted drafts and makes next_token the new pending token.
 Rows whose `active` flag is False have stopped: they keep nothing and their proposals are ignored.
@@ -11,6 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -54,6 +58,14 @@ def unsure(logits: torch.Tensor, token: torch.Tensor, q: torch.Tensor | None, co
     return bool((probs.gather(1, token[:, None]) < confidence).all())
 
 
+@dataclass
+class DraftCommit:
+    """Drafter.commit_begin()'s result: the sizes commit_end() needs on the host, and what it applies them to."""
+
+    sizes: torch.Tensor  # (n,) long on the device (n may be 0)
+    state: Any = None    # the drafter's own: whatever commit_end() needs besides the sizes
+
+
 class Drafter(ABC):
     vocab_size: int | None = None     # size of q's vocab; None: proposes token ids from the context, any vocab
     needs_hidden_states: bool = False  # EAGLE-style heads: the loop passes the target's hidden states to start/commit
@@ -79,6 +91,20 @@ class Drafter(ABC):
         target_hidden: the target's per-layer hidden states (B, k+1, H) for [pending, d_1..d_k] from the
         verification forward (only when needs_hidden_states); row b keeps the first 1 + num_accepted[b].
         """
+
+    def commit_begin(self, num_accepted: torch.Tensor, next_token: torch.Tensor, active: torch.Tensor,
+                     target_hidden=None) -> DraftCommit:
+        """commit()'s device half: nothing brought to the host. This default defers the whole commit to
+        commit_end() (drafters whose commit needs no host value, or syncs on its own)."""
+        return DraftCommit(num_accepted.new_zeros(0), (num_accepted, next_token, active, target_hidden))
+
+    def commit_end(self, plan: DraftCommit, sizes: list[int]) -> None:
+        """commit()'s host half: sizes are plan.sizes on the host."""
+        self.commit(*plan.state)
+
+    def close(self) -> None:
+        """The decoding call ended: free what the call held for the next one (a compiled cache's slot)."""
+        return None
 
     def propose_tree(self, shape: TreeShape) -> Tree:
         """Grow a token tree under each row's pending token (decoding/tree.py) from the draft's scores: the nodes'
@@ -148,26 +174,44 @@ class LMDrafter(Drafter):
 
     @torch.no_grad()
     def commit(self, num_accepted, next_token, active, target_hidden=None) -> None:
+        plan = self.commit_begin(num_accepted, next_token, active, target_hidden)
+        self.commit_end(plan, plan.sizes.tolist())  # one host sync
+
+    @torch.no_grad()
+    def commit_begin(self, num_accepted, next_token, active, target_hidden=None) -> DraftCommit:
         device = self.pending.device
         n, next_token, active = num_accepted.to(device), next_token.to(device), active.to(device)
         B, k = self.tokens.shape
         # The cache tail holds [pending slots, d_1 .. d_{k-1}]; d_k was drafted but never fed.
         fed = torch.arange(max(k - 1, 0), device=device)
         keep = torch.cat([self.pending_valid, fed < n[:, None]], dim=1) & active[:, None]
-        self.kv.commit(keep)
+        kv_plan = self.kv.commit_begin(keep)
         # New pending: next_token, preceded by d_k where all k drafts were accepted. Stopped rows re-feed any
         # real token (its output is ignored and commit keeps nothing for them).
         full = (n == k) & (k > 0) & active                                   # (B,)
-        self._pend(self.tokens[:, -1] if k else next_token, full, next_token, active)
+        unfed = self.tokens[:, -1] if k else next_token
+        return DraftCommit(torch.cat([kv_plan.sizes, full.any().long()[None]]),  # (4,)
+                           (kv_plan, unfed, full, next_token, active))
 
-    def _pend(self, unfed: torch.Tensor, full: torch.Tensor, next_token: torch.Tensor, active: torch.Tensor) -> None:
+    @torch.no_grad()
+    def commit_end(self, plan: DraftCommit, sizes: list[int]) -> None:
+        kv_plan, unfed, full, next_token, active = plan.state
+        self.kv.commit_end(kv_plan, sizes[:3])
+        self._pend(unfed, full, next_token, active, any_full=bool(sizes[3]))
+
+    def close(self) -> None:
+        if getattr(self, "kv", None) is not None:
+            self.kv.close()
+
+    def _pend(self, unfed: torch.Tensor, full: torch.Tensor, next_token: torch.Tensor, active: torch.Tensor,
+              any_full: bool | None = None) -> None:
         """New pending tokens: next_token, preceded by unfed (B,) where `full` (an accepted draft the cache never
-        saw)."""
+        saw). any_full: full.any() when the caller has it on the host already."""
         first = torch.where(full, unfed, torch.where(active, next_token, self.pending[:, 0]))
         second = torch.where(full, next_token, 0)
         self.pending = torch.stack([first, second], 1)                       # (B, 2)
         self.pending_valid = torch.stack([torch.ones_like(full), full], 1)
-        if not bool(full.any()):
+        if not (bool(full.any()) if any_full is None else any_full):
             self.pending, self.pending_valid = self.pending[:, :1], self.pending_valid[:, :1]
 
     # ------------------------------------------------------------------------------------------- token trees

@@ -310,74 +310,83 @@ def speculative_generate(
     t0 = _clock(device)
     new_kv = cache.factory(_cache_length(input_ids, max_new_tokens, policy.max_gamma))
     target = new_kv(target_model)
-    prefill = target.prefill(input_ids[:, :-1], attention_mask[:, :-1], **hidden)
-    drafter.start(input_ids, attention_mask, target_hidden=getattr(prefill, "hidden_states", None),
-                  new_kv=new_kv)
-    kept = (_KeptFeatures(capture_layers, prefill, B, input_ids.shape[1], max_new_tokens, device) if capture_layers
-            else None)
-    pending = input_ids[:, -1]                                              # (B,)
-    active = torch.ones(B, dtype=torch.bool, device=device)
-    max_remaining = max_new_tokens
-    t_prev = t_start = _clock(device)
+    try:
+        prefill = target.prefill(input_ids[:, :-1], attention_mask[:, :-1], **hidden)
+        drafter.start(input_ids, attention_mask, target_hidden=getattr(prefill, "hidden_states", None),
+                      new_kv=new_kv)
+        kept = (_KeptFeatures(capture_layers, prefill, B, input_ids.shape[1], max_new_tokens, device) if capture_layers
+                else None)
+        pending = input_ids[:, -1]                                              # (B,)
+        active = torch.ones(B, dtype=torch.bool, device=device)
+        max_remaining = max_new_tokens
+        t_prev = t_start = _clock(device)
 
-    while True:
-        # 2. Draft K tokens; K never drafts past the budget (the token after the last draft comes free).
-        K = max(min(policy.gamma(), policy.max_gamma, max_remaining - 1), 0)
-        proposal = drafter.propose(K, draft_sampler)
-        drafts = proposal.tokens.to(device)                                # (B, K') with K' <= K
-        K = drafts.shape[1]
-        q = None if proposal.probs is None else proposal.probs.to(device)  # (B, K, V); None = one-hot at drafts
+        while True:
+            # 2. Draft K tokens; K never drafts past the budget (the token after the last draft comes free).
+            K = max(min(policy.gamma(), policy.max_gamma, max_remaining - 1), 0)
+            proposal = drafter.propose(K, draft_sampler)
+            drafts = proposal.tokens.to(device)                                # (B, K') with K' <= K
+            K = drafts.shape[1]
+            q = None if proposal.probs is None else proposal.probs.to(device)  # (B, K, V); None = one-hot at drafts
 
-        # 3. Verify: one target forward over [pending, d_1..d_K] scores every draft plus the bonus position.
-        out_t = target.step(torch.cat([pending[:, None], drafts], dim=1), **hidden)
-        logits = out_t.logits                                               # (B, K+1, V)
-        p = None if sampler.greedy else sampler.probs(logits)              # (B, K+1, V) processed
-        verdict = verify_greedy(drafts, logits) if sampler.greedy else verify_sampling(drafts, q, p, generator)
-        n = verdict.num_accepted                                            # (B,)
+            # 3. Verify: one target forward over [pending, d_1..d_K] scores every draft plus the bonus position.
+            out_t = target.step(torch.cat([pending[:, None], drafts], dim=1), **hidden)
+            logits = out_t.logits                                               # (B, K+1, V)
+            p = None if sampler.greedy else sampler.probs(logits)              # (B, K+1, V) processed
+            verdict = verify_greedy(drafts, logits) if sampler.greedy else verify_sampling(drafts, q, p, generator)
+            n = verdict.num_accepted                                            # (B,)
 
-        # 4. Emit accepted drafts + next token, cut at EOS and at max_new_tokens.
-        offset = out.length
-        count, done = _emit_counts(verdict.tokens, verdict.num_emitted, offset, max_new_tokens, eos, active)
-        out.append(verdict.tokens, count)
-        if kept is not None:
-            kept.add(out_t, offset, count)
-        going = active & ~done
+            # 4. Emit accepted drafts + next token, cut at EOS and at max_new_tokens.
+            offset = out.length
+            count, done = _emit_counts(verdict.tokens, verdict.num_emitted, offset, max_new_tokens, eos, active)
+            out.append(verdict.tokens, count)
+            if kept is not None:
+                kept.add(out_t, offset, count)
+            going = active & ~done
 
-        # 5. Roll back: rows that go on keep [pending, accepted drafts]; next_token becomes their pending token.
-        col = torch.arange(K + 1, device=device)
-        target.commit((col <= n[:, None]) & going[:, None])
-        drafter.commit(n, verdict.next_token, going, target_hidden=getattr(out_t, "hidden_states", None))
-        pending = torch.where(going, verdict.next_token, pending)
+            # 5. Roll back: rows that go on keep [pending, accepted drafts]; next_token becomes their pending token.
+            #    Both commits' device halves now, their host halves after the round's one sync (below).
+            col = torch.arange(K + 1, device=device)
+            target_plan = target.commit_begin((col <= n[:, None]) & going[:, None])
+            draft_plan = drafter.commit_begin(n, verdict.next_token, going,
+                                              target_hidden=getattr(out_t, "hidden_states", None))
+            pending = torch.where(going, verdict.next_token, pending)
 
-        # 6. Counters from sums over active rows (ratios are taken from these sums, never averaged).
-        accepted = verdict.accepted & active[:, None]                       # (B, K)
-        stats["target_forwards"] += active.long()
-        stats["accept_hist"].scatter_add_(0, n, active.long())
-        stats["position_proposed"][:K] += active.sum()
-        stats["position_accepted"][:K] += accepted.sum(0)
-        stats["position_alpha"][:K] += (verdict.alpha * active[:, None]).sum(0)
-        rounds.append(RoundRecord(
-            gamma=K, active=active, offset=offset, draft_tokens=drafts, accepted=accepted,
-            num_accepted=n * active, next_token=verdict.next_token, num_emitted=count,
-            alpha=verdict.alpha * active[:, None],
-            target_logits=logits if record else None,
-        ))
+            # 6. Counters from sums over active rows (ratios are taken from these sums, never averaged).
+            accepted = verdict.accepted & active[:, None]                       # (B, K)
+            stats["target_forwards"] += active.long()
+            stats["accept_hist"].scatter_add_(0, n, active.long())
+            stats["position_proposed"][:K] += active.sum()
+            stats["position_accepted"][:K] += accepted.sum(0)
+            stats["position_alpha"][:K] += (verdict.alpha * active[:, None]).sum(0)
+            rounds.append(RoundRecord(
+                gamma=K, active=active, offset=offset, draft_tokens=drafts, accepted=accepted,
+                num_accepted=n * active, next_token=verdict.next_token, num_emitted=count,
+                alpha=verdict.alpha * active[:, None],
+                target_logits=logits if record else None,
+            ))
 
-        # Loop control in one host sync (commit() also syncs once for its crop size; nothing syncs per token).
-        remaining = torch.where(going, max_new_tokens - out.length, 0).max()
-        n_going, n_accepted, n_active, max_remaining = torch.stack(
-            [going.sum(), accepted.sum(), active.sum(), remaining]).tolist()
-        policy.update(K * n_active, n_accepted)
-        active = going
-        t_now = time.perf_counter()  # the .tolist() above waited for the device
-        round_seconds.append(t_now - t_prev)
-        t_prev = t_now
-        if n_going == 0:
-            break
+            # The round's one host sync: loop control and both commits' crop sizes (nothing syncs per token).
+            remaining = torch.where(going, max_new_tokens - out.length, 0).max()
+            host = torch.cat([torch.stack([going.sum(), accepted.sum(), active.sum(), remaining]),
+                              target_plan.sizes.to(device), draft_plan.sizes.to(device)]).tolist()
+            n_going, n_accepted, n_active, max_remaining = host[:4]
+            target.commit_end(target_plan, host[4:7])
+            drafter.commit_end(draft_plan, host[7:])
+            policy.update(K * n_active, n_accepted)
+            active = going
+            t_now = time.perf_counter()  # the .tolist() above waited for the device
+            round_seconds.append(t_now - t_prev)
+            t_prev = t_now
+            if n_going == 0:
+                break
 
-    return Rollout(sequences=out.tokens[:, :max_new_tokens], num_new_tokens=out.length, rounds=rounds,
-                   prefill_seconds=t_start - t0, round_seconds=round_seconds,
-                   hidden=None if kept is None else kept.result(), **stats)
+        return Rollout(sequences=out.tokens[:, :max_new_tokens], num_new_tokens=out.length, rounds=rounds,
+                       prefill_seconds=t_start - t0, round_seconds=round_seconds,
+                       hidden=None if kept is None else kept.result(), **stats)
+    finally:  # the call's caches go back now, for the next call to reuse (BatchKV.close)
+        target.close()
+        drafter.close()
 
 
 @torch.no_grad()
@@ -419,30 +428,33 @@ def target_generate(
 
     t0 = _clock(device)
     target = cache.factory(_cache_length(input_ids, max_new_tokens, 0))(target_model)
-    keep(target.prefill(input_ids[:, :-1], attention_mask[:, :-1], **hidden))
-    pending = input_ids[:, -1]                                              # (B,)
-    active = torch.ones(B, dtype=torch.bool, device=device)
-    t_prev = t_start = _clock(device)
-    while True:
-        o = target.step(pending[:, None], **hidden)
-        keep(o)
-        logits = o.logits[:, -1]                                            # (B, V)
-        token, _ = sampler.draw(logits)                                     # (B,)
-        count, done = _emit_counts(token[:, None], one, out.length, max_new_tokens, eos, active)
-        out.append(token[:, None], count)
-        # Stopped rows keep decoding garbage that is never emitted: cheaper than a per-row rollback here.
-        target.commit_all()
-        stats["target_forwards"] += active.long()
-        stats["accept_hist"] += active.sum()
-        active = active & ~done
-        pending = token
-        still = bool(active.any())  # the one host sync per token
-        t_now = time.perf_counter()
-        round_seconds.append(t_now - t_prev)
-        t_prev = t_now
-        if not still:
-            break
+    try:
+        keep(target.prefill(input_ids[:, :-1], attention_mask[:, :-1], **hidden))
+        pending = input_ids[:, -1]                                              # (B,)
+        active = torch.ones(B, dtype=torch.bool, device=device)
+        t_prev = t_start = _clock(device)
+        while True:
+            o = target.step(pending[:, None], **hidden)
+            keep(o)
+            logits = o.logits[:, -1]                                            # (B, V)
+            token, _ = sampler.draw(logits)                                     # (B,)
+            count, done = _emit_counts(token[:, None], one, out.length, max_new_tokens, eos, active)
+            out.append(token[:, None], count)
+            # Stopped rows keep decoding garbage that is never emitted: cheaper than a per-row rollback here.
+            target.commit_all()
+            stats["target_forwards"] += active.long()
+            stats["accept_hist"] += active.sum()
+            active = active & ~done
+            pending = token
+            still = bool(active.any())  # the one host sync per token
+            t_now = time.perf_counter()
+            round_seconds.append(t_now - t_prev)
+            t_prev = t_now
+            if not still:
+                break
 
-    return Rollout(sequences=out.tokens[:, :max_new_tokens], num_new_tokens=out.length, rounds=[],
-                   prefill_seconds=t_start - t0, round_seconds=round_seconds,
-                   hidden=torch.cat(captured, dim=1) if captured else None, **stats)
+        return Rollout(sequences=out.tokens[:, :max_new_tokens], num_new_tokens=out.length, rounds=[],
+                       prefill_seconds=t_start - t0, round_seconds=round_seconds,
+                       hidden=torch.cat(captured, dim=1) if captured else None, **stats)
+    finally:  # the call's caches go back now, for the next call to reuse (BatchKV.close)
+        target.close()

@@ -176,6 +176,15 @@ class CacheMode:
                                  backend=self.backend)
 
 
+@dataclass
+class CommitPlan:
+    """BatchKV.commit_begin()'s result: what commit_end() applies once the sizes are on the host."""
+
+    mask: torch.Tensor     # (B, S) the committed mask, kept tail slots 1
+    length: torch.Tensor   # (B,) real tokens per row after the commit
+    sizes: torch.Tensor    # (3,) long: last kept tail column, real columns of the widest row, first visible column
+
+
 def window_by_position(positions: torch.Tensor, window: int) -> Callable:
     """Mask function (transformers' masking_utils protocol, indices are cache columns): key kv is inside query q's
     window when its position is > q's position - window. positions (B, S) covers every column, the tail included."""
@@ -240,7 +249,8 @@ class BatchKV:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
         self.compiled = compiled_decoding(model, backend, self._cache_kwarg, "cache_position" in params) \
             if compile else None
-        self.slot = None  # compile: the model's cache and graphs this BatchKV holds (from prefill on)
+        self.slot = None  # compile: the model's cache and graphs this BatchKV holds (from prefill on until close)
+        self.closed = False  # close() ended this decoding: no step until the next prefill
         self._keep_last_logits = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.max_positions = max_positions(model)
         self.mask: torch.Tensor | None = None       # (B, S) long, 1 = real token slot
@@ -248,6 +258,22 @@ class BatchKV:
         self.length: torch.Tensor | None = None     # (B,) real tokens per row, tail included = next position id
         self.committed = 0                          # columns before the uncommitted tail
         self._committed_length: torch.Tensor | None = None  # (B,) real tokens per row before the tail
+
+    def close(self) -> None:
+        """End this decoding: a compiled cache's slot goes back to the model's CompiledDecoding now, so the next call
+        of the same bucket reuses it and its warm graphs (not when this object happens to be garbage collected). The
+        decoding calls close their caches as they return; a closed BatchKV steps again only after a new prefill.
+        Growing and plain static caches are this object's own: close() only marks it closed."""
+        if self.slot is not None:
+            self.compiled.release(self.slot)
+            self.slot = None
+        self.closed = True
+
+    def __enter__(self) -> "BatchKV":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
@@ -262,6 +288,7 @@ class BatchKV:
         if self.compiled is not None:  # the model's cache of this batch's bucket, which earlier calls' graphs know
             self.slot = self.compiled.acquire(self, B, self._need, self._run_length, current=self.slot)
             self.cache, self.max_length = self.slot.cache, self.slot.length
+        self.closed = False
         if input_ids.shape[1] == 0:
             return None
         out = self.step(input_ids, attention_mask.bool(), eager=True, **self._keep_last_logits, **kwargs)
@@ -279,6 +306,9 @@ class BatchKV:
         (B, C, T) which of the T uncommitted tail columns, these C included, each new token sees (its ancestors and
         itself) instead of every earlier one; commit_path() then keeps one path per row. Compiled tree steps run at
         their width's bucket (compiled.width_bucket), padded with slots that are dropped again after the forward."""
+        if self.closed:
+            raise ValueError("BatchKV.step after close(): the decoding call that held this cache ended (its compiled "
+                             "cache may serve another call now); prefill() again to start a new decoding")
         device = device_of(self.model)
         input_ids = input_ids.to(device)
         valid = torch.ones_like(input_ids, dtype=torch.bool) if valid is None else valid.to(device)
@@ -391,23 +421,39 @@ class BatchKV:
 
         Per row, the kept slots must be a prefix of the row's real tail slots: a token's keys and values
         depend on every real token before it, so only a suffix can be dropped (a rejected draft and after).
+        One host sync (the crop sizes); a decoding loop that syncs anyway calls commit_begin / commit_end instead.
         """
+        plan = self.commit_begin(keep)
+        self.commit_end(plan, plan.sizes.tolist())
+
+    @torch.no_grad()
+    def commit_begin(self, keep: torch.Tensor | None = None) -> "CommitPlan":
+        """commit()'s device work, no host sync: the new mask and lengths, and the crop sizes as a device tensor
+        (CommitPlan.sizes) that the caller brings to the host with whatever else it syncs, then commit_end()."""
         S0, S = self.committed, self.mask.shape[1]
         real = self.mask[:, S0:].bool()                                     # (B, C)
         keep = real if keep is None else keep.to(real.device) & real
         kept_cols = torch.where(keep.any(0), torch.arange(S - S0, device=keep.device) + 1, 0)
         last = kept_cols.max() if S > S0 else kept_cols.new_zeros(())      # tail columns any row keeps
-        count = keep.sum(1)                                                 # (B,)
-        self.length = self._committed_length + count
+        length = self._committed_length + keep.sum(1)                       # (B,)
         mask = torch.cat([self.mask[:, :S0], keep.long()], dim=1)           # (B, S)
         if self.dead_behind is not None:  # no later query (position >= length) can see these keys
-            mask = mask * (self.positions > (self.length - self.dead_behind)[:, None])
+            mask = mask * (self.positions > (length - self.dead_behind)[:, None])
         widest = mask.sum(1).max()                                          # real columns of the widest row
-        last, widest, first = torch.stack([last, widest, self._first_visible(mask)]).tolist()  # one host sync
+        sizes = torch.stack([last, widest, self._first_visible(mask, length)])  # (3,)
+        return CommitPlan(mask, length, sizes)
+
+    @torch.no_grad()
+    def commit_end(self, plan: "CommitPlan", sizes: list[int]) -> None:
+        """Apply a commit_begin() plan; sizes: plan.sizes on the host (last kept tail column, widest row, first
+        visible column)."""
+        last, widest, first = sizes
+        S0, S = self.committed, self.mask.shape[1]
         first = min(first, S0 + last)
         for layer in self._filled_layers():
             rollback(layer, S - S0 - last)
-        self.mask, self.positions = mask[:, : S0 + last], self.positions[:, : S0 + last]
+        self.length = plan.length
+        self.mask, self.positions = plan.mask[:, : S0 + last], self.positions[:, : S0 + last]
         self.committed = S0 + last
         self._committed_length = self.length
         if self.committed - widest > max(32, self.committed // 4):
@@ -441,11 +487,11 @@ class BatchKV:
         self.positions[:, S0: S0 + W] = self.positions.gather(1, at)
         self.commit(torch.arange(tail, device=at.device) < count.to(at.device)[:, None])
 
-    def _first_visible(self, mask: torch.Tensor) -> torch.Tensor:
+    def _first_visible(self, mask: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         """() the first column that a sliding layer's window may still show to some row's next queries."""
         if self.front_window is None:
             return mask.new_zeros(())
-        visible = mask.bool() & (self.positions > (self.length - self.front_window)[:, None])  # (B, S)
+        visible = mask.bool() & (self.positions > (length - self.front_window)[:, None])      # (B, S)
         first = torch.where(visible.any(1), visible.int().argmax(1), mask.shape[1])            # (B,)
         return first.min()
 

@@ -137,73 +137,77 @@ def tree_generate(
     t0 = _clock(device)
     new_kv = cache.factory(_cache_length(input_ids, max_new_tokens, tree.size + 1))
     target = new_kv(target_model)
-    prefill = target.prefill(input_ids[:, :-1], attention_mask[:, :-1], **hidden)
-    drafter.start(input_ids, attention_mask, target_hidden=getattr(prefill, "hidden_states", None), new_kv=new_kv)
-    kept = (_KeptFeatures(capture_layers, prefill, B, input_ids.shape[1], max_new_tokens, device) if capture_layers
-            else None)
-    pending = input_ids[:, -1]                                              # (B,)
-    active = torch.ones(B, dtype=torch.bool, device=device)
-    max_remaining = max_new_tokens
-    t_prev = t_start = _clock(device)
+    try:
+        prefill = target.prefill(input_ids[:, :-1], attention_mask[:, :-1], **hidden)
+        drafter.start(input_ids, attention_mask, target_hidden=getattr(prefill, "hidden_states", None), new_kv=new_kv)
+        kept = (_KeptFeatures(capture_layers, prefill, B, input_ids.shape[1], max_new_tokens, device) if capture_layers
+                else None)
+        pending = input_ids[:, -1]                                              # (B,)
+        active = torch.ones(B, dtype=torch.bool, device=device)
+        max_remaining = max_new_tokens
+        t_prev = t_start = _clock(device)
 
-    while True:
-        # 2. Draft a tree; it never reaches past the budget (the token after the deepest node comes free).
-        shape = tree.at_most(max(min(D, max_remaining - 1), 1))
-        proposal = drafter.propose_tree(shape)
-        nodes = proposal.tokens.to(device)                                  # (B, N)
+        while True:
+            # 2. Draft a tree; it never reaches past the budget (the token after the deepest node comes free).
+            shape = tree.at_most(max(min(D, max_remaining - 1), 1))
+            proposal = drafter.propose_tree(shape)
+            nodes = proposal.tokens.to(device)                                  # (B, N)
 
-        # 3. Verify: one target forward over [root, node 1..N] with tree attention, positions by depth.
-        depths = proposal.depths().to(device)                               # (B, N+1)
-        out_t = target.step(torch.cat([pending[:, None], nodes], dim=1), positions=target.length[:, None] + depths,
-                            tail_visible=proposal.ancestors().to(device), **hidden)
-        logits = out_t.logits                                               # (B, N+1, V)
-        probs = None if sampler.greedy else sampler.probs(logits)          # (B, N+1, V) processed
-        verdict = (verify_tree_greedy(proposal, logits) if sampler.greedy
-                   else verify_tree_sampling(proposal, probs, None, generator))
-        n = verdict.num_accepted                                            # (B,)
+            # 3. Verify: one target forward over [root, node 1..N] with tree attention, positions by depth.
+            depths = proposal.depths().to(device)                               # (B, N+1)
+            out_t = target.step(torch.cat([pending[:, None], nodes], dim=1), positions=target.length[:, None] + depths,
+                                tail_visible=proposal.ancestors().to(device), **hidden)
+            logits = out_t.logits                                               # (B, N+1, V)
+            probs = None if sampler.greedy else sampler.probs(logits)          # (B, N+1, V) processed
+            verdict = (verify_tree_greedy(proposal, logits) if sampler.greedy
+                       else verify_tree_sampling(proposal, probs, None, generator))
+            n = verdict.num_accepted                                            # (B,)
 
-        # 4. Emit the accepted path + next token, cut at EOS and at max_new_tokens.
-        offset = out.length
-        count, done = _emit_counts(verdict.tokens, verdict.num_emitted, offset, max_new_tokens, eos, active)
-        out.append(verdict.tokens, count)
-        path_hidden = _path_hidden(getattr(out_t, "hidden_states", None), verdict.path)  # (B, D+1, H) per layer
-        if kept is not None:
-            kept.add(SimpleNamespace(hidden_states=path_hidden), offset, count)
-        going = active & ~done
+            # 4. Emit the accepted path + next token, cut at EOS and at max_new_tokens.
+            offset = out.length
+            count, done = _emit_counts(verdict.tokens, verdict.num_emitted, offset, max_new_tokens, eos, active)
+            out.append(verdict.tokens, count)
+            path_hidden = _path_hidden(getattr(out_t, "hidden_states", None), verdict.path)  # (B, D+1, H) per layer
+            if kept is not None:
+                kept.add(SimpleNamespace(hidden_states=path_hidden), offset, count)
+            going = active & ~done
 
-        # 5. Commit: rows that go on keep [root, accepted path]; next_token becomes their pending token.
-        target.commit_path(verdict.path, (n + 1) * going)
-        drafter.commit_path(verdict.path, n, verdict.next_token, going, target_hidden=path_hidden)
-        pending = torch.where(going, verdict.next_token, pending)
+            # 5. Commit: rows that go on keep [root, accepted path]; next_token becomes their pending token.
+            target.commit_path(verdict.path, (n + 1) * going)
+            drafter.commit_path(verdict.path, n, verdict.next_token, going, target_hidden=path_hidden)
+            pending = torch.where(going, verdict.next_token, pending)
 
-        # 6. Counters by depth, from sums over active rows.
-        K = verdict.alpha.shape[1]                                          # this tree's depth
-        reached = torch.arange(K, device=device) < proposal.depth.max(1).values[:, None]  # (B, K) tree has depth d+1
-        accepted = verdict.accepted & active[:, None]                       # (B, K)
-        stats["target_forwards"] += active.long()
-        stats["accept_hist"].scatter_add_(0, n, active.long())
-        stats["position_proposed"][:K] += (reached & active[:, None]).sum(0)
-        stats["position_accepted"][:K] += accepted.sum(0)
-        stats["position_alpha"][:K] += (verdict.alpha * active[:, None]).sum(0)
-        contexts = tree_contexts(proposal).to(device) if record else None
-        rounds.append(TreeRound(
-            gamma=K, active=active, offset=offset, draft_tokens=torch.where(accepted, verdict.tokens[:, :K], PAD),
-            accepted=accepted, num_accepted=n * active, next_token=verdict.next_token, num_emitted=count,
-            alpha=verdict.alpha * active[:, None], tree=proposal, path=verdict.path,
-            node_prob=node_probs(proposal, logits, probs) if record or score_nodes else None, contexts=contexts,
-            target_logits=None if contexts is None else logits.gather(
-                1, contexts.clamp(min=0)[..., None].expand(-1, -1, logits.shape[-1]))))
+            # 6. Counters by depth, from sums over active rows.
+            K = verdict.alpha.shape[1]                                          # this tree's depth
+            reached = torch.arange(K, device=device) < proposal.depth.max(1).values[:, None]  # (B, K) depth d+1 reached
+            accepted = verdict.accepted & active[:, None]                       # (B, K)
+            stats["target_forwards"] += active.long()
+            stats["accept_hist"].scatter_add_(0, n, active.long())
+            stats["position_proposed"][:K] += (reached & active[:, None]).sum(0)
+            stats["position_accepted"][:K] += accepted.sum(0)
+            stats["position_alpha"][:K] += (verdict.alpha * active[:, None]).sum(0)
+            contexts = tree_contexts(proposal).to(device) if record else None
+            rounds.append(TreeRound(
+                gamma=K, active=active, offset=offset, draft_tokens=torch.where(accepted, verdict.tokens[:, :K], PAD),
+                accepted=accepted, num_accepted=n * active, next_token=verdict.next_token, num_emitted=count,
+                alpha=verdict.alpha * active[:, None], tree=proposal, path=verdict.path,
+                node_prob=node_probs(proposal, logits, probs) if record or score_nodes else None, contexts=contexts,
+                target_logits=None if contexts is None else logits.gather(
+                    1, contexts.clamp(min=0)[..., None].expand(-1, -1, logits.shape[-1]))))
 
-        # Loop control in one host sync.
-        remaining = torch.where(going, max_new_tokens - out.length, 0).max()
-        n_going, max_remaining = torch.stack([going.sum(), remaining]).tolist()
-        active = going
-        t_now = time.perf_counter()
-        round_seconds.append(t_now - t_prev)
-        t_prev = t_now
-        if n_going == 0:
-            break
+            # Loop control in one host sync.
+            remaining = torch.where(going, max_new_tokens - out.length, 0).max()
+            n_going, max_remaining = torch.stack([going.sum(), remaining]).tolist()
+            active = going
+            t_now = time.perf_counter()
+            round_seconds.append(t_now - t_prev)
+            t_prev = t_now
+            if n_going == 0:
+                break
 
-    return Rollout(sequences=out.tokens[:, :max_new_tokens], num_new_tokens=out.length, rounds=rounds,
-                   prefill_seconds=t_start - t0, round_seconds=round_seconds,
-                   hidden=None if kept is None else kept.result(), **stats)
+        return Rollout(sequences=out.tokens[:, :max_new_tokens], num_new_tokens=out.length, rounds=rounds,
+                       prefill_seconds=t_start - t0, round_seconds=round_seconds,
+                       hidden=None if kept is None else kept.result(), **stats)
+    finally:  # the call's caches go back now, for the next call to reuse (BatchKV.close)
+        target.close()
+        drafter.close()

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdistill.decoding.drafters import Drafter, Proposal, aux_hidden_states, check_confidence, unsure
+from specdistill.decoding.drafters import (DraftCommit, Drafter, Proposal, aux_hidden_states, check_confidence,
+                                           unsure)
 from specdistill.decoding.kv import BatchKV
 from specdistill.decoding.sampling import Sampler
 from specdistill.decoding.tree import Tree, TreeShape, grow
@@ -135,19 +136,31 @@ class Eagle3Drafter(Drafter):
 
     @torch.no_grad()
     def commit(self, num_accepted, next_token, active, target_hidden=None) -> None:
+        plan = self.commit_begin(num_accepted, next_token, active, target_hidden)
+        self.commit_end(plan, plan.sizes.tolist())  # one host sync
+
+    @torch.no_grad()
+    def commit_begin(self, num_accepted, next_token, active, target_hidden=None) -> DraftCommit:
+        """The crop widths as a device tensor (sizes: last kept pending column, widest row, new pending width)."""
         device = self.length.device
         n, next_token, active = num_accepted.to(device), next_token.to(device), active.to(device)
-        B, k = self.tokens.shape
-        S0 = self.mask.shape[1]
-        # 1. Cache: keep the pending block's real slots of rows that go on; crop the rest of the block and every
-        #    draft-step slot. One host sync for the crop widths.
         keep = self.pending_keep & active[:, None]                          # (B, P)
         P = keep.shape[1]
         kept_cols = torch.where(keep.any(0), torch.arange(P, device=device) + 1, 0)
         count = keep.sum(1)                                                 # (B,)
         widest = (self.mask.sum(1) + count).max()
         width = torch.where(active, n + 1, 0).max()                         # the new pending block's width
-        last, widest, width = torch.stack([kept_cols.max() if P else kept_cols.new_zeros(()), widest, width]).tolist()
+        sizes = torch.stack([kept_cols.max() if P else kept_cols.new_zeros(()), widest, width])  # (3,)
+        return DraftCommit(sizes, (n, next_token, active, keep, count, target_hidden))
+
+    @torch.no_grad()
+    def commit_end(self, plan: DraftCommit, sizes: list[int]) -> None:
+        n, next_token, active, keep, count, target_hidden = plan.state
+        last, widest, width = sizes
+        device = self.length.device
+        S0 = self.mask.shape[1]
+        # 1. Cache: keep the pending block's real slots of rows that go on; crop the rest of the block and every
+        #    draft-step slot.
         self.keys, self.values = self.tail_keys[:, :, : S0 + last], self.tail_values[:, :, : S0 + last]
         self.tail_keys = self.tail_values = None
         self.mask = torch.cat([self.mask, keep[:, :last]], dim=1)
