@@ -15,21 +15,37 @@ last point):
       --temperature 0 --out outputs/cmp
 
 Runs made under different prompt sets, max_new_tokens, temperatures, gamma or draft policies are refused unless
---allow-mismatch. Writes <out>/compare.json and <out>/compare.md.
+--allow-mismatch. When every run's per-prompt samples carry acceptance by output position (output_buckets, written by
+the evaluator per eval.position_buckets), each bucket's tau and accepted/proposed drafts are compared with the
+baseline's too, as paired ratios over the prompts both reached the bucket (by_output_position). Writes
+<out>/compare.json and <out>/compare.md.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from specdistill.eval.compare import COMPARABLE, RunCounts, compare, markdown
+from specdistill.eval.metrics import paired_output_positions
 
 
-def load_run(folder, temperature: float = 0.0) -> RunCounts:
-    """An evaluator output folder, or BENCH_DIR#VARIANT[@FRACTION] -> its per-prompt counts and the settings that make
-    runs comparable."""
+@dataclass
+class LoadedRun:
+    """One run: its per-prompt counts for compare() and its per-prompt samples (acceptance by output position)."""
+    counts: RunCounts
+    samples: list[dict]
+
+
+def _loaded(name: str, settings: dict, samples: list[dict], draft=None) -> LoadedRun:
+    return LoadedRun(RunCounts.from_samples(name, settings, samples, draft=draft), samples)
+
+
+def load_run(folder, temperature: float = 0.0) -> LoadedRun:
+    """An evaluator output folder, or BENCH_DIR#VARIANT[@FRACTION] -> its per-prompt counts and samples and the
+    settings that make runs comparable."""
     if "#" in str(folder):
         return load_bench_run(str(folder), temperature)
     if (Path(curve_spec(str(folder))[0]) / "curve.json").exists():
@@ -45,7 +61,7 @@ def load_run(folder, temperature: float = 0.0) -> RunCounts:
     # results.json's own fields (what ran) first; its eval config's keys where a results.json lacks a field
     settings = {k: r.get(k, cfg.get(k)) for k in COMPARABLE}
     settings["num_prompts"] = len(rows)
-    return RunCounts.from_samples(str(folder), settings, rows, draft=r.get("draft_path", cfg.get("draft_path")))
+    return _loaded(str(folder), settings, rows, draft=r.get("draft_path", cfg.get("draft_path")))
 
 
 def curve_spec(spec: str) -> tuple[str, str]:
@@ -54,7 +70,7 @@ def curve_spec(spec: str) -> tuple[str, str]:
     return folder, step
 
 
-def load_curve_run(spec: str) -> RunCounts:
+def load_curve_run(spec: str) -> LoadedRun:
     """CURVE_DIR[@STEP]: one checkpoint's scoring in a scripts/learning_curve.py output (default: its last point)."""
     folder, step = curve_spec(spec)
     data = json.loads((Path(folder) / "curve.json").read_text())
@@ -74,11 +90,10 @@ def load_curve_run(spec: str) -> RunCounts:
                          "score it again with scripts/learning_curve.py")
     settings = {k: data.get(k) for k in COMPARABLE}
     settings["draft_policy"] = settings.get("draft_policy") or "greedy"  # the curve's drafts are greedy
-    return RunCounts.from_samples(str(Path(spec)), settings, point["samples"],
-                                  draft=f"{data.get('label')} step {point['step']}")
+    return _loaded(str(Path(spec)), settings, point["samples"], draft=f"{data.get('label')} step {point['step']}")
 
 
-def load_bench_run(spec: str, temperature: float) -> RunCounts:
+def load_bench_run(spec: str, temperature: float) -> LoadedRun:
     """BENCH_DIR#VARIANT[@FRACTION]: one scoring of a specdistill-bench run (its results.json), at `temperature`."""
     bench_dir, _, rest = spec.partition("#")
     variant, _, frac = rest.partition("@")
@@ -110,8 +125,35 @@ def load_bench_run(spec: str, temperature: float) -> RunCounts:
     if not e.get("samples"):
         raise ValueError(f"{spec!r}: its scoring at {key} kept no per-prompt samples (an older bench): re-score it "
                          "with specdistill-bench --append --reeval --only " + variant)
-    return RunCounts.from_samples(spec, e["eval_settings"], e["samples"], draft=f"{variant} at {point['fraction']:g} "
-                                  f"of its budget ({point.get('steps', 0)} steps)")
+    return _loaded(spec, e["eval_settings"], e["samples"], draft=f"{variant} at {point['fraction']:g} of its budget "
+                   f"({point.get('steps', 0)} steps)")
+
+
+def _ci(ci) -> str:
+    return "" if ci is None else f" [{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def _ratio(x, ci) -> str:
+    return "-" if x is None else f"{x:.3f}x{_ci(ci)}"
+
+
+def output_position_markdown(table: dict[str, dict], baseline: str) -> list[str]:
+    """Per bucket of output position: each run's tau and accepted/proposed drafts and their paired ratios to the
+    baseline's (empty when the runs carry no output buckets)."""
+    if not table:
+        return []
+    lines = ["", "Per bucket of output position (a round belongs to the bucket where it starts): tau and accepted / "
+                 "proposed drafts over the prompts both runs reached it, / baseline [paired 95% CI]", "",
+             "| output tokens | run | prompts | tau | / baseline | accept rate | / baseline |",
+             "|---|---|---|---|---|---|---|"]
+    for bucket in table.values():
+        for run, e in bucket["runs"].items():
+            same = run == baseline
+            lines.append(f"| {bucket['label']} | {run} | {e['prompts']} | {e['tau']:.3f}{_ci(e['tau_ci95'])} | "
+                         f"{'-' if same else _ratio(e['tau_ratio'], e['tau_ratio_ci95'])} | "
+                         f"{e['accept_rate']:.3f}{_ci(e['accept_rate_ci95'])} | "
+                         f"{'-' if same else _ratio(e['accept_rate_ratio'], e['accept_rate_ratio_ci95'])} |")
+    return lines
 
 
 def main(argv=None) -> dict:
@@ -128,8 +170,11 @@ def main(argv=None) -> dict:
     args = a.parse_args(argv)
     base_dir = args.baseline or args.runs[0]
     name = lambda f: f if "#" in f else str(Path(f))  # noqa: E731
-    runs = [load_run(f, args.temperature) for f in dict.fromkeys(list(args.runs) + [base_dir])]
+    loaded = [load_run(f, args.temperature) for f in dict.fromkeys(list(args.runs) + [base_dir])]
+    runs = [x.counts for x in loaded]
     result = compare(runs, name(base_dir), args.seed, args.allow_mismatch)
+    result["by_output_position"] = paired_output_positions({x.counts.name: x.samples for x in loaded},
+                                                           name(base_dir), args.seed)
     base = next(r for r in runs if r.name == name(base_dir))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -140,6 +185,7 @@ def main(argv=None) -> dict:
     lines = markdown(result, f"# tau on {s['num_prompts']} prompts of {s['prompts']}, {s['max_new_tokens']} new "
                              f"tokens, temperature {s['temperature']}, gamma {s['gamma']}, draft policy "
                              f"{s['draft_policy']}")
+    lines += output_position_markdown(result["by_output_position"], result["baseline"])
     (out / "compare.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return result

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import torch
 
 from specdistill.decoding import Rollout, RoundRecord
-from specdistill.eval.stats import sum_ratio_interval
+from specdistill.eval.stats import ratio_interval, sum_ratio_interval
 
 # Output positions (tokens generated before a round) where each bucket starts: long outputs get wide buckets.
 DEFAULT_POSITION_BUCKETS = (0, 128, 256, 512, 1024)
@@ -169,6 +169,51 @@ def output_position_summary(samples: list[dict], starts: Sequence[int], seed: in
                     "tau_ci95": sum_ratio_interval([[c["tokens"], c["rounds"]] for c in cells], seed),
                     "accept_rate": tot["accepted"] / max(tot["proposed"], 1),
                     "accept_rate_ci95": sum_ratio_interval([[c["accepted"], c["proposed"]] for c in cells], seed)})
+    return out
+
+
+def _finite(ci: Optional[list[float]]) -> Optional[list[float]]:
+    """An interval, or None where a resample's baseline rate was 0 (an unbounded ratio)."""
+    return ci if ci is not None and all(math.isfinite(x) for x in ci) else None
+
+
+def _bucket_of(name: str) -> tuple[int, Optional[int]]:
+    """bucket_name's inverse: "0_127" -> (0, 128), "1024_plus" -> (1024, None)."""
+    start, _, last = name.partition("_")
+    return int(start), None if last == "plus" else int(last) + 1
+
+
+def paired_output_positions(samples: dict[str, list[dict]], baseline: str, seed: int = 0) -> dict[str, dict]:
+    """Runs on the same prompts, {run: per-prompt samples} (each with "prompt" and "output_buckets"), against the
+    baseline run per bucket of output position: {bucket name: {start, end, label, runs: {run: {prompts, tau,
+    accept_rate, tau_ratio, accept_rate_ratio}}}} with 95% intervals (*_ci95). The ratios are run / baseline over the
+    prompts where both reached the bucket, their intervals a PAIRED bootstrap (the same resampled prompts for both;
+    None where the baseline's rate is 0 or fewer than 2 prompts pair). {} unless every sample of every run carries
+    output_buckets."""
+    if not samples or any("output_buckets" not in s for rows in samples.values() for s in rows):
+        return {}
+    by_prompt = {run: {s["prompt"]: s["output_buckets"] for s in rows} for run, rows in samples.items()}
+    base = by_prompt[baseline]
+    names = sorted({n for cells in base.values() for n in cells}, key=lambda n: _bucket_of(n)[0])
+    out = {}
+    for name in names:
+        row = {}
+        for run, cells in by_prompt.items():
+            both = [p for p in sorted(cells) if name in cells[p] and name in base.get(p, {})]
+            if not both:
+                continue
+            a, b = [cells[p][name] for p in both], [base[p][name] for p in both]
+            entry = {"prompts": len(both)}
+            for key, num, den in (("tau", "tokens", "rounds"), ("accept_rate", "accepted", "proposed")):
+                pa, pb = [[c[num], c[den]] for c in a], [[c[num], c[den]] for c in b]
+                ra = sum(x for x, _ in pa) / max(sum(y for _, y in pa), 1)
+                rb = sum(x for x, _ in pb) / max(sum(y for _, y in pb), 1)
+                entry |= {key: ra, f"{key}_ci95": sum_ratio_interval(pa, seed),
+                          f"{key}_ratio": ra / rb if rb > 0 else None,
+                          f"{key}_ratio_ci95": _finite(ratio_interval(pa, pb, seed)) if rb > 0 else None}
+            row[run] = entry
+        start, end = _bucket_of(name)
+        out[name] = {"start": start, "end": end, "label": bucket_label(start, end), "runs": row}
     return out
 
 

@@ -172,3 +172,53 @@ def test_a_drafter_right_only_early_gives_the_expected_buckets_through_the_evalu
     outputs = [json.loads(x) for x in paths["outputs.jsonl"].read_text().splitlines()]
     assert all(s["output_buckets"]["8_15"] == dict(zip(("rounds", "tokens", "proposed", "accepted"), want["8_15"]))
                for s in outputs)
+
+
+def _eval_dir(path, late_accepted: int, buckets: bool = True):
+    """An evaluator output folder of 6 prompts: bucket 0-127 the same in every run, 128+ accepting `late_accepted`
+    (+ the prompt index) of 40 proposed drafts over 10 rounds."""
+    path.mkdir()
+    rows = []
+    for p in range(6):
+        row = {"prompt": p, "new_tokens": 100, "target_forwards": 40, "reached_per_pos": [40], "accepted_per_pos": [20]}
+        if buckets:
+            row["output_buckets"] = {"0_127": {"rounds": 30, "tokens": 60 + p, "proposed": 120, "accepted": 30 + p},
+                                     "128_plus": {"rounds": 10, "tokens": 10 + late_accepted + p, "proposed": 40,
+                                                  "accepted": late_accepted + p}}
+        rows.append(row)
+    (path / "outputs.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (path / "results.json").write_text(json.dumps({"draft_policy": "greedy", "prompts": "p", "max_new_tokens": 200,
+                                                   "temperature": 0.0, "gamma": 4}))
+    return str(path)
+
+
+def test_compare_evals_pairs_each_bucket_of_output_position(tmp_path):
+    from specdistill.cli.compare_evals import main
+
+    base, better = _eval_dir(tmp_path / "kd", 4), _eval_dir(tmp_path / "opd", 8)
+    res = main([base, better, "--out", str(tmp_path / "cmp")])
+    table = res["by_output_position"]
+    assert list(table) == ["0_127", "128_plus"] and table["128_plus"]["label"] == "128+"
+    early, late = table["0_127"]["runs"], table["128_plus"]["runs"]
+    assert early[better]["accept_rate_ratio"] == 1.0 and early[better]["accept_rate_ratio_ci95"] == [1.0, 1.0]
+    want = (6 * 8 + 15) / (6 * 4 + 15)  # ratio of sums over the six prompts
+    assert late[better]["accept_rate_ratio"] == pytest.approx(want)
+    lo, hi = late[better]["accept_rate_ratio_ci95"]
+    assert 1.0 < lo <= want <= hi
+    assert late[better]["tau"] == pytest.approx(sum(10 + 8 + p for p in range(6)) / 60)
+    lo, hi = late[better]["tau_ci95"]
+    assert lo <= late[better]["tau"] <= hi
+    assert late[base]["accept_rate_ratio"] == 1.0 and late[base]["prompts"] == 6
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "| 128+ | " + better + " | 6 | " in md and "Per bucket of output position" in md
+    saved = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert saved["by_output_position"]["128_plus"]["runs"][better]["accept_rate_ratio"] == pytest.approx(want)
+
+
+def test_compare_evals_without_buckets_in_one_run_has_no_bucket_table(tmp_path):
+    from specdistill.cli.compare_evals import main
+
+    base, other = _eval_dir(tmp_path / "kd", 4), _eval_dir(tmp_path / "old", 8, buckets=False)
+    res = main([base, other, "--out", str(tmp_path / "cmp")])
+    assert res["by_output_position"] == {} and res["overall"][other]["prompts"] == 6
+    assert "Per bucket of output position" not in (tmp_path / "cmp" / "compare.md").read_text()
