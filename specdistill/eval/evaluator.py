@@ -51,12 +51,12 @@ from specdistill.decoding.tree_generate import proposes_trees, tree_generate
 from specdistill.drafts import draft_adapter
 from specdistill.eval.batches import PromptBatch, make_batches
 from specdistill.eval.hf_baseline import HF_MODES, hf_generate, hf_runners, hf_summary  # noqa: F401  (re-exported)
-from specdistill.eval.metrics import (SpecCounts, category_summary, check_position_buckets, leviathan_speedup,
-                                     output_position_buckets, output_position_summary, row_acceptance,
-                                     row_bucket_counts, weighted_percentiles)
+from specdistill.eval.metrics import (SpecCounts, category_summary, leviathan_speedup, output_position_summary,
+                                     row_acceptance, row_bucket_counts, weighted_percentiles)
 from specdistill.eval.results import CostRatio, EvalResult, OracleOverhead, SweepPoint  # noqa: F401  (re-exported)
 from specdistill.eval.timing import Run, Runner, Throughput, measure_cost, run_pass, timed  # noqa: F401
 from specdistill.eval import tree_cost, tree_search
+from specdistill.output_positions import check_position_buckets, output_position_buckets
 from specdistill.tokens import eos_ids, pad_id as pad_id_of
 
 

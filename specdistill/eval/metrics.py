@@ -2,10 +2,10 @@
 
 SpecCounts sums acceptance over rollouts, row_acceptance keeps the same counts per row (per prompt, for per-category
 and paired comparisons: category_summary), weighted_percentiles gives token-weighted latency percentiles, and
-leviathan_speedup is Leviathan et al.'s (2023) predicted speedup. output_position_buckets counts acceptance by where in
-the output a round starts (the evaluator's report and Draft-OPD's rollout metrics both call it), and
-output_position_summary turns per-prompt bucket counts into rates with bootstrap intervals over prompts. Tests call
-them directly (tests/eval/test_eval_metrics.py, tests/eval/test_eval_categories.py, tests/eval/test_output_buckets.py).
+leviathan_speedup is Leviathan et al.'s (2023) predicted speedup. output_position_summary turns per-prompt counts by
+bucket of output position (specdistill.output_positions, shared with Draft-OPD's rollouts) into rates with bootstrap
+intervals over prompts, and paired_output_positions compares runs bucket by bucket. Tests call them directly
+(tests/eval/test_eval_metrics.py, tests/eval/test_eval_categories.py, tests/eval/test_output_buckets.py).
 """
 from __future__ import annotations
 
@@ -15,11 +15,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from specdistill.decoding import Rollout, RoundRecord
+from specdistill.decoding import Rollout
 from specdistill.eval.stats import ratio_interval, sum_ratio_interval
-
-# Output positions (tokens generated before a round) where each bucket starts: long outputs get wide buckets.
-DEFAULT_POSITION_BUCKETS = (0, 128, 256, 512, 1024)
+from specdistill.output_positions import BucketCounts, bucket_label, bucket_name
 
 
 def weighted_percentiles(values: list[float], weights: list[float], qs=(50, 95, 99)) -> dict:
@@ -85,71 +83,6 @@ def category_summary(samples: list[dict]) -> dict[str, dict]:
                   "tau": c["new_tokens"] / max(c["target_forwards"], 1),
                   "accept_rate_per_pos": (c["accepted"] / c["reached"].clamp(min=1)).tolist()}
             for cat, c in sums.items()}
-
-
-def check_position_buckets(starts: Sequence[int], name: str = "eval.position_buckets") -> None:
-    """Bucket starts must be increasing integers from 0 (each bucket runs to the next start; the last is open)."""
-    starts = list(starts)
-    if not starts or starts[0] != 0 or any(not isinstance(x, int) or isinstance(x, bool) for x in starts) or any(
-            b <= a for a, b in zip(starts, starts[1:])):
-        raise ValueError(f"{name}={starts} must list bucket starts as increasing integers beginning at 0, e.g. "
-                         f"{list(DEFAULT_POSITION_BUCKETS)} (buckets 0-127, 128-255, 256-511, 512-1023, 1024+)")
-
-
-def bucket_name(start: int, end: Optional[int]) -> str:
-    """"0_127" for [0, 128), "1024_plus" for the open last bucket: usable in metric names."""
-    return f"{start}_plus" if end is None else f"{start}_{end - 1}"
-
-
-def bucket_label(start: int, end: Optional[int]) -> str:
-    """"0-127", "1024+": for tables and plots."""
-    return f"{start}+" if end is None else f"{start}-{end - 1}"
-
-
-@dataclass
-class BucketCounts:
-    """One bucket of output positions [start, end) (end None: no upper bound), per row: the row-rounds that started
-    there (offset = tokens the row had generated before the round) and what they proposed, accepted and emitted."""
-    start: int
-    end: Optional[int]
-    rounds: torch.Tensor    # (B,) long, row-rounds (target forwards) that started in the bucket
-    tokens: torch.Tensor    # (B,) long, tokens those rounds emitted (accepted drafts + correction/bonus, cut at EOS)
-    proposed: torch.Tensor  # (B,) long, drafts they proposed (gamma of each round)
-    accepted: torch.Tensor  # (B,) long, drafts the verifier accepted
-
-    @property
-    def name(self) -> str:
-        return bucket_name(self.start, self.end)
-
-    @property
-    def label(self) -> str:
-        return bucket_label(self.start, self.end)
-
-
-def output_position_buckets(rounds: Sequence[RoundRecord], starts: Sequence[int] = DEFAULT_POSITION_BUCKETS,
-                            ) -> list[BucketCounts]:
-    """A rollout's rounds -> per-bucket, per-row counts, one BucketCounts per bucket start (empty buckets included).
-
-    A round belongs to the bucket of the output position where it starts (RoundRecord.offset); only active rows count.
-    Worked example, starts (0, 4), one row, gamma 2: rounds at offsets 0, 3, 5 accepting 2, 0, 1 drafts ->
-    bucket 0-3: rounds 2, proposed 4, accepted 2; bucket 4+: rounds 1, proposed 2, accepted 1.
-    """
-    check_position_buckets(starts, "position bucket starts")
-    if not rounds:
-        return [BucketCounts(s, e, *(torch.zeros(0, dtype=torch.long) for _ in range(4)))
-                for s, e in zip(starts, list(starts[1:]) + [None])]
-    B, NB = rounds[0].active.shape[0], len(starts)
-    edges = torch.tensor(list(starts), dtype=torch.long)                   # (NB,)
-    sums = torch.zeros(4, NB, B, dtype=torch.long)                         # rounds, tokens, proposed, accepted
-    rows = torch.arange(B)
-    for rnd in rounds:
-        active = rnd.active.cpu().long()                                   # (B,)
-        which = torch.searchsorted(edges, rnd.offset.cpu().long(), right=True) - 1  # (B,) bucket of the round start
-        per_row = torch.stack([active, rnd.num_emitted.cpu().long() * active, active * rnd.gamma,
-                               rnd.num_accepted.cpu().long() * active])     # (4, B)
-        sums[:, which, rows] += per_row
-    ends = list(starts[1:]) + [None]
-    return [BucketCounts(s, e, *sums[:, i]) for i, (s, e) in enumerate(zip(starts, ends))]
 
 
 def output_position_summary(samples: list[dict], starts: Sequence[int], seed: int = 0) -> list[dict]:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from specdistill.eval.evaluator import EvalResult
-from specdistill.eval.metrics import bucket_label
+from specdistill.output_positions import bucket_label
 from specdistill.eval.tree_cost import cost_model_markdown
 
 REQUIRED_KEYS = ("mean_accept_len", "accept_rate_per_pos", "tokens_per_s", "target_only_tokens_per_s", "speedup",

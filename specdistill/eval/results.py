@@ -5,7 +5,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from specdistill.eval.metrics import bucket_name
+from specdistill.output_positions import bucket_name
 
 
 @dataclass

@@ -420,6 +420,12 @@ class DraftOPDObjective(Objective):
                             "rollout_tau_sum": f(s.emitted), "rollout_tau_count": f(s.target_forwards),
                             "rollout_alpha_sum": f(s.alpha), "rollout_alpha_count": f(s.drafted),
                             "rollout_target_tokens_sum": f(s.target_tokens), "rollout_target_tokens_count": f(1)})
+            # accepted / proposed drafts by where in the output the round started (rollout_accept_bucket_0_127, ..):
+            # the buckets a rollout of max_new_tokens can reach, so every rank logs the same keys
+            for b in s.output_buckets:
+                if b.start < self.max_new_tokens:
+                    metrics[f"rollout_accept_bucket_{b.name}_sum"] = f(b.accepted.sum())
+                    metrics[f"rollout_accept_bucket_{b.name}_count"] = f(b.proposed.sum())
         if state.fresh.row.device != device:  # a cached rollout restored from a checkpoint (loaded on CPU)
             state.fresh = _positions_to(state.fresh, device)
         fresh = state.fresh

@@ -34,6 +34,7 @@ from specdistill.onpolicy.positions import (ACCEPTED, AFTER_REJECTION, FIRST_REJ
                                            RolloutStats, TargetLogits, assemble_positions, positions_from_rounds,
                                            row_features, trajectories)
 from specdistill.onpolicy.tree_positions import positions_from_tree_rounds
+from specdistill.output_positions import output_position_buckets
 from specdistill.tensors import pad_rows, position_ids
 
 
@@ -187,6 +188,7 @@ def collect_rollout(target_model, draft_model, prompt_ids: torch.Tensor, prompt_
     else:
         rollout = speculative_generate(target_model, draft.drafter(), prompt_ids, prompt_mask, gamma=gamma, **common)
         positions = positions_from_rounds(prompt_ids, prompt_mask, rollout, top_k, branches)
+    positions.stats.output_buckets = output_position_buckets(rollout.rounds)  # the evaluator's buckets
     if layers:
         positions.aux = row_features(rollout.hidden, prompt_mask, positions.rows, positions.source)
     return positions

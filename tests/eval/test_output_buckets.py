@@ -10,8 +10,8 @@ from specdistill.config import EvalConfig
 from specdistill.decoding import RoundRecord
 from specdistill.decoding.drafters import Drafter, OracleDrafter, Proposal
 from specdistill.eval.evaluator import check_eval_config, evaluate
-from specdistill.eval.metrics import (DEFAULT_POSITION_BUCKETS, check_position_buckets, output_position_buckets,
-                                      output_position_summary)
+from specdistill.eval.metrics import output_position_summary
+from specdistill.output_positions import DEFAULT_POSITION_BUCKETS, check_position_buckets, output_position_buckets
 from specdistill.eval.report import write_report
 
 
