@@ -70,7 +70,7 @@ class RolloutStats:
     accepted: int = 0            # of them accepted by the verifier
     alpha: float = 0.0           # sum of sum_x min(p, q) over drafted positions (rollout temperature)
     target_tokens: int = 0       # tokens the target ran a forward over (prefill + verification, real rows only)
-    # the rounds by where in the output each started: eval.metrics.BucketCounts per bucket (assisted rollouts only)
+    # the rounds by where in the output each started: output_positions.BucketCounts per bucket (assisted rollouts)
     output_buckets: list = field(default_factory=list)
 
 
