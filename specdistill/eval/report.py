@@ -235,6 +235,7 @@ def write_plots(r: EvalResult, out: Path) -> dict[str, Path]:
         if band:
             ax.fill_between([x for x, _ in band], [ci[0] for _, ci in band], [ci[1] for _, ci in band], alpha=0.25,
                             label="95% CI (bootstrap over prompts)")
+            ax.set_ylim(0, max(ax.get_ylim()[1], 1.1 * max(ci[1] for _, ci in band)))  # the whole band in view
             ax.legend(fontsize=7)
         ax.set(xlabel="output tokens before the round", ylabel=ylabel, xticks=xs,
                xticklabels=[bucket_label(b["start"], b["end"]) for b in buckets])
