@@ -402,13 +402,19 @@ def target_generate(
     generator: torch.Generator | None = None,
     capture_layers: list[int] | None = None,
     cache: CacheMode = CacheMode(),
+    sync_every: int = 1,
 ) -> Rollout:
     """Target-only decoding on the same cache machinery: the denominator of every speedup. One forward per token.
     cache: growing (default) or static KV cache, compiled or not (kv.CacheMode).
+    sync_every: decode steps between host syncs (whether every row has stopped). 1 times every step on its own; more
+    lets the host queue steps ahead of the device (their round_seconds share the interval's time evenly), at the cost
+    of up to sync_every - 1 steps decoded after the last row stopped (never emitted).
 
     capture_layers: HF hidden_states ids (0 = embeddings, L = after the final norm) to return in Rollout.hidden, for
     regeneration that writes EAGLE-3 training features as it decodes (data/regenerated.py): the decode computes them
     anyway, so the target runs once per training token."""
+    if sync_every < 1:
+        raise ValueError(f"sync_every must be >= 1 (decode steps between host syncs), got {sync_every}")
     sampler = Sampler(temperature, top_p, generator)
     device = device_of(target_model)
     input_ids, attention_mask = _check_inputs(target_model, input_ids, attention_mask, max_new_tokens, device)
@@ -432,6 +438,7 @@ def target_generate(
         keep(target.prefill(input_ids[:, :-1], attention_mask[:, :-1], **hidden))
         pending = input_ids[:, -1]                                              # (B,)
         active = torch.ones(B, dtype=torch.bool, device=device)
+        steps = 0
         t_prev = t_start = _clock(device)
         while True:
             o = target.step(pending[:, None], **hidden)
@@ -446,9 +453,13 @@ def target_generate(
             stats["accept_hist"] += active.sum()
             active = active & ~done
             pending = token
-            still = bool(active.any())  # the one host sync per token
+            steps += 1
+            if steps % sync_every and steps < max_new_tokens:  # every row stops within max_new_tokens steps
+                continue
+            still = steps < max_new_tokens and bool(active.any())  # the one host sync per sync_every steps
             t_now = time.perf_counter()
-            round_seconds.append(t_now - t_prev)
+            since = steps - len(round_seconds)
+            round_seconds += [(t_now - t_prev) / since] * since
             t_prev = t_now
             if not still:
                 break

@@ -351,6 +351,11 @@ def _fill_from_donor(target_model, donor: Path, root: Path, parts: list[int], la
     log(f"[regenerate] recaptured {len(parts)} parts: {tokens} tokens in {time.perf_counter() - t0:.0f} s")
 
 
+# Decode steps between the host's checks for finished rows: the host queues steps ahead of the device (regeneration
+# times parts, not steps; a part decodes at most this many - 1 steps past its last row's end).
+DECODE_SYNC_EVERY = 8
+
+
 def _fill_by_decoding(cfg: RegenerateConfig, target_model, tokenizer, root: Path, batches: list[list[list[int]]],
                       missing: list[int], layers: list[int], aux_width: int, log: Callable[[str], None],
                       progress: bool, cache) -> None:
@@ -367,7 +372,7 @@ def _fill_by_decoding(cfg: RegenerateConfig, target_model, tokenizer, root: Path
         input_ids, mask = pad_rows(chunk, pad_id(tokenizer), side="left")
         roll = target_generate(target_model, input_ids.to(device), mask.to(device), max_new_tokens=cfg.max_new_tokens,
                                temperature=cfg.temperature, eos_token_id=tokenizer.eos_token_id, generator=gen,
-                               capture_layers=layers, cache=cache or CacheMode())
+                               capture_layers=layers, cache=cache or CacheMode(), sync_every=DECODE_SYNC_EVERY)
         _write_part(part_path(root, i), split_rows(chunk, roll.sequences.cpu(), roll.num_new_tokens.cpu(),
                                                    roll.hidden.float().cpu(), aux_width))
         n = int(roll.num_new_tokens.sum())

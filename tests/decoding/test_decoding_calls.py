@@ -132,3 +132,24 @@ def test_a_speculative_round_syncs_the_host_once(drafter_kind, monkeypatch):
                  if f not in ("_check_inputs", "start", "prefill")}  # once per call, before the first round
     assert len(rollout.rounds) >= 3
     assert sum(in_rounds.values()) == len(rollout.rounds), in_rounds
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("cache", [CacheMode(), COMPILED])
+def test_target_decoding_that_syncs_every_few_steps_emits_the_same_tokens(cache):
+    """sync_every=k checks for stopped rows every k steps: the same tokens and counts as every step (rows that hit EOS
+    stop emitting on time), one round_seconds entry per decode step, and the host syncs k times fewer."""
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts([7, 4, 3], seed=2, vocab=320)
+    every = target_generate(target, ids, mask, max_new_tokens=13, cache=cache)
+    eos = int(every.sequences[1, 2])  # row 1 stops at its third token (other rows maybe later or never)
+    every = target_generate(target, ids, mask, max_new_tokens=13, eos_token_id=eos, cache=cache)
+    few = target_generate(target, ids, mask, max_new_tokens=13, eos_token_id=eos, cache=cache, sync_every=4)
+    assert int(every.num_new_tokens[1]) == 3
+    assert torch.equal(few.sequences, every.sequences) and torch.equal(few.num_new_tokens, every.num_new_tokens)
+    assert torch.equal(few.target_forwards, every.target_forwards)
+    steps = int(every.num_new_tokens.max())
+    assert len(every.round_seconds) == steps and steps <= len(few.round_seconds) < steps + 4
+    assert abs(few.decode_seconds - sum(few.round_seconds)) < 1e-9
+    with pytest.raises(ValueError, match="sync_every must be >= 1"):
+        target_generate(target, ids, mask, max_new_tokens=4, sync_every=0)

@@ -1,0 +1,147 @@
+"""Target-only decoding (decoding.target_generate) against its memory-bandwidth floor, per batch size and cache mode.
+
+A random-weight Llama-3.1-8B-shaped target (--layers of its 32, bf16 on CUDA) decodes --new-tokens tokens after
+--prompt random prompt tokens, per batch size: one warm-up call (compiles, for the compiled mode), then one timed
+call. The floor of one decode step is the bytes it must read (every weight a step multiplies by, and each row's keys
+and values of its real tokens) over the device's bandwidth (--bandwidth, bytes/s; H200 4.8e12); the fraction is
+floor / measured step time. The goal is >= 0.5 for the compiled mode at batch 1 and 128 on a GPU. Imports
+specdistill.decoding, torch and transformers only.
+
+  python benchmarks/decode_bandwidth.py --batches 1 128 --modes growing compiled --out decode_bandwidth.json
+  python benchmarks/decode_bandwidth.py --device cpu --tiny     # the script's own check, seconds
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+@dataclass
+class Point:
+    batch: int
+    mode: str
+    sync_every: int
+    decode_steps: int
+    step_ms: float            # mean decode step (the prefill apart)
+    floor_ms: float           # bytes a step reads / bandwidth
+    fraction: float           # floor_ms / step_ms
+    tokens_per_s: float       # generated tokens over the decode time
+    compiles: int             # the compiled mode's graphs compiled (warm-up and timed call together)
+    compiles_in_timed_call: int
+
+
+def build_target(layers: int, tiny: bool, device: str, dtype):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if tiny:
+        config = LlamaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=128, max_position_embeddings=1024)
+    else:  # Llama-3.1-8B's shapes
+        config = LlamaConfig(vocab_size=128256, hidden_size=4096, num_hidden_layers=layers, num_attention_heads=32,
+                             num_key_value_heads=8, intermediate_size=14336, max_position_embeddings=8192,
+                             rope_theta=500000.0)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    return model.eval().requires_grad_(False)
+
+
+def step_bytes(model, batch: int, context: float) -> float:
+    """Bytes one decode step reads: the weights it multiplies by (not the input embedding table, of which it gathers
+    rows) and each row's keys and values of `context` real tokens."""
+    c = model.config
+    total = sum(p.numel() for p in model.parameters())
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    params = total - (embed.numel() if embed.data_ptr() != head.data_ptr() else 0)
+    elem = next(model.parameters()).element_size()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = 2 * c.num_hidden_layers * batch * c.num_key_value_heads * head_dim * context * elem
+    return params * elem + kv
+
+
+def measure(model, batch: int, mode_name: str, prompt: int, new_tokens: int, bandwidth: float, backend: str,
+            profile: bool = False, sync_every: int = 1) -> Point:
+    import torch
+
+    from specdistill.decoding import CacheMode, compile_stats, target_generate
+
+    mode = {"growing": CacheMode(), "static": CacheMode(static=True),
+            "compiled": CacheMode(compile=True, backend=backend)}[mode_name]
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(batch)
+    ids = torch.randint(10, model.config.vocab_size, (batch, prompt), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    run = lambda: target_generate(model, ids, mask, max_new_tokens=new_tokens, cache=mode,  # noqa: E731
+                                  sync_every=sync_every)
+    run()  # warm-up
+    before = compile_stats(model).total_compiles
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    roll = run()
+    if profile:  # a third call under torch.profiler: where a step's time goes (device kernels against the host)
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch_profile(activities=activities) as prof:
+            run()
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(f"--- batch {batch} {mode_name}: top ops by {key}")
+        print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
+    compiles_timed = compile_stats(model).total_compiles - before
+    steps = len(roll.round_seconds)
+    step_s = roll.decode_seconds / steps
+    floor_s = step_bytes(model, batch, prompt + (new_tokens - 1) / 2) / bandwidth
+    return Point(batch, mode_name, sync_every, steps, 1e3 * step_s, 1e3 * floor_s, floor_s / step_s,
+                 int(roll.num_new_tokens.sum()) / roll.decode_seconds, compile_stats(model).total_compiles,
+                 compiles_timed)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="toy model sizes (the CPU check)")
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers of the 8B-shaped target")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 128])
+    ap.add_argument("--modes", nargs="+", default=["growing", "compiled"], choices=("growing", "static", "compiled"))
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s (H200: 4.8e12)")
+    ap.add_argument("--backend", default="inductor", help="CacheMode backend of the compiled mode (eager: CPU check)")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--profile", action="store_true", help="print where a call's time goes (torch.profiler)")
+    ap.add_argument("--sync-every", type=int, nargs="+", default=[1], help="target_generate's sync_every values")
+    args = ap.parse_args(argv)
+    import torch
+
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    t0 = time.perf_counter()
+    model = build_target(args.layers, args.tiny, args.device, dtype)
+    points = []
+    for batch in args.batches:
+        for mode, sync_every in ((m, k) for m in args.modes for k in args.sync_every):
+            p = measure(model, batch, mode, args.prompt, args.new_tokens, args.bandwidth, args.backend,
+                        args.profile, sync_every)
+            points.append(p)
+            print(f"batch {p.batch:4d} {p.mode:9s} sync_every {p.sync_every} step {p.step_ms:8.3f} ms  "
+                  f"floor {p.floor_ms:7.3f} ms  "
+                  f"fraction {p.fraction:6.3f}  {p.tokens_per_s:9.0f} tok/s  compiles {p.compiles} "
+                  f"(timed call: {p.compiles_in_timed_call})", flush=True)
+    result = {"command": "python benchmarks/decode_bandwidth.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+              "torch": torch.__version__, "seconds": time.perf_counter() - t0,
+              "points": [asdict(p) for p in points]}
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
