@@ -121,7 +121,8 @@ class Rollout:
     position_accepted: torch.Tensor  # (max_gamma,) drafts accepted at position k
     position_alpha: torch.Tensor     # (max_gamma,) sum of alpha at position k
     prefill_seconds: float           # target prefill + drafter start (warm-up: report apart)
-    round_seconds: list[float]       # wall time of each round (host-synchronized, CUDA included)
+    round_seconds: list[float]       # wall time of each round (host-synchronized, CUDA included); target_generate
+    #   with sync_every > 1: the steps between two syncs share that interval's time evenly
     # capture_layers=... only: the target's hidden states of every token it was fed and kept, the chosen layers
     # concatenated: columns 0..P-2 are the left-padded prompt but its last token, column P-1+i the i-th token after
     # them (the prompt's last token, then generated token i-1). So column c holds the features of token c of
