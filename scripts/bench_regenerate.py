@@ -59,7 +59,7 @@ def regenerate_config(a):
     """The recipe's data.regenerate with this benchmark's prompt count and shard, and the composed run config."""
     from omegaconf import OmegaConf
 
-    from specdistill.cli.bench import compose
+    from benchmarks.recipes import compose
     from specdistill.config import RegenerateConfig
 
     cfg = compose(a.recipe, list(a.override))

@@ -205,7 +205,7 @@ class TrainerConfig:
     # (vllm | sglang | speculators; validated by specdistill.export). [] = none.
     export_formats: list[str] = field(default_factory=list)
     # A wall-clock budget: stop (with a resumable checkpoint) once the run's training wall time, carried across resumes
-    # as the logs' wall_s, reaches this many minutes (null = no limit; max_steps still applies). specdistill-bench's
+    # as the logs' wall_s, reaches this many minutes (null = no limit; max_steps still applies). benchmarks/recipes.py's
     # equal-wall-time budget.
     max_minutes: Optional[float] = bounded(None, "> 0")
     # optimizer steps whose micro-batches a background thread loads and collates ahead of the step (pinned memory on

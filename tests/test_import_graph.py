@@ -1,5 +1,6 @@
 """Packages import downward only: the package-level import graph of specdistill/ (imports inside functions count)
-has no cycle, and no draft-kind type check lives outside the draft adapters."""
+has no cycle, nothing in it imports the folders above it (benchmarks/, scripts/, tests/), and no draft-kind type check
+lives outside the draft adapters."""
 import ast
 import re
 from pathlib import Path
@@ -91,6 +92,38 @@ def test_nothing_below_the_pipeline_imports_it():
     importers = sorted(u for u, deps in import_graph().items()
                        if "specdistill.pipeline" in deps and u != "specdistill.cli")
     assert importers == [], f"{importers} import specdistill.pipeline, the top stage package"
+
+
+# Folders above the package: experiments, scripts and tests import specdistill, never the reverse.
+ABOVE_THE_PACKAGE = ("benchmarks", "scripts", "tests")
+
+
+def upward_imports(root: Path = PACKAGE) -> list[str]:
+    """package file:line -> a module of a folder above the package (benchmarks/, scripts/, tests/)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            found += [f"{path.relative_to(root)}:{node.lineno}: {n}" for n in names
+                      if n.split(".")[0] in ABOVE_THE_PACKAGE]
+    return found
+
+
+def test_the_package_imports_no_experiment_script_or_test():
+    offenders = upward_imports()
+    assert not offenders, f"specdistill/ must not import benchmarks/, scripts/ or tests/: {offenders}"
+
+
+def test_the_upward_import_check_catches_each_form(tmp_path):
+    (tmp_path / "a.py").write_text("import benchmarks.recipes\nfrom tests.conftest import compose\n"
+                                   "def f():\n    from scripts import x\n")
+    (tmp_path / "b.py").write_text("import benchmarking\nfrom specdistill.eval import compare\nfrom . import tests\n")
+    assert upward_imports(tmp_path) == ["a.py:1: benchmarks.recipes", "a.py:2: tests.conftest", "a.py:4: scripts"]
 
 
 # Draft-kind dispatch written by hand: every pattern below has been seen outside drafts/ at some point.

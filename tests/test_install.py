@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tiny_overrides
+from tests.test_entry_points import console_scripts
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -47,6 +48,8 @@ def test_pip_install_into_a_fresh_venv_runs_the_kd_recipe(tiny_target_dir, tiny_
                 .stdout.strip())
     (site / "_specdistill_test_deps.pth").write_text("\n".join(_dependency_dirs()) + "\n")
     _run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", src], tmp_path, 300)
+    installed = {f.name for f in (venv / "bin").glob("specdistill-*")}
+    assert installed == set(console_scripts()), sorted(installed)  # the user commands, no experiment harness
 
     work = tmp_path / "elsewhere"  # neither the checkout nor the copied sources are on the path from here
     work.mkdir()

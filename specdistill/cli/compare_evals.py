@@ -5,7 +5,7 @@ tau with a bootstrap interval over prompts, and each run's tau against a baselin
   python scripts/compare_evals.py outputs/eval_kd outputs/eval_opd --baseline outputs/eval_kd --out outputs/cmp
 
 Each folder is a scripts/evaluate.py output (results.json + outputs.jsonl with per-prompt new_tokens,
-target_forwards, category and per-position counts), or one scoring inside a specdistill-bench output, written
+target_forwards, category and per-position counts), or one scoring inside a benchmarks.recipes output, written
 BENCH_DIR#VARIANT[@FRACTION]: the variant's scoring at that budget point (default its last) at --temperature, read
 from BENCH_DIR/results.json (the bench keeps every scoring's per-prompt counts there), so arms of different benchmark
 runs can be paired; or one checkpoint of a scripts/learning_curve.py output, written CURVE_DIR[@STEP] (default its
@@ -94,12 +94,12 @@ def load_curve_run(spec: str) -> LoadedRun:
 
 
 def load_bench_run(spec: str, temperature: float) -> LoadedRun:
-    """BENCH_DIR#VARIANT[@FRACTION]: one scoring of a specdistill-bench run (its results.json), at `temperature`."""
+    """BENCH_DIR#VARIANT[@FRACTION]: one scoring of a benchmarks.recipes run (its results.json), at `temperature`."""
     bench_dir, _, rest = spec.partition("#")
     variant, _, frac = rest.partition("@")
     res = Path(bench_dir) / "results.json"
     if not res.exists():
-        raise FileNotFoundError(f"{res} is missing: {spec!r} names a variant of a specdistill-bench output folder "
+        raise FileNotFoundError(f"{res} is missing: {spec!r} names a variant of a benchmarks.recipes output folder "
                                 "(BENCH_DIR#VARIANT[@FRACTION])")
     variants = json.loads(res.read_text())["variants"]
     if variant not in variants:
@@ -124,7 +124,7 @@ def load_bench_run(spec: str, temperature: float) -> LoadedRun:
     e = point["eval"][key]
     if not e.get("samples"):
         raise ValueError(f"{spec!r}: its scoring at {key} kept no per-prompt samples (an older bench): re-score it "
-                         "with specdistill-bench --append --reeval --only " + variant)
+                         "with python -m benchmarks.recipes --append --reeval --only " + variant)
     return _loaded(spec, e["eval_settings"], e["samples"], draft=f"{variant} at {point['fraction']:g} of its budget "
                    f"({point.get('steps', 0)} steps)")
 

@@ -1,4 +1,4 @@
-"""The MoE expert-selection bench (specdistill/pipeline/moe_bench.py): a smoke run of every arm on a tiny Mixtral with
+"""The MoE expert-selection bench (benchmarks/moe.py): a smoke run of every arm on a tiny Mixtral with
 tiny budgets, and the pure scoring (paired intervals, verdicts) on hand-made per-prompt counts."""
 import json
 import sys
@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from specdistill.pipeline.moe_bench import ArmResult, PhaseScore, arms, paired_scores, verdict
-from tests.conftest import tiny_overrides
+from benchmarks.moe import ArmResult, PhaseScore, arms, paired_scores, verdict
+from tests.conftest import single_thread, tiny_overrides
+
+_single_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
 
 
 def _arm(name, baseline, counts):
@@ -48,7 +50,7 @@ def test_arm_table_pairs_each_arm_with_a_baseline_of_the_same_family():
 
 
 def test_bench_smoke_every_arm_on_a_tiny_mixtral(tiny_moe_dirs, tiny_data_file, tmp_path):
-    from specdistill.cli.bench_moe import main
+    from benchmarks.moe import main
     from specdistill.moe.build import select_experts
     from specdistill.moe.profiler import RoutingProfile
 
@@ -96,7 +98,7 @@ def test_bench_smoke_every_arm_on_a_tiny_mixtral(tiny_moe_dirs, tiny_data_file, 
 
 def test_spread_subset_takes_evenly_spaced_first_turns(tiny_data_file, tmp_path):
     from specdistill.data.prompts import load_prompt_messages
-    from specdistill.pipeline.moe_bench import spread_subset
+    from benchmarks.moe import spread_subset
 
     rows, _ = load_prompt_messages(str(tiny_data_file))
     got, _ = load_prompt_messages(str(spread_subset(str(tiny_data_file), 4, tmp_path / "p.jsonl")))

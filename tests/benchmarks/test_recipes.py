@@ -5,7 +5,7 @@ from argparse import Namespace
 
 import pytest
 
-from specdistill.cli import bench
+from benchmarks import recipes as bench
 
 
 def _args(tmp_path):
@@ -95,7 +95,7 @@ def test_head_arms_at_equal_target_tokens_scored_at_two_budget_points(head_bench
     ratio = cmp["overall"]["draft_opd_eagle3"]["ratio_to_baseline"]
     assert ratio == pytest.approx(opd["eval"]["T=1"]["mean_accept_len"] / off["eval"]["T=1"]["mean_accept_len"])
     md = (out / "results.md").read_text()
-    assert "Command: `specdistill-bench --variants eagle3_regen" in md and "| math | 2 |" in md
+    assert "Command: `python -m benchmarks.recipes --variants eagle3_regen" in md and "| math | 2 |" in md
     assert (out / "tau_vs_budget.png").stat().st_size > 1000
 
 

@@ -1,8 +1,8 @@
-"""`specdistill-bench`: the training recipes against each other (same target, data and compute budget), scored by
+"""The training recipes against each other (same target, data and compute budget), scored by
 the real speculative evaluator (specdistill.eval) on MT-bench at gamma 4, temperature 0 and 1.
 
-  specdistill-bench --steps 200 --micro-batch-size 8 --num-prompts 80 --max-new-tokens 128
-  specdistill-bench --steps 2 --micro-batch-size 2 --num-prompts 2 --max-new-tokens 16 \
+  python -m benchmarks.recipes --steps 200 --micro-batch-size 8 --num-prompts 80 --max-new-tokens 128
+  python -m benchmarks.recipes --steps 2 --micro-batch-size 2 --num-prompts 2 --max-new-tokens 16 \
       --rollout-tokens 8 --max-length 128 --max-rows 64 --no-cost --out outputs/bench_smoke      # CPU smoke
 
 Variants: kd, eagle3, draft_opd and its ablations (no_replay: objective.replay=false, no_weighting:
@@ -432,7 +432,7 @@ def write_outputs(args, results: dict, budget: dict, knobs: dict) -> dict[str, P
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     argv = sys.argv[1:] if getattr(args, "argv", None) is None else args.argv
-    command = "specdistill-bench " + shlex.join(argv)
+    command = "python -m benchmarks.recipes " + shlex.join(argv)
     comparisons = compare_to_off_policy(args, results)
     meta = {"knobs": knobs, "budget": budget, "argv": argv, "command": command}
     (out / "results.json").write_text(json.dumps({"meta": meta, "variants": results, "comparisons": comparisons},
@@ -506,7 +506,7 @@ def write_outputs(args, results: dict, budget: dict, knobs: dict) -> dict[str, P
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The console entry point (`specdistill-bench`; scripts/bench_recipes.py): run_bench with the command line."""
+    """`python -m benchmarks.recipes`: run_bench with the command line."""
     try:
         run_bench(argv)
     except BenchStopped as e:

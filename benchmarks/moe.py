@@ -18,10 +18,17 @@ Arms (each: recipe + overrides; the routing profile is computed once and shared)
   eagle3      eagle3, plain head                    (baseline of eagle3_hot)
   eagle3_hot  eagle3, eagle3_mlp=true               the head's MLP merged from the hot experts of the last MoE layer;
                                                     with eagle3_experts=1 its MLP has the plain head's size
+
+  python -m benchmarks.moe                                   # all arms, small budget, target=smollm2_moefied
+  python -m benchmarks.moe --arms=hot,random,cold trainer.max_steps=40 --spread-prompts=16
+  python -m benchmarks.moe --out=outputs/bench_moe_e8 target.path=/models/Qwen3-30B-A3B
 """
 from __future__ import annotations
 
+import argparse
 import json
+import shlex
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -291,10 +298,11 @@ def profile_target(cfg, out: Path, log=print) -> Path:
 
 
 def bench(overrides: list[str], out: Path, names: Optional[list[str]] = None, eagle3_experts: int = 1,
-          random_seed: int = 0, command: str = "", compose: Callable = None, spread_prompts: Optional[int] = None,
-          log=print) -> dict:
+          random_seed: int = 0, command: str = "", spread_prompts: Optional[int] = None, log=print) -> dict:
     """Run the arms `names` (default: all) with `overrides` on top of SMALL; write results.json, results.md,
-    results.png, profile.json and heatmap.png to `out`. compose(recipe, overrides) -> DictConfig (Hydra)."""
+    results.png, profile.json and heatmap.png to `out`."""
+    from benchmarks.recipes import compose
+
     t0 = time.perf_counter()
     table = arms(eagle3_experts, random_seed)
     names = list(names or table)
@@ -368,3 +376,31 @@ def _ensure_target(path: str, log) -> None:
     if "moefied" in str(path) and not (Path(path).expanduser() / "config.json").exists():
         raise FileNotFoundError(f"the MoEfied target {path} does not exist yet: create it once with "
                                 "`python scripts/moefy.py --experts 8 --top-k 6 --tokens 16384` (minutes)")
+
+
+def main(argv=None) -> dict:
+    """`python -m benchmarks.moe [--name=value ...] [hydra overrides]`: the bench's own options (--name=value); every
+    other argument is a Hydra override applied to every arm (as train.py takes them)."""
+    from specdistill.threads import configure_threads
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="outputs/bench_moe")
+    ap.add_argument("--arms", default=",".join(arms()), help="comma-separated subset of " + ",".join(arms()))
+    ap.add_argument("--eagle3-experts", type=int, default=1,
+                    help="hot experts merged into the EAGLE-3 head's MLP (1: the plain head's size)")
+    ap.add_argument("--random-seed", type=int, default=0, help="draft.moe.selection_seed of the random arm")
+    ap.add_argument("--spread-prompts", type=int, default=None,
+                    help="evaluate N evenly spaced prompts of eval.prompts (MT-bench is ordered by category)")
+    args, overrides = ap.parse_known_args(argv)
+    bad = [o for o in overrides if o.startswith("-")]
+    if bad:
+        ap.error(f"unknown options {bad}; Hydra overrides are key=value")
+    configure_threads(None, "trainer.threads")  # physical cores / local processes (or OMP_NUM_THREADS), printed
+    command = "python -m benchmarks.moe " + " ".join(shlex.quote(a) for a in argv)
+    return bench(overrides, Path(args.out), [a for a in args.arms.split(",") if a], args.eagle3_experts,
+                 args.random_seed, command=command.strip(), spread_prompts=args.spread_prompts)
+
+
+if __name__ == "__main__":
+    main()
