@@ -1,0 +1,84 @@
+"""Seconds per speculative round (decoding.speculative_generate with an EAGLE-3 head), as Draft-OPD's rollouts run it.
+
+A random-weight Llama-3.1-8B-shaped target (--layers of its 32) and a fresh EAGLE-3 head over a --draft-vocab id
+subset decode --new-tokens tokens after --prompt random tokens, per batch size and cache mode: one warm-up call, then
+one timed call, its capture of the head's aux layers on (record=True, capture_layers: what a rollout asks for).
+--tree points at the source tree to import specdistill from (another checkout: the same measurement of other code).
+Imports specdistill.decoding / drafts.eagle3, torch and transformers only.
+
+  python benchmarks/spec_round_cost.py --batches 4 64 --modes growing compiled
+  python benchmarks/spec_round_cost.py --device cpu --tiny --backend eager     # the script's own check
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tree", type=Path, default=Path(__file__).resolve().parent.parent)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batches", type=int, nargs="+", default=[4, 64])
+    ap.add_argument("--modes", nargs="+", default=["growing", "compiled"], choices=("growing", "static", "compiled"))
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(args.tree.resolve()))
+    import torch
+
+    from benchmarks.decode_bandwidth import build_target
+    from specdistill.decoding import CacheMode, speculative_generate
+    from specdistill.drafts.eagle3 import Eagle3Drafter
+    from specdistill.drafts.eagle3.model import build_eagle3
+
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    target = build_target(args.layers, args.tiny, args.device, dtype)
+    V = target.config.vocab_size
+    torch.manual_seed(1)
+    head = build_eagle3(target, torch.randperm(V)[: min(args.draft_vocab, V)].sort().values, None)
+    head = head.to(device=args.device, dtype=dtype).eval().requires_grad_(False)
+    aux = list(head.config.aux_layer_ids)
+    points = []
+    for batch in args.batches:
+        g = torch.Generator().manual_seed(batch)
+        ids = torch.randint(10, V, (batch, args.prompt), generator=g).to(args.device)
+        mask = torch.ones_like(ids)
+        for name in args.modes:
+            mode = {"growing": CacheMode(), "static": CacheMode(static=True),
+                    "compiled": CacheMode(compile=True, backend=args.backend)}[name]
+
+            def run():
+                return speculative_generate(target, Eagle3Drafter(head), ids, mask, gamma=args.gamma,  # noqa: B023
+                                            max_new_tokens=args.new_tokens, record=True, capture_layers=aux,
+                                            cache=mode)  # noqa: B023
+
+            run()
+            t0 = time.perf_counter()
+            roll = run()
+            wall = time.perf_counter() - t0
+            rounds = len(roll.round_seconds)
+            point = {"batch": batch, "mode": name, "rounds": rounds, "round_ms": 1e3 * roll.decode_seconds / rounds,
+                     "call_s": wall, "tau": roll.mean_accept_len}
+            points.append(point)
+            print(json.dumps(point), flush=True)
+    import specdistill
+
+    result = {"tree": str(args.tree), "imported": specdistill.__file__, "points": points}
+    print("specdistill from", specdistill.__file__)
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
