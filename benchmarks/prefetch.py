@@ -9,8 +9,8 @@ the device while the head computes, which a sleep reproduces; the compute itself
 on 2 CPU cores would take minutes). --compute-s auto sets it to the measured load time of one step, the case the
 stored-feature path is in at 8B width: loading a step takes about as long as the head's compute.
 
-    python scripts/bench_prefetch.py                       # 8B width (hidden 4096), T=512, 4 x 2 per step
-    python scripts/bench_prefetch.py --hidden 2048 --compute-s 0.2
+    python -m benchmarks.prefetch                          # 8B width (hidden 4096), T=512, 4 x 2 per step
+    python -m benchmarks.prefetch --hidden 2048 --compute-s 0.2
 
 Prints, per mode (no prefetch / prefetch depth d), seconds per step and the fraction of the step spent waiting for
 data (Prefetcher.wait_s over wall time), and writes them as JSON with --json.

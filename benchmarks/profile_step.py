@@ -1,6 +1,6 @@
 """Where a training step's time goes: torch.profiler over a few optimizer steps of any recipe (cached stages reused).
 
-  python scripts/profile_step.py recipe=eagle3_serve --steps 3 --out outputs/profile_eagle3_serve
+  python -m benchmarks.profile_step recipe=eagle3_serve --steps 3 --out outputs/profile_eagle3_serve
 
 Hydra overrides as for train.py; --steps/--out are this script's own. Writes profile.json and profile.md (self CPU
 time by op, grouped: matmul, attention/softmax, elementwise, indexing/copies, optimizer) plus the counted FLOPs per
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default="outputs/profile")
     own, overrides = ap.parse_known_args(argv)
-    command = "python scripts/profile_step.py " + " ".join(shlex.quote(a) for a in argv)
+    command = "python -m benchmarks.profile_step " + " ".join(shlex.quote(a) for a in argv)
 
     import torch
     from hydra import compose, initialize_config_dir
