@@ -1,1 +1,2 @@
-"""Benchmarks that sit outside the package: scripts with their own dependencies (the peer trainers)."""
+"""Experiments and measurements, each run from a checkout as `python -m benchmarks.<name>` (peers/: against the peer
+trainers, with their own dependencies). They import specdistill; nothing in specdistill imports them."""
