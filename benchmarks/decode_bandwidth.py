@@ -7,8 +7,8 @@ and values of its real tokens) over the device's bandwidth (--bandwidth, bytes/s
 floor / measured step time. The goal is >= 0.5 for the compiled mode at batch 1 and 128 on a GPU. Imports
 specdistill.decoding, torch and transformers only.
 
-  python benchmarks/decode_bandwidth.py --batches 1 128 --modes growing compiled --out decode_bandwidth.json
-  python benchmarks/decode_bandwidth.py --device cpu --tiny     # the script's own check, seconds
+  python -m benchmarks.decode_bandwidth --batches 1 128 --modes growing compiled --out decode_bandwidth.json
+  python -m benchmarks.decode_bandwidth --device cpu --tiny     # the script's own check, seconds
 """
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def main(argv=None) -> dict:
                   f"floor {p.floor_ms:7.3f} ms  "
                   f"fraction {p.fraction:6.3f}  {p.tokens_per_s:9.0f} tok/s  compiles {p.compiles} "
                   f"(timed call: {p.compiles_in_timed_call})", flush=True)
-    result = {"command": "python benchmarks/decode_bandwidth.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    result = {"command": "python -m benchmarks.decode_bandwidth " + " ".join(sys.argv[1:] if argv is None else argv),
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "torch": torch.__version__, "seconds": time.perf_counter() - t0,
               "points": [asdict(p) for p in points]}

@@ -6,8 +6,8 @@ one timed call, its capture of the head's aux layers on (record=True, capture_la
 --tree points at the source tree to import specdistill from (another checkout: the same measurement of other code).
 Imports specdistill.decoding / drafts.eagle3, torch and transformers only.
 
-  python benchmarks/spec_round_cost.py --batches 4 64 --modes growing compiled
-  python benchmarks/spec_round_cost.py --device cpu --tiny --backend eager     # the script's own check
+  python -m benchmarks.spec_round_cost --batches 4 64 --modes growing compiled
+  python -m benchmarks.spec_round_cost --device cpu --tiny --backend eager     # the script's own check
 """
 from __future__ import annotations
 
