@@ -140,6 +140,24 @@ def test_evaluation_refuses_a_checkpoint_trained_for_another_target(run, tmp_pat
     assert str(draft_dir) in msg and f"it was trained for {run['target']}" in msg and "input embeddings" in msg
     assert evaluate_with(run["target"]) is not None  # its own target: accepted
 
+    # the draft folder copied out of its checkpoint still names its target and the digest of its embeddings
+    draft_dir = tmp_path / "copied_draft"
+    shutil.copytree(_checkpoint(run["out"]) / "draft", draft_dir)
+    with pytest.raises(ValueError) as e:
+        evaluate_with(other)
+    msg = str(e.value)
+    assert str(draft_dir) in msg and f"it was trained for {run['target']}" in msg and "input embeddings" in msg
+    assert evaluate_with(run["target"]) is not None
+
+
+def test_a_draft_folder_with_no_record_of_its_target_says_it_cannot_be_checked(tmp_path):
+    from specdistill.drafts.readback import check_trained_target
+
+    (tmp_path / "config.json").write_text("{}")
+    said = []
+    check_trained_target(tmp_path, make_tiny_lm(len(make_tokenizer())), log=said.append)
+    assert len(said) == 1 and "cannot check which target" in said[0] and str(tmp_path) in said[0]
+
 
 def test_a_fresh_run_into_another_runs_folder_is_refused_without_a_checkpoint(run, tmp_path):
     out = tmp_path / "killed"  # a run killed at step 30 of 1000, before its first checkpoint

@@ -5,9 +5,9 @@ Every kind: its adapter's check_target (the vocabulary it scores) must pass; a f
 it was trained for (an export's `specdistill_target`, or the checkpoint's config.yaml). EAGLE-3 heads also need the
 target's hidden size and enough layers for their aux ids, and their embeddings: kept when the folder holds them, else
 the target's input embeddings, shape-checked, and digest-checked where the export recorded `embed_tokens_sha256`.
-A checkpoint's draft whose inputs.json records the digest of its target's input embeddings runs only with a target
-of the same embeddings (check_trained_target). A kind with more to check adds a function to FITS. Knows nothing of the
-evaluator or training.
+A draft whose checkpoint (inputs.json) or own config.json records the digest of its target's input embeddings runs
+only with a target of the same embeddings (check_trained_target). A kind with more to check adds a function to
+FITS. Knows nothing of the evaluator or training.
 """
 from __future__ import annotations
 
@@ -52,20 +52,30 @@ def _checkpoint_inputs(path) -> dict:
         return {}
 
 
-def check_trained_target(path, target_model, target_name: str = "the target") -> None:
-    """A checkpoint's draft must run with the target it was trained for: where the checkpoint recorded the digest of
-    that target's input embeddings (inputs.json), this target's must be the same (a target of the same shape but
-    other weights is refused by name)."""
+def check_trained_target(path, target_model, target_name: str = "the target", log=print) -> None:
+    """A saved draft must run with the target it was trained for: where its checkpoint (inputs.json) or its own
+    config.json (`embed_tokens_sha256`, a draft folder copied out of its checkpoint) recorded the digest of that
+    target's input embeddings, this target's must be the same (a target of the same shape but other weights is
+    refused by name). With no record, one line says the target cannot be checked."""
     from specdistill.export import embedding_digest
 
+    where = Path(path).expanduser().parent / CHECKPOINT_INPUTS
     recorded = _checkpoint_inputs(path).get("target_embeddings")
     if not recorded:
+        where = Path(path).expanduser() / "config.json"
+        try:
+            recorded = json.loads(where.read_text()).get("embed_tokens_sha256")
+        except (OSError, ValueError):
+            recorded = None
+    if not recorded:
+        if log is not None:
+            log(f"[draft] {path} records no digest of its target's input embeddings: cannot check which target it "
+                "was trained for")
         return
     now = embedding_digest(target_model.get_input_embeddings().weight)
     if now != recorded:
         raise _unfit(path, target_name, f"the target's input embeddings differ from those of the target it was "
-                                        f"trained with (digest {now} != {recorded} recorded in "
-                                        f"{Path(path).expanduser().parent / CHECKPOINT_INPUTS})")
+                                        f"trained with (digest {now} != {recorded} recorded in {where})")
 
 
 def _unfit(path, target_name: str, problem: str) -> ValueError:
@@ -177,7 +187,7 @@ def read_back(draft, path, target_model, target_name: str = "the target", log=pr
         adapter.check_target(target_model, "a draft must share the target's tokenizer and output layer size")
     except ValueError as e:
         raise _unfit(path, target_name, str(e)) from None
-    check_trained_target(path, target_model, target_name)
+    check_trained_target(path, target_model, target_name, log)
     extra = FITS.get(adapter.kind)
     if extra is not None:
         extra(adapter.module, path, target_model, target_name, log)

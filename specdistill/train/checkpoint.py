@@ -204,7 +204,9 @@ def _save(accelerator, draft, tokenizer, output_dir, step: int, trainer_state: d
             tokenizer.save_pretrained(tmp / "draft")
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1))
         (tmp / "config.yaml").write_text(config_yaml)
-        write_inputs(tmp, inputs_from_yaml(config_yaml, tokenizer, embeddings))
+        inputs = inputs_from_yaml(config_yaml, tokenizer, embeddings)
+        write_inputs(tmp, inputs)
+        _record_target(tmp / "draft", inputs["target_path"], embeddings)
         # trainer_state.json is written last: its presence marks the content complete, the rename makes it visible.
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
         write_manifest(tmp)  # sizes + SHA-256 of every file: resume verifies them (train/integrity.py)
@@ -218,6 +220,20 @@ def _save(accelerator, draft, tokenizer, output_dir, step: int, trainer_state: d
             _discard(old)
     accelerator.wait_for_everyone()
     return final
+
+
+def _record_target(draft_dir: Path, target_path: str, embeddings: Optional[str]) -> None:
+    """The draft folder's config.json names the target it was trained for (`specdistill_target`) and the digest of
+    that target's input embeddings (`embed_tokens_sha256`), the keys an EAGLE-3 export records: a draft folder copied
+    out of its checkpoint is still checked against its target (drafts/readback.py)."""
+    cfg_file = draft_dir / "config.json"
+    if not cfg_file.exists():
+        return
+    config = json.loads(cfg_file.read_text())
+    config["specdistill_target"] = target_path
+    if embeddings is not None:
+        config["embed_tokens_sha256"] = embeddings
+    cfg_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def load_checkpoint(accelerator, path: Path, objective=None) -> dict:
