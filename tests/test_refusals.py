@@ -190,6 +190,18 @@ def test_invalid_utf8_in_regeneration_prompts_is_counted(tmp_path):
     assert len(ids) == 2 and any("2 replacement characters" in s and str(f) in s for s in said), said
 
 
+def test_invalid_utf8_in_the_regeneration_scripts_data_is_counted(tiny_target_dir, tmp_path, capsys):
+    from specdistill.cli.regenerate import main
+
+    f = tmp_path / "bad.jsonl"
+    f.write_bytes(b'{"id": "a", "messages": [{"role": "user", "content": "caf\xe9 cr\xe8me"}, '
+                  b'{"role": "assistant", "content": "ok"}]}\n')
+    main(["--target", str(tiny_target_dir), "--data", str(f), "--out", str(tmp_path / "out.jsonl"),
+          "--max-new-tokens", "2", "--max-prompt-tokens", "24", "--threads", "1"])
+    printed = capsys.readouterr().out
+    assert "2 replacement characters" in printed and "1 conversations" in printed and str(f) in printed, printed
+
+
 def test_a_byte_order_mark_does_not_drop_the_first_row(tmp_path):
     from specdistill.data.conversations import load_rows, normalize
 

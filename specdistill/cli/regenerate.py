@@ -162,6 +162,10 @@ def _regenerate(args, out: Path) -> None:
     convs = normalize(rows, args.format)
     if convs.malformed:
         print(f"[regenerate] {sum(convs.malformed.values())} malformed rows skipped: {dict(convs.malformed)}")
+    if convs.replacement_chars:
+        print(f"[regenerate] {convs.replacement_chars} replacement characters (U+FFFD: bytes that were not valid "
+              f"UTF-8, or already in the text) in {convs.rows_with_replacement} conversations of {args.data}; the "
+              "target answers them as they are. Fix the file's encoding to regenerate from the real text")
     kept_ids = [str(rows[i].get("id", i)) for i in convs.indices]
     todo = []
     skipped_long = 0
