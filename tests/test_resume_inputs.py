@@ -171,7 +171,8 @@ def test_a_fresh_run_into_another_runs_folder_is_refused_without_a_checkpoint(ru
         pipeline.run(cfg)
     msg = str(e.value)
     assert str(out / "config.yaml") in msg and str(out / "metrics.jsonl") in msg
-    assert "another trainer.output_dir" in msg and "trainer.resume=auto" in msg
+    assert "another trainer.output_dir" in msg and "start it over with trainer.resume=auto" in msg
+    assert f"its files are moved to {out / 'earlier-'}" in msg
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.name in before} == before
 
     # resume=auto into a folder of another run's settings, no checkpoint: refused too; of its own: started over
@@ -181,10 +182,18 @@ def test_a_fresh_run_into_another_runs_folder_is_refused_without_a_checkpoint(ru
         pipeline.check_folder_claim(other, out)
     said = []
     (out / "config.yaml").write_text(pipeline.OmegaConf.to_yaml(cfg, resolve=True))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     own = compose("eagle3", tiny_overrides(run["target"], run["data"], out, run["root"] / "cache")
                   + ["trainer.max_steps=2", "trainer.resume=auto", *EVAL])
-    pipeline.check_folder_claim(own, out, log=said.append)
-    assert "starts over at step 0" in said[0] and str(out / "metrics.jsonl") in said[0]
+    aside = pipeline.check_folder_claim(own, out, log=said.append)
+    assert "starts over at step 0" in said[0] and str(out / "metrics.jsonl") in said[0] and str(aside) in said[0]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # checking moves nothing
+
+    # starting it over keeps the earlier run's files, moved aside whole; the new run writes its own
+    pipeline.run(own)
+    moved = sorted(out.glob("earlier-*"))
+    assert len(moved) == 1 and {p.name: p.read_bytes() for p in moved[0].iterdir()} == before
+    assert (out / "metrics.jsonl").read_bytes() != before["metrics.jsonl"] and _checkpoint(out).exists()
 
 
 def test_a_deleted_stage_output_is_made_again_and_other_eval_settings_evaluate_into_a_new_folder(run, monkeypatch):

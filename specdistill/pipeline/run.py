@@ -10,14 +10,17 @@ again (hub/push). A finished run resumed with other eval settings makes that eva
 the settings>, beside eval/final.
 One process writes into trainer.output_dir at a time (files.folder_lock), and a folder belongs to the run that first
 wrote into it: a fresh run into a folder holding another run's files is refused, checkpoint or not
-(check_folder_claim). A resume whose inputs (data, target, tokenizer) changed content since its checkpoint is refused
-by name (train/inputs.py).
+(check_folder_claim); trainer.resume=auto on a run that stopped before its first checkpoint starts it over with its
+files moved into <output_dir>/earlier-<UTC time>/ (move_earlier_run). A resume whose inputs (data, target,
+tokenizer) changed content since its checkpoint is refused by name (train/inputs.py).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Optional
@@ -26,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdistill.build import build
 from specdistill.drafts import kind_for_init
-from specdistill.files import check_writable, folder_lock, named_writes, write_text_atomic
+from specdistill.files import LOCK_FILE, check_writable, folder_lock, named_writes, write_text_atomic
 from specdistill.train.spec_eval import final_spec_eval, run_spec_eval, spec_eval_hook
 from specdistill.hub.push import HubPusher, PushFailed, check_hub_access, check_hub_config
 from specdistill.pipeline.regenerate import build_regenerated_data
@@ -54,7 +57,12 @@ def run(cfg: DictConfig) -> FitResult:
     with lock:
         if acc.is_main_process:
             check_writable_folders(cfg)  # before minutes of conversion, tokenizing or regeneration
-        check_folder_claim(cfg, out_dir, log=acc.print)  # every process: reads only
+        aside = check_folder_claim(cfg, out_dir, log=acc.print)  # every process: reads only
+        if aside is not None:  # a run started over: its earlier files are kept, moved aside by the main process
+            acc.wait_for_everyone()
+            if acc.is_main_process:
+                move_earlier_run(out_dir, aside)
+            acc.wait_for_everyone()
         if cfg.hub.push:
             check_hub_access(cfg.hub, log=acc.print)  # before training: a push that cannot happen fails now
         c = build_components(cfg, accelerator=acc)
@@ -125,25 +133,33 @@ def check_writable_folders(cfg: DictConfig) -> None:
 
 
 # ---------------------------------------------------------------------------------------- the run's folder and inputs
-def check_folder_claim(cfg: DictConfig, out_dir, log: Callable[[str], None] = print) -> None:
+EARLIER_PREFIX = "earlier-"  # <output_dir>/earlier-<UTC time>/: the files of a run started over (move_earlier_run)
+
+
+def check_folder_claim(cfg: DictConfig, out_dir, log: Callable[[str], None] = print) -> Optional[Path]:
     """A folder belongs to the run that first wrote into it. A fresh run (trainer.resume=null) into a folder holding
     another run's files (CLAIM_FILES) is refused, naming them and the fixes, checkpoint or not; with checkpoints the
     training loop refuses it too. trainer.resume=auto in a folder whose run stopped before its first checkpoint starts
-    that run over (said so), unless its config.yaml is another run's (a key that breaks exactness differs)."""
+    that run over (said so), unless its config.yaml is another run's (a key that breaks exactness differs): returns
+    the folder its files are to be moved into (move_earlier_run), else None. Reads only."""
     from specdistill.train.checkpoint import config_drift, list_checkpoints
 
     out, t = Path(out_dir), cfg.trainer
     claimed = [str(out / n) for n in CLAIM_FILES if (out / n).exists()]
     if not claimed or (t.resume and list_checkpoints(out)):
-        return  # a new folder, or a resume with something to resume from
+        return None  # a new folder, or a resume with something to resume from
+    aside = out / f"{EARLIER_PREFIX}{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
     if not t.resume:
-        held = ("and its checkpoints" if list_checkpoints(out)
-                else "and no checkpoint (it stopped before its first save)")
+        if list_checkpoints(out):
+            held, fix = "and its checkpoints", "continue that run with trainer.resume=auto"
+        else:
+            held = "and no checkpoint (it stopped before its first save)"
+            fix = f"start it over with trainer.resume=auto: its files are moved to {aside}/"
         raise FileExistsError(
             f"trainer.output_dir={out} belongs to another run: it holds {', '.join(claimed)} {held}; a fresh run would "
-            "replace them. Fix: write into another trainer.output_dir, or continue that run with trainer.resume=auto")
+            f"replace them. Fix: write into another trainer.output_dir, or {fix}")
     if t.resume != "auto":
-        return  # trainer.resume=PATH: the folder continues that checkpoint's run
+        return None  # trainer.resume=PATH: the folder continues that checkpoint's run
     old = out / "config.yaml"
     if old.exists():
         breaking = config_drift(old.read_text(), OmegaConf.to_yaml(cfg, resolve=True)).breaking
@@ -153,7 +169,24 @@ def check_folder_claim(cfg: DictConfig, out_dir, log: Callable[[str], None] = pr
                 f"config.yaml differs in {', '.join(breaking)}) and no checkpoint to resume from. Fix: write into "
                 "another trainer.output_dir, or run again with that run's settings")
     log(f"[train] trainer.resume=auto: {out} has no checkpoint yet (its run stopped before its first save): the run "
-        f"starts over at step 0 and replaces {', '.join(claimed)}")
+        f"starts over at step 0; the earlier run's files ({', '.join(claimed)} and the rest of the folder) are moved "
+        f"to {aside}/")
+    return aside
+
+
+def move_earlier_run(out_dir, aside: Path) -> Path:
+    """Move everything in `out_dir` but its lock and earlier moves into `aside` (a fresh name: a second start-over
+    within the same second gets a suffix); nothing is deleted. Returns the folder used."""
+    out, dest, n = Path(out_dir), Path(aside), 1
+    while dest.exists():
+        n += 1
+        dest = Path(f"{aside}-{n}")
+    entries = [p for p in sorted(out.iterdir())
+               if not p.name.startswith(LOCK_FILE) and not p.name.startswith(EARLIER_PREFIX)]
+    dest.mkdir()
+    for p in entries:
+        os.replace(p, dest / p.name)
+    return dest
 
 
 def check_run_inputs(cfg: DictConfig, c) -> dict:
