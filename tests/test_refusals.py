@@ -121,6 +121,25 @@ def test_one_rule_for_rows_against_the_targets_positions():
         check_rows_fit(data([10, 33, 40]), 32, max_length=64)
 
 
+def test_regeneration_longer_than_the_targets_positions_is_refused_naming_both_settings(tiny_data_file, tmp_path,
+                                                                                          monkeypatch):
+    import specdistill.pipeline.regenerate as regen
+
+    short = tmp_path / "short_target"
+    make_tiny_lm(len(make_tokenizer()), layers=1, max_pos=32).save_pretrained(short)
+    make_tokenizer().save_pretrained(short)
+
+    def no_regeneration(*_, **__):
+        raise AssertionError("regeneration started before the refusal")
+    monkeypatch.setattr(regen, "regenerate_store", no_regeneration)
+    cfg = _cfg(short, tiny_data_file, tmp_path, ["data.max_length=32", f"data.regenerate.prompts={tiny_data_file}",
+                                                 "data.regenerate.max_prompt_tokens=24",
+                                                 "data.regenerate.max_new_tokens=12"], recipe="eagle3_serve")
+    with pytest.raises(ValueError, match=r"max_prompt_tokens=24 \+ data.regenerate.max_new_tokens=12 = 36.*32 "
+                                         r"positions.*at most 32"):
+        build(cfg, make_data=regen.build_regenerated_data)
+
+
 def test_training_refuses_rows_longer_than_the_targets_positions(tiny_data_file, tmp_path):
     short = tmp_path / "short_target"
     make_tiny_lm(len(make_tokenizer()), layers=1, max_pos=32).save_pretrained(short)

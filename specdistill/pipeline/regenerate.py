@@ -430,6 +430,19 @@ def _log_summary(root: Path, parts: int, log: Callable[[str], None], processes: 
             + (" (every process so far)" if processes > 1 else "") + f"; {root / 'timing.json'}")
 
 
+def check_fits_positions(cfg: RegenerateConfig, model) -> None:
+    """A prompt of max_prompt_tokens and its max_new_tokens answer must fit the target's positions; refused naming
+    both settings before any prompt is answered."""
+    from specdistill.decoding.kv import max_positions
+
+    limit = max_positions(model)
+    need = cfg.max_prompt_tokens + cfg.max_new_tokens
+    if limit is not None and need > limit:
+        raise ValueError(f"data.regenerate.max_prompt_tokens={cfg.max_prompt_tokens} + data.regenerate.max_new_tokens="
+                         f"{cfg.max_new_tokens} = {need} tokens, more than the target's {limit} positions "
+                         f"(max_position_embeddings). Fix: lower them so their sum is at most {limit}")
+
+
 def build_regenerated_data(cfg, target, tokenizer, log=print, share: Callable[[Path], WorkShare] = alone):
     """data.regenerate.enabled: the TokenizedData of a (cached) regenerated store. `cfg` is the whole run config;
     `target` the models.target.Target, whose aux_layer_ids are the head's; share as in regenerate_store. The last
@@ -444,6 +457,7 @@ def build_regenerated_data(cfg, target, tokenizer, log=print, share: Callable[[P
         from omegaconf import OmegaConf
 
         rcfg = RegenerateConfig(**OmegaConf.to_container(rcfg, resolve=True))
+    check_fits_positions(rcfg, target.model)
     L = target.config.num_hidden_layers
     aux = list(target.aux_layer_ids or default_aux_layer_ids(L))
     from specdistill.decoding import CacheMode
