@@ -358,6 +358,36 @@ def test_wandb_online_without_network_logs_offline_with_a_warning(tiny_target_di
     assert not wandb_offline_without_network(cfg, reachable=lambda: pytest.fail("probed without wandb"))
 
 
+@pytest.mark.parametrize("error", ["UsageError", "CommError"])
+def test_wandb_refusing_an_online_run_logs_offline_with_a_warning(error, tiny_target_dir, tiny_data_file, tmp_path,
+                                                                  monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    import wandb
+
+    from specdistill.build import make_accelerator
+    from specdistill.train.loop import _open_run
+
+    modes = []
+
+    def init(*_, mode=None, **__):
+        modes.append(mode)
+        if mode == "online":
+            raise getattr(wandb.errors, error)("api_key not configured (no-tty). call wandb.login(key=[your_api_key])")
+        return SimpleNamespace()
+    monkeypatch.setattr(wandb, "init", init)
+    monkeypatch.setattr(wandb, "config", SimpleNamespace(update=lambda *_, **__: None))
+    monkeypatch.setenv("WANDB_MODE", "online")
+    cfg = _cfg(tiny_target_dir, tiny_data_file, tmp_path, ["trainer.wandb=true", "trainer.wandb_mode=online"])
+    c = SimpleNamespace(accelerator=make_accelerator(cfg), cfg=cfg, output_dir=tmp_path / "o",
+                        data=SimpleNamespace(report={}))
+    _open_run(c, "run: config\n")
+    said = capsys.readouterr().out
+    assert modes == ["online", "offline"] and os.environ["WANDB_MODE"] == "offline"
+    assert error in said and "`wandb login`" in said and "trainer.wandb_mode=offline" in said, said
+    assert (tmp_path / "o" / "config.yaml").read_text() == "run: config\n"
+
+
 @pytest.mark.parametrize("command, key", [("train", "trainer.output_dir"), ("evaluate", "eval.output_dir")])
 def test_an_unquoted_non_ascii_override_is_refused_with_the_quoting(command, key, tmp_path, monkeypatch):
     import importlib

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import signal
 import threading
@@ -223,15 +224,33 @@ def _resume_point(c: Components, config_yaml: str) -> Optional[Path]:
 
 
 def _open_run(c: Components, config_yaml: str) -> None:
-    """The output folder with the run's config and data report, and the trackers."""
+    """The trackers, then the output folder's config and data report. trainer.wandb_mode=online that W&B refuses (no
+    API key, a bad one) logs offline with a warning, as an unreachable server does (cli/train.py)."""
     acc, cfg, t, out_dir = c.accelerator, c.cfg, c.cfg.trainer, c.output_dir
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
+    if t.wandb:
+        import wandb
+
+        def init(mode: str) -> None:
+            acc.init_trackers(t.wandb_project, config=OmegaConf.to_container(cfg, resolve=True),
+                              init_kwargs={"wandb": {"name": cfg.run_name, "dir": str(out_dir), "mode": mode}})
+        started = len(acc.trackers)
+        try:
+            init(t.wandb_mode)
+        except (wandb.errors.UsageError, wandb.errors.CommError) as e:
+            if t.wandb_mode != "online":
+                raise
+            del acc.trackers[started:]  # the refused tracker is listed before it starts: it must not start again
+            os.environ["WANDB_MODE"] = "offline"
+            acc.print(f"[train] warning: trainer.wandb_mode=online but W&B refused the run ({type(e).__name__}: "
+                      f"{str(e).strip().splitlines()[0] if str(e).strip() else 'no detail'}): logging offline into "
+                      f"{out_dir}/wandb instead; run `wandb login` and upload it later with `wandb sync "
+                      f"{out_dir}/wandb/offline-run-*`, or pass trainer.wandb_mode=offline to skip the attempt")
+            init("offline")
+    if acc.is_main_process:
         (out_dir / "config.yaml").write_text(config_yaml)
         (out_dir / "data_report.json").write_text(json.dumps(c.data.report, indent=1))
-    if t.wandb:
-        acc.init_trackers(t.wandb_project, config=OmegaConf.to_container(cfg, resolve=True),
-                          init_kwargs={"wandb": {"name": cfg.run_name, "dir": str(out_dir), "mode": t.wandb_mode}})
 
 
 def _start_state(c: Components, resume_from: Optional[Path], config_yaml: str) -> RunState:
