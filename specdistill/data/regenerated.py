@@ -153,7 +153,7 @@ def drop_damaged_parts(root: Path, log=print) -> list[Path]:
     return dropped
 
 
-def _write_part(path: Path, rows: list[dict]) -> None:
+def write_part(path: Path, rows: list[dict]) -> None:
     from safetensors.torch import save_file
 
     from specdistill.files import sha256

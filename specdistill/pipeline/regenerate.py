@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from specdistill.config import RegenerateConfig
-from specdistill.data.regenerated import (RegeneratedStore, _write_part, drop_damaged_parts, num_parts, part_path,
+from specdistill.data.regenerated import (RegeneratedStore, write_part, drop_damaged_parts, num_parts, part_path,
                                           part_problem, split_rows, store_inputs, store_key)
 from specdistill.pipeline.engines import AnswerEngine, Sampling
 from specdistill.pipeline.telemetry import PartTiming, read_parts, record_part, stage_timing
@@ -342,7 +342,7 @@ def _fill_from_donor(target_model, donor: Path, root: Path, parts: list[int], la
     for i in parts:
         s = time.perf_counter()
         rows = recapture_part(target_model, part_path(donor, i), layers, aux_width, pad)
-        _write_part(part_path(root, i), rows)
+        write_part(part_path(root, i), rows)
         plen = sum(r["prompt_length"] for r in rows)
         n = sum(len(r["ids"]) for r in rows)
         tokens += n
@@ -373,7 +373,7 @@ def _fill_by_decoding(cfg: RegenerateConfig, target_model, tokenizer, root: Path
         roll = target_generate(target_model, input_ids.to(device), mask.to(device), max_new_tokens=cfg.max_new_tokens,
                                temperature=cfg.temperature, eos_token_id=tokenizer.eos_token_id, generator=gen,
                                capture_layers=layers, cache=cache or CacheMode(), sync_every=DECODE_SYNC_EVERY)
-        _write_part(part_path(root, i), split_rows(chunk, roll.sequences.cpu(), roll.num_new_tokens.cpu(),
+        write_part(part_path(root, i), split_rows(chunk, roll.sequences.cpu(), roll.num_new_tokens.cpu(),
                                                    roll.hidden.float().cpu(), aux_width))
         n = int(roll.num_new_tokens.sum())
         new_tokens += n
@@ -406,7 +406,7 @@ def _fill_from_engine(cfg: RegenerateConfig, engine: AnswerEngine, target_model,
                              "tokens: data.regenerate.engine=hf decodes with specdistill's own decoder")
         s = time.perf_counter()
         rows = [torch.tensor(p + list(a), dtype=torch.long) for p, a in zip(chunk, answers)]
-        _write_part(part_path(root, i), recapture_rows(target_model, rows, [len(p) for p in chunk], layers, aux_width,
+        write_part(part_path(root, i), recapture_rows(target_model, rows, [len(p) for p in chunk], layers, aux_width,
                                                        pad))
         r_s = time.perf_counter() - s
         n = sum(len(a) for a in answers)

@@ -28,7 +28,7 @@ def tiny():
 @pytest.fixture()
 def store(tiny, tmp_path):
     """A two-part store of the rows' features (aux of layers [1, 2, 3], post-norm final) in the store's own format."""
-    from specdistill.data.regenerated import _write_part
+    from specdistill.data.regenerated import write_part
     from specdistill.pipeline.regenerate import recapture_rows
 
     model, rows, plens = tiny
@@ -37,7 +37,7 @@ def store(tiny, tmp_path):
     parts = recapture_rows(model, rows[:3], plens[:3], layers, 3 * 32, pad=0), \
         recapture_rows(model, rows[3:], plens[3:], layers, 3 * 32, pad=0)
     for i, part in enumerate(parts):
-        _write_part(writers.Path(tmp_path) / f"part-{i:05d}.safetensors", part)
+        write_part(writers.Path(tmp_path) / f"part-{i:05d}.safetensors", part)
     return tmp_path
 
 

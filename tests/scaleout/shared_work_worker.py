@@ -65,8 +65,8 @@ def check_regeneration(acc, model, tok) -> None:
     from specdistill.ranks import alone, folder_share
 
     written = []
-    real_write = regen._write_part
-    regen._write_part = lambda path, rows: (written.append(path.name), real_write(path, rows))[1]
+    real_write = regen.write_part
+    regen.write_part = lambda path, rows: (written.append(path.name), real_write(path, rows))[1]
 
     def run(store_dir, share):
         written.clear()
@@ -93,7 +93,7 @@ def check_regeneration(acc, model, tok) -> None:
             assert ref[i]["input_ids"] == shared[i]["input_ids"], i
             torch.testing.assert_close(ref[i]["aux_hidden"].float(), shared[i]["aux_hidden"].float())
     acc.wait_for_everyone()
-    regen._write_part = real_write
+    regen.write_part = real_write
     print(f"[worker] rank {acc.process_index}: regeneration shared", flush=True)
 
 
@@ -106,11 +106,11 @@ def check_build_shares_regeneration(acc) -> None:
     from specdistill.pipeline import regenerate as regen
 
     written = []
-    real_write = regen._write_part
-    regen._write_part = lambda path, rows: (written.append(path.name), real_write(path, rows))[1]
+    real_write = regen.write_part
+    regen.write_part = lambda path, rows: (written.append(path.name), real_write(path, rows))[1]
     over = tiny_overrides(TARGET, DATA, WORK / "serve", WORK / "serve_cache") + ["trainer.epochs=null"]
     c = build(compose("eagle3_serve", over), accelerator=acc, make_data=regen.build_regenerated_data)
-    regen._write_part = real_write
+    regen.write_part = real_write
     every = gather_object([sorted(written)])
     assert every == [["part-00000.safetensors", "part-00002.safetensors"], ["part-00001.safetensors"]], every
     assert len(c.data.train) + len(c.data.heldout) == 24
