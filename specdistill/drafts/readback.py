@@ -187,7 +187,7 @@ def read_back(draft, path, target_model, target_name: str = "the target", log=pr
         adapter.check_target(target_model, "a draft must share the target's tokenizer and output layer size")
     except ValueError as e:
         raise _unfit(path, target_name, str(e)) from None
-    check_trained_target(path, target_model, target_name, log)
-    extra = FITS.get(adapter.kind)
+    extra = FITS.get(adapter.kind)  # the kind's own checks first: a wrong width or layer names the size that differs
     if extra is not None:
         extra(adapter.module, path, target_model, target_name, log)
+    check_trained_target(path, target_model, target_name, log)

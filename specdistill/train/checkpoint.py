@@ -206,7 +206,7 @@ def _save(accelerator, draft, tokenizer, output_dir, step: int, trainer_state: d
         (tmp / "config.yaml").write_text(config_yaml)
         inputs = inputs_from_yaml(config_yaml, tokenizer, embeddings)
         write_inputs(tmp, inputs)
-        _record_target(tmp / "draft", inputs["target_path"], embeddings)
+        _record_target(tmp / "draft", inputs.get("target_path"), embeddings)
         # trainer_state.json is written last: its presence marks the content complete, the rename makes it visible.
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
         write_manifest(tmp)  # sizes + SHA-256 of every file: resume verifies them (train/integrity.py)
@@ -222,7 +222,7 @@ def _save(accelerator, draft, tokenizer, output_dir, step: int, trainer_state: d
     return final
 
 
-def _record_target(draft_dir: Path, target_path: str, embeddings: Optional[str]) -> None:
+def _record_target(draft_dir: Path, target_path: Optional[str], embeddings: Optional[str]) -> None:
     """The draft folder's config.json names the target it was trained for (`specdistill_target`) and the digest of
     that target's input embeddings (`embed_tokens_sha256`), the keys an EAGLE-3 export records: a draft folder copied
     out of its checkpoint is still checked against its target (drafts/readback.py)."""
@@ -230,7 +230,8 @@ def _record_target(draft_dir: Path, target_path: str, embeddings: Optional[str])
     if not cfg_file.exists():
         return
     config = json.loads(cfg_file.read_text())
-    config["specdistill_target"] = target_path
+    if target_path is not None:  # a run's config names it; a bare save (tests, tools) may not
+        config["specdistill_target"] = target_path
     if embeddings is not None:
         config["embed_tokens_sha256"] = embeddings
     cfg_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
