@@ -183,3 +183,20 @@ def assert_bf16_near_fp32(recipe: str, target_dir, data_file, tmp_path: Path, ov
     assert len(bf16) == len(fp32) >= 2 and all(math.isfinite(x) for x in bf16)
     assert abs(bf16[0] - fp32[0]) <= 0.05 * abs(fp32[0]), (bf16, fp32)
     assert bf16 != fp32  # autocast really ran
+
+
+@pytest.fixture
+def no_gc():
+    """A fresh dynamo, and no cycle collection while the test runs: a compiled decoding call's cache slot comes back
+    by its close(), never by the garbage collector."""
+    import gc
+
+    import torch
+
+    torch._dynamo.reset()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

@@ -1,7 +1,6 @@
 """A decoding call hands its compiled cache back when it ends (back-to-back calls reuse slot 0 and its graphs, compiling
 nothing), a closed BatchKV refuses to step, and a speculative round brings values to the host once."""
 
-import gc
 import os
 
 import pytest
@@ -17,18 +16,6 @@ from tests.tiny_archs import tiny_target
 
 COMPILED = CacheMode(compile=True, backend="eager")
 V = 48
-
-
-@pytest.fixture
-def no_gc():
-    """Nothing is collected by the cycle collector while a test runs: a slot comes back by close(), never by gc."""
-    torch._dynamo.reset()
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _slots(model) -> list[int]:

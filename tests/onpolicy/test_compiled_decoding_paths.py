@@ -2,7 +2,6 @@
 path (CacheMode(compile=True), dynamo's eager backend: its tracer and guards without kernel builds): the same tokens
 as the growing caches, every graph compiled once, and a second call of the same buckets compiles nothing, the first
 call's rollout still referenced."""
-import gc
 
 import pytest
 import torch
@@ -18,17 +17,6 @@ from tests.onpolicy.conftest import tiny_lm
 
 COMPILED = CacheMode(compile=True, backend="eager")
 V = 48
-
-
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    gc.collect()
-    gc.disable()  # a cache slot comes back by the decoding call's close(), never by the cycle collector
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _same_positions(a, b) -> None:
@@ -52,7 +40,7 @@ def _graphs_once(*models) -> dict:
 
 @torch.no_grad()
 @pytest.mark.parametrize("draft_kind, tree", [("lm", None), ("lm", TreeShape(topk=2, depth=2)), ("eagle3", None)])
-def test_rollouts_decode_compiled_the_growing_caches_tokens_and_compile_once(draft_kind, tree, fresh_dynamo):
+def test_rollouts_decode_compiled_the_growing_caches_tokens_and_compile_once(draft_kind, tree, no_gc):
     if draft_kind == "lm":
         target, draft = tiny_lm(0), tiny_lm(1, layers=1)
         compiled_models = (target, draft)
@@ -80,7 +68,7 @@ def _cfg(data_file, store, **kw):
 
 
 @torch.no_grad()
-def test_regeneration_decodes_compiled_the_growing_caches_answers(tiny_data_file, tmp_path, fresh_dynamo):
+def test_regeneration_decodes_compiled_the_growing_caches_answers(tiny_data_file, tmp_path, no_gc):
     """Every part (batch 4: one bucket) is answered on the same graphs, compiled once; the stored answers are the
     growing caches' and the features agree to their storage dtype's rounding."""
     tok = make_tokenizer()
