@@ -200,3 +200,19 @@ def no_gc():
         yield
     finally:
         gc.enable()
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any attempt to load a target or tokenizer fails the test: validation and refusals must come first."""
+    import specdistill.build as build_mod
+
+    def refuse(cfg):
+        raise AssertionError("a model was loaded before the config was validated and refused")
+    monkeypatch.setattr(build_mod, "build_target", refuse)
+    monkeypatch.setattr(build_mod, "build_tokenizer", refuse)
+
+
+def compose_tiny(target_dir, data_file, tmp_path, extra=(), recipe="kd"):
+    """A recipe composed over the tiny target and data, writing under tmp_path ("o" and "cache")."""
+    return compose(recipe, tiny_overrides(target_dir, data_file, tmp_path / "o", tmp_path / "cache") + list(extra))

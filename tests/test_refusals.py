@@ -14,26 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import specdistill.build as build_mod
 from specdistill.build import build
 from specdistill.config import RECIPES_DIR, Config
 from specdistill.validation import ConfigError, nearest_key, schema_keys, validate_config
-from tests.conftest import compose, make_tiny_lm, make_tokenizer, tiny_overrides
+from tests.conftest import compose, compose_tiny, make_tiny_lm, make_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    """Any attempt to load a target fails the test: the refusal must come first."""
-    def refuse(cfg):
-        raise AssertionError("a model was loaded before the refusal")
-    monkeypatch.setattr(build_mod, "build_target", refuse)
-    monkeypatch.setattr(build_mod, "build_tokenizer", refuse)
-
-
-def _cfg(target, data, tmp_path, extra=(), recipe="kd"):
-    return compose(recipe, tiny_overrides(target, data, tmp_path / "o", tmp_path / "cache") + list(extra))
 
 
 def _lm(path):
@@ -52,12 +38,12 @@ def test_a_dflash_gamma_above_block_size_minus_one_is_refused_by_name_before_dec
         extra, key, fix, tiny_target_dir, tiny_data_file, tmp_path, no_model_loads):
     block = ["draft.dflash.block_size=4", "eval.spec_eval=true"]
     with pytest.raises(ConfigError) as e:
-        build(_cfg(tiny_target_dir, tiny_data_file, tmp_path, block + extra, recipe="dflash_serve"))
+        build(compose_tiny(tiny_target_dir, tiny_data_file, tmp_path, block + extra, recipe="dflash_serve"))
     print(e.value)
     assert key in str(e.value) and f"set {fix}" in str(e.value) and "draft.dflash.block_size=4" in str(e.value)
     ok = ["eval.gamma=3"] + [x for x in extra if not x.startswith("eval.gamma")]
     ok = [x.replace("max_gamma=6", "max_gamma=3").replace("depth=5", "depth=3") for x in ok]
-    assert validate_config(_cfg(tiny_target_dir, tiny_data_file, tmp_path, block + ok, recipe="dflash_serve"),
+    assert validate_config(compose_tiny(tiny_target_dir, tiny_data_file, tmp_path, block + ok, recipe="dflash_serve"),
                            log=None) == []
 
 
@@ -86,7 +72,7 @@ def test_an_evaluation_reads_the_block_size_of_the_drafter_at_eval_draft_path(ti
 def test_keys_appended_with_plus_are_refused_with_the_nearest_known_key(override, said, tiny_target_dir,
                                                                          tiny_data_file, tmp_path, no_model_loads):
     with pytest.raises(ConfigError) as e:
-        build(_cfg(tiny_target_dir, tiny_data_file, tmp_path, [override]))
+        build(compose_tiny(tiny_target_dir, tiny_data_file, tmp_path, [override]))
     print(e.value)
     assert said in str(e.value) and "schema is closed" in str(e.value)
 
@@ -132,9 +118,10 @@ def test_regeneration_longer_than_the_targets_positions_is_refused_naming_both_s
     def no_regeneration(*_, **__):
         raise AssertionError("regeneration started before the refusal")
     monkeypatch.setattr(regen, "regenerate_store", no_regeneration)
-    cfg = _cfg(short, tiny_data_file, tmp_path, ["data.max_length=32", f"data.regenerate.prompts={tiny_data_file}",
-                                                 "data.regenerate.max_prompt_tokens=24",
-                                                 "data.regenerate.max_new_tokens=12"], recipe="eagle3_serve")
+    cfg = compose_tiny(short, tiny_data_file, tmp_path,
+                       ["data.max_length=32", f"data.regenerate.prompts={tiny_data_file}",
+                        "data.regenerate.max_prompt_tokens=24", "data.regenerate.max_new_tokens=12"],
+                       recipe="eagle3_serve")
     with pytest.raises(ValueError, match=r"max_prompt_tokens=24 \+ data.regenerate.max_new_tokens=12 = 36.*32 "
                                          r"positions.*at most 32"):
         build(cfg, make_data=regen.build_regenerated_data)
@@ -145,8 +132,8 @@ def test_training_refuses_rows_longer_than_the_targets_positions(tiny_data_file,
     make_tiny_lm(len(make_tokenizer()), layers=1, max_pos=32).save_pretrained(short)
     make_tokenizer().save_pretrained(short)
     with pytest.raises(ValueError, match=r"max_position_embeddings=32.*set data.max_length=32"):
-        build(_cfg(short, tiny_data_file, tmp_path, ["data.max_length=64"]))
-    build(_cfg(short, tiny_data_file, tmp_path, ["data.max_length=32"]))  # cut to the limit, it trains
+        build(compose_tiny(short, tiny_data_file, tmp_path, ["data.max_length=64"]))
+    build(compose_tiny(short, tiny_data_file, tmp_path, ["data.max_length=32"]))  # cut to the limit, it trains
 
 
 # ------------------------------------------------------------------------------------------ target.path
@@ -175,7 +162,7 @@ def draft_folders(tiny_target_dir, tmp_path_factory):
 def test_a_draft_folder_given_as_the_target_is_refused_by_name(name, said, draft_folders, tiny_data_file, tmp_path,
                                                                 no_model_loads):
     with pytest.raises(ValueError) as e:
-        build(_cfg(draft_folders / name, tiny_data_file, tmp_path))
+        build(compose_tiny(draft_folders / name, tiny_data_file, tmp_path))
     print(e.value)
     assert f"target.path='{draft_folders / name}' {said}" in str(e.value) and "eval.draft_path" in str(e.value)
 
@@ -240,13 +227,13 @@ def test_a_folder_given_as_a_data_or_prompt_file_is_refused_naming_the_files_ins
     folder.mkdir()
     (folder / "part-0.jsonl").write_text(Path(tiny_data_file).read_text())
     with pytest.raises(ConfigError, match=rf"{key}='{folder}' is a folder.*e.g. {key}={folder / 'part-0.jsonl'}"):
-        validate_config(_cfg(tiny_target_dir, tiny_data_file, tmp_path, [f"{key}={folder}"]), log=None)
+        validate_config(compose_tiny(tiny_target_dir, tiny_data_file, tmp_path, [f"{key}={folder}"]), log=None)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refused only where CUDA is missing")
 def test_eval_device_cuda_without_cuda_is_refused_naming_cpu(tiny_target_dir, tiny_data_file, tmp_path):
     with pytest.raises(ConfigError, match=r"eval.device=cuda: .*set eval.device=cpu"):
-        validate_config(_cfg(tiny_target_dir, tiny_data_file, tmp_path, ["eval.device=cuda"]), log=None)
+        validate_config(compose_tiny(tiny_target_dir, tiny_data_file, tmp_path, ["eval.device=cuda"]), log=None)
 
 
 # ------------------------------------------------------------------------------------------ recipes and draft kinds
@@ -256,7 +243,7 @@ def test_an_objective_that_cannot_train_a_draft_kind_is_refused_before_loading(r
                                                                               tiny_data_file, tmp_path,
                                                                               no_model_loads):
     with pytest.raises(ValueError, match=rf"objective={recipe} cannot train a {draft} draft.*objective={own}"):
-        build(_cfg(tiny_target_dir, tiny_data_file, tmp_path, [f"draft={draft}"], recipe=recipe))
+        build(compose_tiny(tiny_target_dir, tiny_data_file, tmp_path, [f"draft={draft}"], recipe=recipe))
 
 
 # ------------------------------------------------------------------------------------------ folders and locks
@@ -347,14 +334,14 @@ def test_wandb_online_without_network_logs_offline_with_a_warning(tiny_target_di
     from specdistill.cli.train import wandb_offline_without_network
 
     monkeypatch.setenv("WANDB_MODE", "online")
-    cfg = _cfg(tiny_target_dir, tiny_data_file, tmp_path, ["trainer.wandb=true", "trainer.wandb_mode=online"])
+    cfg = compose_tiny(tiny_target_dir, tiny_data_file, tmp_path, ["trainer.wandb=true", "trainer.wandb_mode=online"])
     said = []
     assert not wandb_offline_without_network(cfg, log=said.append, reachable=lambda: True)
     assert cfg.trainer.wandb_mode == "online" and not said
     assert wandb_offline_without_network(cfg, log=said.append, reachable=lambda: False)
     assert cfg.trainer.wandb_mode == "offline" and os.environ["WANDB_MODE"] == "offline"
     assert "W&B server does not answer" in said[0] and "wandb sync" in said[0]
-    cfg = _cfg(tiny_target_dir, tiny_data_file, tmp_path, ["trainer.wandb=false", "trainer.wandb_mode=online"])
+    cfg = compose_tiny(tiny_target_dir, tiny_data_file, tmp_path, ["trainer.wandb=false", "trainer.wandb_mode=online"])
     assert not wandb_offline_without_network(cfg, reachable=lambda: pytest.fail("probed without wandb"))
 
 
@@ -378,7 +365,7 @@ def test_wandb_refusing_an_online_run_logs_offline_with_a_warning(error, tiny_ta
     monkeypatch.setattr(wandb, "init", init)
     monkeypatch.setattr(wandb, "config", SimpleNamespace(update=lambda *_, **__: None))
     monkeypatch.setenv("WANDB_MODE", "online")
-    cfg = _cfg(tiny_target_dir, tiny_data_file, tmp_path, ["trainer.wandb=true", "trainer.wandb_mode=online"])
+    cfg = compose_tiny(tiny_target_dir, tiny_data_file, tmp_path, ["trainer.wandb=true", "trainer.wandb_mode=online"])
     c = SimpleNamespace(accelerator=make_accelerator(cfg), cfg=cfg, output_dir=tmp_path / "o",
                         data=SimpleNamespace(report={}))
     _open_run(c, "run: config\n")

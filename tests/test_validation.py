@@ -5,24 +5,9 @@ import time
 import pytest
 from hydra.errors import MissingConfigException
 
-import specdistill.build as build_mod
 from specdistill.build import build
 from specdistill.validation import ConfigError, looks_local, validate_config
-from tests.conftest import compose, tiny_overrides
-
-
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    """Any attempt to load a target fails the test: validation must come first."""
-    def refuse(cfg):
-        raise AssertionError("a model was loaded before the config was validated")
-    monkeypatch.setattr(build_mod, "build_target", refuse)
-    monkeypatch.setattr(build_mod, "build_tokenizer", refuse)
-
-
-def _cfg(tiny_target_dir, tiny_data_file, tmp_path, extra=(), recipe="kd"):
-    return compose(recipe, tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "o", tmp_path / "cache")
-                   + list(extra))
+from tests.conftest import compose, compose_tiny, tiny_overrides
 
 
 def test_unknown_recipe_is_refused_and_lists_the_known_ones():
@@ -58,14 +43,14 @@ def test_target_local_without_target_path_is_refused(no_model_loads):
                                           ("draft.hidden_size=0", "draft.hidden_size=0 must be >= 1")])
 def test_numeric_ranges_name_the_key(override, key, tiny_target_dir, tiny_data_file, tmp_path, no_model_loads):
     with pytest.raises(ConfigError) as e:
-        build(_cfg(tiny_target_dir, tiny_data_file, tmp_path, [override]))
+        build(compose_tiny(tiny_target_dir, tiny_data_file, tmp_path, [override]))
     print(e.value)
     assert key in str(e.value)
 
 
 def test_every_problem_is_listed_at_once(tiny_target_dir, tiny_data_file, tmp_path, no_model_loads):
     with pytest.raises(ConfigError) as e:
-        build(_cfg(tiny_target_dir, tiny_data_file, tmp_path, ["trainer.lr=-1", "trainer.micro_batch_size=0"]))
+        build(compose_tiny(tiny_target_dir, tiny_data_file, tmp_path, ["trainer.lr=-1", "trainer.micro_batch_size=0"]))
     assert "trainer.lr" in str(e.value) and "trainer.micro_batch_size" in str(e.value)
 
 
@@ -88,11 +73,11 @@ def test_looks_local(path, local):
 
 def test_the_defaults_pass(tiny_target_dir, tiny_data_file, tmp_path):
     assert validate_config(compose("kd", []), log=None) == []
-    assert validate_config(_cfg(tiny_target_dir, tiny_data_file, tmp_path), log=None) == []
+    assert validate_config(compose_tiny(tiny_target_dir, tiny_data_file, tmp_path), log=None) == []
 
 
 def test_ignored_draft_path_is_warned(tiny_target_dir, tiny_data_file, tmp_path, capsys):
-    found = validate_config(_cfg(tiny_target_dir, tiny_data_file, tmp_path,
+    found = validate_config(compose_tiny(tiny_target_dir, tiny_data_file, tmp_path,
                                  ["eval.drafter=ngram", f"eval.draft_path={tmp_path}"]))
     out = capsys.readouterr().out
     print(out)
@@ -110,7 +95,7 @@ def test_a_draft_size_the_draft_kind_would_ignore_is_refused(recipe, override, s
     """A size the draft kind would ignore (draft.num_layers=2 for a one-layer EAGLE-3 head) is refused, not dropped."""
     extra = override.split() + (["draft.num_layers=1"] if "num_layers" not in override and recipe == "eagle3" else [])
     with pytest.raises(ConfigError) as e:
-        build(_cfg(tiny_target_dir, tiny_data_file, tmp_path, extra, recipe=recipe))
+        build(compose_tiny(tiny_target_dir, tiny_data_file, tmp_path, extra, recipe=recipe))
     print(e.value)
     assert says in str(e.value) and "nothing was loaded" in str(e.value)
 
@@ -118,7 +103,8 @@ def test_a_draft_size_the_draft_kind_would_ignore_is_refused(recipe, override, s
 def test_the_sizes_each_draft_kind_uses_pass(tiny_target_dir, tiny_data_file, tmp_path):
     for recipe, extra in [("eagle3", ["draft.intermediate_size=96"]), ("kd", ["draft=small_lm", "draft.num_layers=1"]),
                           ("kd", ["draft=from_target", "draft.num_layers=1"])]:
-        assert validate_config(_cfg(tiny_target_dir, tiny_data_file, tmp_path, extra, recipe=recipe), log=None) == []
+        cfg = compose_tiny(tiny_target_dir, tiny_data_file, tmp_path, extra, recipe=recipe)
+        assert validate_config(cfg, log=None) == []
 
 
 # ------------------------------------------------------------------------------ constraints on the schema's fields
@@ -274,7 +260,7 @@ def test_a_draft_vocabulary_larger_than_the_targets_is_refused(tiny_target_dir, 
     null takes the whole vocabulary."""
     with pytest.raises(ValueError, match=r"draft.draft_vocab_size=1000 is larger than the target's vocabulary \(\d+ "
                                          r"tokens\).*or null for the whole vocabulary"):
-        build(_cfg(tiny_target_dir, tiny_data_file, tmp_path, ["draft.draft_vocab_size=1000"], recipe="eagle3"))
-    c = build(_cfg(tiny_target_dir, tiny_data_file, tmp_path, ["draft.draft_vocab_size=null"], recipe="eagle3"))
+        build(compose_tiny(tiny_target_dir, tiny_data_file, tmp_path, ["draft.draft_vocab_size=1000"], recipe="eagle3"))
+    c = build(compose_tiny(tiny_target_dir, tiny_data_file, tmp_path, ["draft.draft_vocab_size=null"], recipe="eagle3"))
     head = c.accelerator.unwrap_model(c.models.draft)
     assert head.config.draft_vocab_size == head.config.vocab_size
