@@ -524,12 +524,10 @@ def test_setup_vllm_installs_the_build_for_the_machine_into_its_own_venv(gpu, tm
     assert str(tmp_path / "v") not in plain
 
 
-def test_bench_regenerate_reports_both_engines_stage_by_stage(tiny_target_dir, tiny_data_file, tmp_path, monkeypatch):
-    """scripts/bench_regenerate.py --tiny on the tiny target, vLLM faked (answers [5, 6, 7] to every prompt)."""
+def test_regenerate_engines_benchmark_reports_both_engines(tiny_target_dir, tiny_data_file, tmp_path, monkeypatch):
+    """python -m benchmarks.regenerate_engines --tiny on the tiny target, vLLM faked (answers [5, 6, 7] each)."""
     import importlib.machinery
-    import importlib.util
     import types
-    from pathlib import Path
 
     class LLM:
         def __init__(self, **kw):
@@ -542,15 +540,12 @@ def test_bench_regenerate_reports_both_engines_stage_by_stage(tiny_target_dir, t
     fake.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
     fake.LLM, fake.SamplingParams = LLM, lambda **kw: kw
     monkeypatch.setitem(sys.modules, "vllm", fake)
-    spec = importlib.util.spec_from_file_location(
-        "bench_regenerate", Path(__file__).parent.parent / "scripts" / "bench_regenerate.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from benchmarks import regenerate_engines as script
     out = tmp_path / "out"
     assert script.main(["--tiny", "--threads", "1", "--out", str(out), "--override", f"target.path={tiny_target_dir}",
                         "target.dtype=float32", f"data.regenerate.prompts={tiny_data_file}"]) == 0
-    rep = json.loads((out / "bench_regenerate.json").read_text())
-    assert rep["command"].endswith(f"scripts/bench_regenerate.py --tiny --threads 1 --out {out} --override "
+    rep = json.loads((out / "regenerate_engines.json").read_text())
+    assert rep["command"].endswith(f"-m benchmarks.regenerate_engines --tiny --threads 1 --out {out} --override "
                                    f"target.path={tiny_target_dir} target.dtype=float32 "
                                    f"data.regenerate.prompts={tiny_data_file}")
     hf, vl = rep["engines"]
@@ -558,14 +553,14 @@ def test_bench_regenerate_reports_both_engines_stage_by_stage(tiny_target_dir, t
     assert hf["recapture_s"] == 0 and hf["answer_tok_s"] > 0
     assert vl["answer_tokens"] == 4 * 3 and vl["recapture_s"] > 0 and vl["recapture_tok_s"] > 0
     assert rep["comparison"]["prompts"] == 4 and rep["comparison"]["identical"] == 0
-    md = (out / "bench_regenerate.md").read_text()
+    md = (out / "regenerate_engines.md").read_text()
     assert "| hf | 2 |" in md and "| vllm | 2 | 12 |" in md and "vllm against hf" in md
     assert not (out / "stores").exists()  # temporary stores are removed unless --keep-stores
     # one shard of the prompts: its parts only, compared with the same parts of our decoder's store
     assert script.main(["--tiny", "--threads", "1", "--shard", "1/2", "--out", str(tmp_path / "shard"), "--override",
                         f"target.path={tiny_target_dir}", "target.dtype=float32",
                         f"data.regenerate.prompts={tiny_data_file}"]) == 0
-    rep = json.loads((tmp_path / "shard" / "bench_regenerate.json").read_text())
+    rep = json.loads((tmp_path / "shard" / "regenerate_engines.json").read_text())
     assert [e["parts"] for e in rep["engines"]] == [1, 1] and rep["comparison"]["prompts"] == 2
 
 

@@ -261,8 +261,8 @@ def _ttt_attend(q, k0, v0, mask: TTTMask, diag_k, diag_v, scale: float) -> torch
 
 def naive_ttt_attend(q, k0, v0, allow: torch.Tensor, diag_k, diag_v, scale: float) -> torch.Tensor:
     """_ttt_attend written out, the reference it is tested and measured against (tests/test_gpu_path.py,
-    scripts/ttt_memory.py): full (n, T) scores masked with the dtype's minimum where `allow` (B|1, 1, n, T) bool
-    forbids, one softmax over the step-0 block and the diagonals. (B, nh, n, hd)"""
+    python -m benchmarks.ttt_memory): full (n, T) scores masked with the dtype's minimum where `allow`
+    (B|1, 1, n, T) bool forbids, one softmax over the step-0 block and the diagonals. (B, nh, n, hd)"""
     T = k0.shape[2]
     s0 = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~allow, torch.finfo(q.dtype).min)  # (B, nh, n, T)
     diag = [(q * kk).sum(-1, keepdim=True) * scale for kk in diag_k]                     # j x (B, nh, n, 1)

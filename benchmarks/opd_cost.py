@@ -1,6 +1,6 @@
 """Cost of a Draft-OPD step against the off-policy objective's step: per trained position and per step at equal rows.
 
-  python scripts/opd_cost.py --steps 5 draft.path=<a trained EAGLE-3 head> [shared Hydra overrides]
+  python -m benchmarks.opd_cost --steps 5 draft.path=<a trained EAGLE-3 head> [shared Hydra overrides]
       [--onpolicy objective.max_new_tokens=128 ...] [--offpolicy objective.steps=7 ...]
 
 Two arms, each its recipe (--onpolicy-recipe draft_opd, --offpolicy-recipe eagle3) composed with the shared overrides
@@ -143,7 +143,7 @@ def markdown(arms: dict[str, ArmCost], ratio: float, step_ratio: float, command:
 def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, shared = parse_args(argv)
-    command = "python scripts/opd_cost.py " + " ".join(shlex.quote(a) for a in argv)
+    command = "python -m benchmarks.opd_cost " + " ".join(shlex.quote(a) for a in argv)
     out = Path(own.out)
     out.mkdir(parents=True, exist_ok=True)
     arms = {"onpolicy": measure_arm(own.onpolicy_recipe, shared + own.onpolicy, own.steps, out),

@@ -3,15 +3,15 @@ features captured while decoding) and engine=vllm (vLLM writes the answers, one 
 after the other into stores of their own, then their answers compared at T=0 (pipeline/near_ties.py).
 
   # the main command's first 80 prompts (5 parts of 16), from the interpreter that imports vllm
-  .venv-vllm/bin/python scripts/bench_regenerate.py --prompts 80 --out outputs/bench_regenerate
+  .venv-vllm/bin/python -m benchmarks.regenerate_engines --prompts 80 --out outputs/regenerate_engines
   # shard 0/10 of the main command's 800 prompts (parts 0, 10, 20, ...)
-  .venv-vllm/bin/python scripts/bench_regenerate.py --prompts 800 --shard 0/10 --out outputs/bench_regenerate
+  .venv-vllm/bin/python -m benchmarks.regenerate_engines --prompts 800 --shard 0/10 --out outputs/regenerate_engines
   # a seconds-long check of the script itself: 4 prompts x 8 tokens, vllm only where it imports
-  python scripts/bench_regenerate.py --tiny --out /tmp/bench_regenerate_tiny
+  python -m benchmarks.regenerate_engines --tiny --out /tmp/bench_regenerate_tiny
 
 Reports per engine: answer tokens/s (answer stage), recapture tokens/s (features by prefill, prompt + answer tokens),
 answer tokens per second of both stages together, and the wall time (which adds the engine's start and the store's
-digests); writes <out>/bench_regenerate.json and bench_regenerate.md with the command. Settings are the recipe's
+digests); writes <out>/regenerate_engines.json and regenerate_engines.md with the command. Settings are the recipe's
 (--recipe, eagle3_serve by default, plus --override), so the numbers are those of the main command's regeneration.
 """
 from __future__ import annotations
@@ -132,7 +132,7 @@ def report_md(result: dict) -> str:
 
 def main(argv=None) -> int:
     a = parse(argv)
-    command = f"{Path(sys.executable).name} scripts/bench_regenerate.py " + " ".join(
+    command = f"{Path(sys.executable).name} -m benchmarks.regenerate_engines " + " ".join(
         shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
     from specdistill.data.chat import set_chat_template
     from specdistill.drafts.eagle3.model import default_aux_layer_ids
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     rcfg = replace(rcfg, batch_size=regeneration_batch_size(rcfg, model))  # as the pipeline resolves null
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    stores = out / "stores" if a.keep_stores else Path(tempfile.mkdtemp(prefix="bench_regenerate."))
+    stores = out / "stores" if a.keep_stores else Path(tempfile.mkdtemp(prefix="regenerate_engines."))
     try:
         results = [run_engine(e, rcfg, model, tok, target_path, aux, stores / e) for e in a.engines]
         comparison = compare(model, results)
@@ -161,10 +161,10 @@ def main(argv=None) -> int:
               "max_new_tokens": rcfg.max_new_tokens, "temperature": rcfg.temperature,
               "batch_size": rcfg.batch_size, "target": target_path,
               "target_dtype": cfg.target.dtype, "threads": threads, "engines": results, "comparison": comparison}
-    (out / "bench_regenerate.json").write_text(json.dumps(result, indent=1))
-    (out / "bench_regenerate.md").write_text(report_md(result))
+    (out / "regenerate_engines.json").write_text(json.dumps(result, indent=1))
+    (out / "regenerate_engines.md").write_text(report_md(result))
     print(report_md(result))
-    print(f"wrote {out}/bench_regenerate.json, bench_regenerate.md")
+    print(f"wrote {out}/regenerate_engines.json, regenerate_engines.md")
     return 0
 
 

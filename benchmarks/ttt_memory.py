@@ -14,7 +14,7 @@ Two measurements per implementation:
   head       one training step of a whole head (hidden = heads x head_dim, a 256-token vocabulary so the output
              layer is negligible): its TTT unroll, a cross-entropy at every slot and step, backward.
 
-Usage:  python scripts/ttt_memory.py [--seq-len 2048] [--steps 7] [--heads 4] [--head-dim 32] [--batch 1]
+Usage:  python -m benchmarks.ttt_memory [--seq-len 2048] [--steps 7] [--heads 4] [--head-dim 32] [--batch 1]
 """
 from __future__ import annotations
 

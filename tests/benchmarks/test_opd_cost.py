@@ -1,10 +1,10 @@
-"""scripts/opd_cost.py on tiny models: both arms timed on their own micro-batches, the ratio is the ratio of the
-arms' seconds per trained position, and the files say so."""
+"""python -m benchmarks.opd_cost on tiny models: both arms timed on their own micro-batches, the ratio is the
+ratio of the arms' seconds per trained position, and the files say so."""
 import json
 
 import pytest
 
-from specdistill.cli.opd_cost import main
+from benchmarks.opd_cost import main
 from tests.conftest import tiny_overrides
 
 
