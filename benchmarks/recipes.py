@@ -65,12 +65,15 @@ VARIANTS = {
     # regenerated data (its data.regenerate store, reused from the cache) against Draft-OPD and its ablations, whose
     # rollouts start from the same store's prompts (recipe draft_opd's on-policy phase, no warm-up).
     "eagle3_regen": ("eagle3_serve", ["trainer.epochs=null", "trainer.export_formats=[]"]),
+    # The fair off-policy arm for long or sampled serving: the same recipe on answers regenerated afresh at the
+    # evaluation's length and temperature (--fresh-tokens, --fresh-temperature, --fresh-prompts; its own cached store)
+    "eagle3_fresh": ("eagle3_serve", ["trainer.epochs=null", "trainer.export_formats=[]"]),
     "draft_opd_eagle3": ("draft_opd", OPD_HEAD),
     "draft_opd_eagle3_no_replay": ("draft_opd", OPD_HEAD + ["objective.replay=false"]),
     "draft_opd_eagle3_no_weighting": ("draft_opd", OPD_HEAD + ["objective.weighting=none"]),
 }
 INIT_RECIPES = {"init": "kd", "init_eagle3": "eagle3"}  # whose draft group builds each untrained baseline
-OFF_POLICY_VARIANTS = ("kd", "eagle3", "eagle3_regen")  # the variants trained on the data alone (no rollouts)
+OFF_POLICY_VARIANTS = ("kd", "eagle3", "eagle3_regen", "eagle3_fresh")  # the variants trained on the data alone (no rollouts)
 DEFAULT = ["init", "kd", "eagle3", "draft_opd", "draft_opd_no_replay", "draft_opd_no_weighting", "draft_opd_no_assist"]
 # The head benchmark: every arm continues the same EAGLE-3 head (--override draft.path=<head>).
 # No assist=false arm for a head: it cannot decode without the target's features (DraftOPDObjective.check_draft_kind).
@@ -95,6 +98,13 @@ def parse_args(argv=None):
     a.add_argument("--grad-accum", type=int, default=1)
     a.add_argument("--lr", type=float, default=None, help="null: each recipe's own")
     a.add_argument("--rollout-tokens", type=int, default=32, help="draft_opd objective.max_new_tokens")
+    a.add_argument("--rollout-temperature", type=float, default=None,
+                   help="draft_opd objective.temperature (null: the recipe's)")
+    a.add_argument("--fresh-tokens", type=int, default=None,
+                   help="eagle3_fresh: data.regenerate.max_new_tokens of its fresh store (needed by that variant)")
+    a.add_argument("--fresh-temperature", type=float, default=1.0, help="eagle3_fresh: data.regenerate.temperature")
+    a.add_argument("--fresh-prompts", type=int, default=None,
+                   help="eagle3_fresh: data.regenerate.max_prompts (null: the recipe's)")
     a.add_argument("--opd-warm-start", default=None, help="draft.path of a standalone draft for the draft_opd variants")
     a.add_argument("--prompts", default="embedded:mt_bench")
     a.add_argument("--num-prompts", type=int, default=80)
@@ -123,6 +133,9 @@ def parse_args(argv=None):
     args = a.parse_args(argv)
     if min(args.steps, args.num_prompts, args.max_new_tokens, args.gamma, args.eval_batch_size) < 1:
         a.error("--steps, --num-prompts, --max-new-tokens, --gamma and --eval-batch-size must be >= 1")
+    if "eagle3_fresh" in args.variants and (args.fresh_tokens is None or args.fresh_tokens < 1):
+        a.error("variant eagle3_fresh regenerates its own answers: give their length with --fresh-tokens N (the "
+                "evaluation's --max-new-tokens for the fair baseline)")
     if "head" in args.variants:
         args.variants = list(dict.fromkeys(v for x in args.variants for v in (HEAD_ARMS if x == "head" else [x])))
     if (args.budget == "wall_time") != (args.minutes is not None):
@@ -158,6 +171,17 @@ def common_overrides(args, name: str, steps: int, save_every: int | None = None)
     if args.lr is not None:
         out.append(f"trainer.lr={args.lr}")
     return out + list(args.override)
+
+
+def fresh_overrides(args, listed) -> list[str]:
+    """eagle3_fresh's store: the recipe's prompts answered afresh at --fresh-tokens and --fresh-temperature, and a
+    training length that keeps a whole answer (its prompt cap plus the answer)."""
+    regen = listed.data.regenerate
+    out = [f"data.regenerate.max_new_tokens={args.fresh_tokens}", f"data.regenerate.temperature={args.fresh_temperature}",
+           f"data.max_length={max(args.max_length, regen.max_prompt_tokens + args.fresh_tokens)}"]
+    if args.fresh_prompts is not None:
+        out.append(f"data.regenerate.max_prompts={args.fresh_prompts}")
+    return out
 
 
 def data_target_tokens(c, steps: int) -> tuple[int, int]:
@@ -257,6 +281,10 @@ def train(args, name: str, steps: int, log=print, marks: list[int] | None = None
         extra = extra + kind.warm_start_overrides(args.opd_warm_start)  # the variants of the saved draft's kind
     if recipe == "draft_opd":
         extra = extra + [f"objective.max_new_tokens={args.rollout_tokens}", f"objective.gamma={args.gamma}"]
+        if args.rollout_temperature is not None:
+            extra = extra + [f"objective.temperature={args.rollout_temperature}"]
+    if name == "eagle3_fresh":
+        extra = extra + fresh_overrides(args, listed)
     if "steps" in listed.objective:  # a training-time-test unroll (eagle3) covers the gamma drafts the eval makes
         extra = extra + [f"objective.steps={args.gamma}"]
     run_dir = Path(args.out) / "runs" / name
@@ -360,9 +388,11 @@ def evaluate_draft(args, c, draft, prompts, temperature: float, log=print) -> di
     finally:
         draft.train(was)
     per_prompt = [[x["new_tokens"], x["target_forwards"]] for x in r.samples]
-    keep = ("prompt", "category", "new_tokens", "target_forwards", "reached_per_pos", "accepted_per_pos")
+    keep = ("prompt", "category", "new_tokens", "target_forwards", "reached_per_pos", "accepted_per_pos",
+            "output_buckets")  # acceptance by output position: scripts/compare_evals.py pairs it per bucket
     return {"mean_accept_len": r.mean_accept_len, "tau_ci95": tau_interval(per_prompt, args.seed),
-            "per_prompt_tokens_forwards": per_prompt, "samples": [{k: x[k] for k in keep} for x in r.samples],
+            "per_prompt_tokens_forwards": per_prompt,
+            "samples": [{k: x[k] for k in keep if k in x} for x in r.samples],
             "by_category": r.by_category, "eval_settings": eval_settings(args, temperature),
             "alpha": r.alpha, "speedup": r.speedup,
             "accept_rate_per_pos": r.accept_rate_per_pos, "tokens_per_s": r.tokens_per_s,
@@ -379,7 +409,8 @@ def eval_settings(args, temperature: float) -> dict:
 def size_knobs(args) -> dict:
     """What makes two benchmark runs comparable (checked by --append and --merge)."""
     keys = ("target", "data", "max_rows", "max_length", "steps", "budget", "micro_batch_size", "grad_accum", "lr",
-            "rollout_tokens", "opd_warm_start", "prompts", "num_prompts", "max_new_tokens", "gamma", "temperatures",
+            "rollout_tokens", "rollout_temperature", "fresh_tokens", "fresh_temperature", "fresh_prompts",
+            "opd_warm_start", "prompts", "num_prompts", "max_new_tokens", "gamma", "temperatures",
             "eval_batch_size", "minutes", "checkpoints_at", "draft_policy",
             "seed", "override")
     return {k: getattr(args, k) for k in keys}

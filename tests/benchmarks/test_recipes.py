@@ -151,3 +151,29 @@ def test_target_token_budget_orders_the_reference_first_and_names_it():
     bench._choose_reference(b)
     with pytest.raises(ValueError, match="include one"):
         bench._training_order(b, ["kd"])
+
+
+def test_fresh_arm_needs_its_answer_length(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--variants", "eagle3_fresh"])
+    assert "--fresh-tokens N" in capsys.readouterr().err
+
+
+def test_fresh_arm_regenerates_its_own_answers_and_rollouts_take_their_temperature(head_bench):
+    """eagle3_fresh trains on answers regenerated at --fresh-tokens and --fresh-temperature (its own store, a training
+    length that holds them); the on-policy arm rolls out at --rollout-temperature; scorings keep acceptance by output
+    position for scripts/compare_evals.py."""
+    from omegaconf import OmegaConf
+
+    knobs, root = head_bench
+    out = root / "fresh"
+    res = bench.run_bench(["--variants", "eagle3_fresh", "draft_opd_eagle3", "--steps", "1", "--temperatures", "1",
+                           "--fresh-tokens", "12", "--fresh-prompts", "6", "--rollout-temperature", "0.5",
+                           "--out", str(out)] + knobs)
+    fresh = OmegaConf.load(out / "runs" / "eagle3_fresh" / "config.yaml")
+    regen = fresh.data.regenerate
+    assert (regen.max_new_tokens, regen.temperature, regen.max_prompts) == (12, 1.0, 6)
+    assert fresh.data.max_length == max(64, regen.max_prompt_tokens + 12)
+    assert OmegaConf.load(out / "runs" / "draft_opd_eagle3" / "config.yaml").objective.temperature == 0.5
+    sample = res["eagle3_fresh"]["eval"]["T=1"]["samples"][0]
+    assert "0_127" in sample["output_buckets"]
