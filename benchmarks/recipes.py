@@ -73,7 +73,8 @@ VARIANTS = {
     "draft_opd_eagle3_no_weighting": ("draft_opd", OPD_HEAD + ["objective.weighting=none"]),
 }
 INIT_RECIPES = {"init": "kd", "init_eagle3": "eagle3"}  # whose draft group builds each untrained baseline
-OFF_POLICY_VARIANTS = ("kd", "eagle3", "eagle3_regen", "eagle3_fresh")  # the variants trained on the data alone (no rollouts)
+# the variants trained on the data alone (no rollouts)
+OFF_POLICY_VARIANTS = ("kd", "eagle3", "eagle3_regen", "eagle3_fresh")
 DEFAULT = ["init", "kd", "eagle3", "draft_opd", "draft_opd_no_replay", "draft_opd_no_weighting", "draft_opd_no_assist"]
 # The head benchmark: every arm continues the same EAGLE-3 head (--override draft.path=<head>).
 # No assist=false arm for a head: it cannot decode without the target's features (DraftOPDObjective.check_draft_kind).
@@ -177,7 +178,8 @@ def fresh_overrides(args, listed) -> list[str]:
     """eagle3_fresh's store: the recipe's prompts answered afresh at --fresh-tokens and --fresh-temperature, and a
     training length that keeps a whole answer (its prompt cap plus the answer)."""
     regen = listed.data.regenerate
-    out = [f"data.regenerate.max_new_tokens={args.fresh_tokens}", f"data.regenerate.temperature={args.fresh_temperature}",
+    out = [f"data.regenerate.max_new_tokens={args.fresh_tokens}",
+           f"data.regenerate.temperature={args.fresh_temperature}",
            f"data.max_length={max(args.max_length, regen.max_prompt_tokens + args.fresh_tokens)}"]
     if args.fresh_prompts is not None:
         out.append(f"data.regenerate.max_prompts={args.fresh_prompts}")
