@@ -14,6 +14,8 @@
 #   PROMPTS=32 LONG=1024 MINUTES=10 FRESH_PROMPTS=96 THREADS=2 EVAL_BATCH=8 OUT=outputs/onpolicy_regime
 #   HEAD_RUN=outputs/eagle3_serve (an existing main-command run is reused)
 #   DFLASH=1 DFLASH_MINUTES=25 DFLASH_RUN=outputs/dflash_serve
+#   UNTIL=5: stop after this stage (UNTIL=2 measures the mismatch alone; its figures need no quiet machine, the arms'
+#   equal wall time does)
 #   TRAIN_EXTRA / EVAL_EXTRA: extra Hydra overrides for the head's training and the evaluations; BENCH_ARGS: extra
 #   benchmarks.recipes arguments (--target, --data, --prompts, ...); BENCH_EXTRA: extra Hydra overrides of the arms
 #   (a smoke run points them all at tiny models)
@@ -23,7 +25,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 PROMPTS=${PROMPTS:-32}; LONG=${LONG:-1024}; MINUTES=${MINUTES:-10}; FRESH_PROMPTS=${FRESH_PROMPTS:-96}
 THREADS=${THREADS:-2}; EVAL_BATCH=${EVAL_BATCH:-8}; OUT=${OUT:-outputs/onpolicy_regime}
-HEAD_RUN=${HEAD_RUN:-outputs/eagle3_serve}
+HEAD_RUN=${HEAD_RUN:-outputs/eagle3_serve}; UNTIL=${UNTIL:-5}
 DFLASH=${DFLASH:-1}; DFLASH_MINUTES=${DFLASH_MINUTES:-25}; DFLASH_RUN=${DFLASH_RUN:-outputs/dflash_serve}
 read -r -a TRAIN_EXTRA <<< "${TRAIN_EXTRA:-}"; read -r -a EVAL_EXTRA <<< "${EVAL_EXTRA:-}"
 read -r -a BENCH_EXTRA <<< "${BENCH_EXTRA:-}"; read -r -a BENCH_ARGS <<< "${BENCH_ARGS:-}"
@@ -52,6 +54,7 @@ say "   head: $HEAD"
 
 say "2. the head along long outputs: $PROMPTS prompts x $LONG tokens at T=0 and T=1"
 long_eval "$HEAD" "$OUT/head"
+[ "$UNTIL" -le 2 ] && { say "stopped after stage 2 (UNTIL=$UNTIL)"; exit 0; }
 
 say "3. three arms from the head, $MINUTES training minutes each, scored on the same long evaluation"
 if [ ! -e "$OUT/arms/results.json" ]; then
