@@ -298,7 +298,8 @@ class DraftOPDObjective(Objective):
         if self.kd_weight > 0:
             metrics["kd_loss_sum"] = metrics["kd_loss_count"] = torch.zeros((), device=device)
             if bool(batch["loss_mask"].any()):
-                kd, kd_w = OFF_POLICY[draft_adapter(models.draft).data_objective].loss(self, batch, models)  # (N,) each
+                term = OFF_POLICY[draft_adapter(models.draft).spec.data_objective]
+                kd, kd_w = term.loss(self, batch, models)                                       # (N,) each
                 losses.append(kd)
                 weights.append(kd_w.detach())
                 metrics["kd_loss_sum"] = kd.detach().sum()
@@ -432,7 +433,7 @@ class DraftOPDObjective(Objective):
         replay = state.buffer.sample(round(self.replay_ratio * len(fresh)), state.refreshes) if self.replay else []
         n = len(fresh) + len(replay)
         if self.kd_weight > 0:  # the data batch's loss positions (a head: one per unroll step reaching one)
-            n += OFF_POLICY[draft_adapter(draft).data_objective].count(self, batch["loss_mask"].bool())
+            n += OFF_POLICY[draft_adapter(draft).spec.data_objective].count(self, batch["loss_mask"].bool())
         return _Prepared(batch, fresh, replay, refresh, metrics, f(n))
 
     def _rollout(self, batch, models, draft, target) -> DraftedPositions:
