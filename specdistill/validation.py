@@ -125,7 +125,7 @@ def draft_shape_errors(cfg: DictConfig) -> list[str]:
     """Draft sizes that the chosen draft.init would silently ignore: refused, naming the setting that does apply. The
     sizes each init honours and the layer count it must have are its draft kind's (drafts/registry.py: DraftKind)."""
     from specdistill.drafts import kind_for_init
-    from specdistill.drafts.registry import SIZE_KEYS
+    from specdistill.drafts.registry import SIZE_KEYS, inits_honouring
 
     present, init = _get(cfg, "draft.init")
     if not present:
@@ -144,8 +144,13 @@ def draft_shape_errors(cfg: DictConfig) -> list[str]:
     for k in SIZE_KEYS:
         v = _get(cfg, f"draft.{k}")[1]
         if v is not None and k not in used:
-            fix = ("give the head capacity with draft.intermediate_size (its MLP width); its width and heads are the "
-                   "target's" if used else "sizes apply to draft.init=config (draft=small_lm)")
+            if used == ("intermediate_size",):
+                fix = ("give the head capacity with draft.intermediate_size (its MLP width); its width and heads are "
+                       "the target's")
+            elif used:
+                fix = f"a draft.init={init} draft takes {' and '.join(f'draft.{u}' for u in used)} only"
+            else:
+                fix = f"draft.{k} applies to draft.init={' | '.join(inits_honouring(k))}"
             errors.append(f"draft.{k}={v} is not used with draft.init={init}: drop draft.{k} ({fix})")
     return errors
 

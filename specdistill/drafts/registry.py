@@ -156,6 +156,11 @@ def known_inits() -> list[str]:
     return [init for kind in registered() for init in kind.inits]
 
 
+def inits_honouring(size: str) -> list[str]:
+    """The draft.init values whose drafts take the draft.<size> setting (one of SIZE_KEYS)."""
+    return [init for kind in registered() for init, sizes in kind.inits.items() if size in sizes]
+
+
 def kind_for_init(init: str) -> type[DraftAdapter]:
     """The adapter of the draft kind that `draft.init=<init>` builds; an unknown init is refused, naming them all."""
     for kind in registered():
