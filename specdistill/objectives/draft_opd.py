@@ -560,8 +560,8 @@ def _ttt_loss(obj: "DraftOPDObjective", batch: dict, models: Models) -> tuple[to
     return off.loss, off.weight * obj.kd_weight                                            # (N,) each
 
 
-# Keyed by the objective a draft kind trains with on data (DraftAdapter.data_objective, drafts/): token-level KD with
-# this objective's divergence, or recipe eagle3's TTT unroll (a head's off-policy loss is its own training loss).
+# Keyed by the objective a draft kind trains with on data (its spec's data_objective, drafts/registry.py): token-level
+# KD with this objective's divergence, or recipe eagle3's TTT unroll (a head's off-policy loss: its training loss).
 OFF_POLICY = {
     "kd": _OffPolicy(_kd_loss, lambda obj, lm: int(lm.sum())),
     "eagle3": _OffPolicy(_ttt_loss, lambda obj, lm: sum(int(lm[:, 1 + j:].sum()) for j in range(obj.gamma))),
