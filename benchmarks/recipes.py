@@ -343,7 +343,7 @@ def reeval_recipe(args, name: str, run: dict) -> tuple[str, list[str]]:
     recipe, extra = VARIANTS[name]
     kind = variant_kind(compose(recipe, common_overrides(args, name, 1) + extra))
     # The recipe named after the kind's data objective (kd / eagle3) builds it; its saved draft replaces the built one.
-    return (kind.data_objective,
+    return (kind.spec.data_objective,
             common_overrides(args, name + "_reeval", 1) + kind.warm_start_overrides(Path(run["checkpoint"]) / "draft"))
 
 

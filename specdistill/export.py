@@ -1,7 +1,7 @@
-"""Export plumbing every draft kind shares: the serving formats a run can ask for, the result an export returns,
-the target's config as a serving engine reads it, the digest that ties an export to its target's embeddings, the
-weights-and-config folder every draft and export is written as, and the checks of a reduced vocabulary's d2t.
-Each kind's own layout and validation live with the kind (drafts/<kind>/export.py)."""
+"""Export plumbing every draft kind shares: the result an export returns, the target's config as a serving engine
+reads it, the digest that ties an export to its target's embeddings, the weights-and-config folder every draft and
+export is written as, and the checks of a reduced vocabulary's d2t. Each kind's formats, layout and validation live
+with the kind (drafts/<kind>/export.py, named by its spec's exporters)."""
 from __future__ import annotations
 
 import hashlib
@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-FORMATS = ("vllm", "sglang", "speculators")  # every serving format some draft kind writes
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -19,7 +18,7 @@ WEIGHTS_FILE = "model.safetensors"
 class ExportResult:
     """What an export wrote (or a validation read): the folder, its format, its tensors and config, the warnings."""
     out_dir: Path
-    format: str  # one of FORMATS (EAGLE-3: "vllm" midlayer | "sglang" midlayer with SGLang's aux ids | "speculators")
+    format: str  # one of its kind's formats (drafts/registry.py: DraftKind.exporters)
     tensors: dict[str, tuple[list[int], str]]  # name in the written file -> (shape, dtype)
     warnings: list[str] = field(default_factory=list)
     config: dict = field(default_factory=dict)  # the written config.json

@@ -165,11 +165,10 @@ def check_warmup(cfg: DictConfig) -> Optional[Any]:
         raise ValueError("warmup.objective is not set: give the warm-up's objective, e.g. warmup.objective={name: "
                          "eagle3, steps: 4, decay: 0.8} (recipe=draft_opd sets it)")
     raw = OmegaConf.to_container(w.objective, resolve=True) if isinstance(w.objective, DictConfig) else w.objective
-    trains_kind = kind_for_init(cfg.draft.init).data_objective  # the objective that trains this draft kind on data
-    per_kind = w.get("kind_objectives") or {}
-    if isinstance(raw, dict) and raw.get("name") != trains_kind and trains_kind in per_kind:
-        v = per_kind[trains_kind]  # e.g. a DFlash draft's block loss
-        raw = OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) else dict(v)
+    kind = kind_for_init(cfg.draft.init).spec
+    trains_kind = kind.data_objective  # the objective that trains this draft kind on data
+    if isinstance(raw, dict) and raw.get("name") != trains_kind and kind.warmup_objective is not None:
+        raw = dict(kind.warmup_objective)  # e.g. a DFlash draft's block loss, where the recipe warms up a head
     objective = make_objective(raw, "warmup.objective")
     if objective.name != trains_kind:
         raise ValueError(f"warmup.objective.name={objective.name!r} cannot train draft.init={cfg.draft.init!r}: its "

@@ -1,9 +1,9 @@
 """Config checks in one place, run by every entry point before any model or data is loaded.
 
 Knows nothing about models or tensors: it reads the composed config (and, for the few checks that need them, a
-draft folder's config.json and whether torch sees CUDA). Hydra already refuses wrong types, unknown keys given
-without `+` (and, since `recipe` is not optional in conf/config.yaml, an unknown recipe, listing the known ones);
-what is left is checked here:
+draft folder's config.json, the draft kinds' specs and whether torch sees CUDA). Hydra already refuses wrong types,
+unknown keys given without `+` (and, since `recipe` is not optional in conf/config.yaml, an unknown recipe, listing
+the known ones); what is left is checked here:
   - keys the schema does not have, appended with `+` (the schema is closed), with the nearest known key;
   - required values (`???` in a group YAML: data=jsonl needs data.path, target=local needs target.path);
   - the range or choices of every constrained setting, read from the schema's fields (specdistill/constraints.py),
@@ -11,7 +11,8 @@ what is left is checked here:
   - a run_name that would put trainer.output_dir outside its parent folder is refused;
   - paths that look local (./x, ~/x, /x, *.jsonl ...) must exist: a typo is a local error, never a Hub lookup;
   - data.chat_template must be an inline Jinja template or a file holding one;
-  - draft sizes the chosen draft.init would ignore (draft.num_layers=2 for an EAGLE-3 head) are refused;
+  - draft sizes the chosen draft.init would ignore (draft.num_layers=2 for an EAGLE-3 head) are refused (the sizes
+    each draft kind honours are on its spec, drafts/registry.py);
   - a data or prompt setting naming a folder where one file is read;
   - an eval.gamma (eval.max_gamma, eval.tree.depth) above what a DFlash block drafts (block_size - 1);
   - eval.device=cuda on a machine or torch build without CUDA;
@@ -31,51 +32,11 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from specdistill.assets import is_embedded
 from specdistill.constraints import rules
+from specdistill.paths import missing_local_path, resolve_chat_template
 
 
 class ConfigError(ValueError):
     """A config a run must not start with; the message names every bad key and how to fix it."""
-
-
-LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".safetensors", ".gguf", ".yaml")
-
-
-def looks_local(path: str, hub_ids_have_one_slash: bool = True) -> bool:
-    """True when `path` can only mean a file or folder on this machine: ./x, ../x, ~/x, /x, a data-file suffix,
-    or (hub ids being org/name) a path with two or more slashes. `embedded:*` and bare names are not local."""
-    s = str(path)
-    if not s or is_embedded(s) or "://" in s:
-        return False
-    if s.startswith(("/", "./", "../", "~", ".")) or s.lower().endswith(LOCAL_SUFFIXES):
-        return True
-    return hub_ids_have_one_slash and s.count("/") >= 2
-
-
-def missing_local_path(key: str, path: str) -> Optional[str]:
-    """An error line when `path` looks local but does not exist (checked instead of asking the Hub)."""
-    if path and looks_local(path) and not Path(str(path)).expanduser().exists():
-        where = Path(str(path)).expanduser()
-        return (f"{key}={path!r} looks like a local path but {where.resolve() if not where.is_absolute() else where} "
-                "does not exist (nothing is looked up on the Hub for a local-looking path): fix the path, or give "
-                "a Hub id as org/name")
-    return None
-
-
-def resolve_chat_template(value: str) -> str:
-    """data.chat_template -> Jinja source. An inline template (it contains `{{` or `{%`) is returned as is; anything
-    else must be a file holding one. Pure (no tokenizer): path_errors calls it before anything loads, and
-    data/chat.py installs the result on the tokenizer."""
-    if "{{" in value or "{%" in value:
-        return value
-    path = Path(value).expanduser()
-    if not path.is_file():
-        raise ValueError(f"data.chat_template={value!r} is neither an existing file nor a Jinja template (no '{{{{' "
-                         "or '{%' in it): pass the path of a .jinja file or the template text itself")
-    text = path.read_text()
-    if "{{" not in text and "{%" not in text:
-        raise ValueError(f"data.chat_template file {path} holds no Jinja template (no '{{{{' or '{{%'): point it "
-                         "at a chat template, e.g. the `chat_template` of a tokenizer_config.json saved as a file")
-    return text
 
 
 def _get(cfg: DictConfig, dotted: str) -> tuple[bool, Any]:
@@ -160,19 +121,20 @@ def path_errors(cfg: DictConfig) -> list[str]:
     return errors
 
 
-SIZE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
-# draft.init -> (the sizes it honours, the layer count it must have or None); every other init honours none. Kept as
-# data here (validation loads nothing): an EAGLE-3 head (drafts/eagle3/) takes only its MLP width, and one layer.
-DRAFT_SIZES = {"config": (SIZE_KEYS, None), "eagle3": (("intermediate_size",), 1)}
-DRAFT_SIZES["dflash"] = (("intermediate_size",), None)  # DFlash: any layer count, the target's width
-
-
 def draft_shape_errors(cfg: DictConfig) -> list[str]:
-    """Draft sizes that the chosen draft.init would silently ignore: refused, naming the setting that does apply."""
+    """Draft sizes that the chosen draft.init would silently ignore: refused, naming the setting that does apply. The
+    sizes each init honours and the layer count it must have are its draft kind's (drafts/registry.py: DraftKind)."""
+    from specdistill.drafts import kind_for_init
+    from specdistill.drafts.registry import SIZE_KEYS, inits_honouring
+
     present, init = _get(cfg, "draft.init")
     if not present:
         return []
-    used, layers_needed = DRAFT_SIZES.get(init, ((), None))
+    try:
+        kind = kind_for_init(init).spec
+    except ValueError as e:  # an unknown init, named with the known ones
+        return [str(e)]
+    used, layers_needed = kind.inits[init], kind.num_layers
     errors = []
     _, layers = _get(cfg, "draft.num_layers")
     if layers_needed is not None and layers != layers_needed:
@@ -182,8 +144,13 @@ def draft_shape_errors(cfg: DictConfig) -> list[str]:
     for k in SIZE_KEYS:
         v = _get(cfg, f"draft.{k}")[1]
         if v is not None and k not in used:
-            fix = ("give the head capacity with draft.intermediate_size (its MLP width); its width and heads are the "
-                   "target's" if used else "sizes apply to draft.init=config (draft=small_lm)")
+            if used == ("intermediate_size",):
+                fix = ("give the head capacity with draft.intermediate_size (its MLP width); its width and heads are "
+                       "the target's")
+            elif used:
+                fix = f"a draft.init={init} draft takes {' and '.join(f'draft.{u}' for u in used)} only"
+            else:
+                fix = f"draft.{k} applies to draft.init={' | '.join(inits_honouring(k))}"
             errors.append(f"draft.{k}={v} is not used with draft.init={init}: drop draft.{k} ({fix})")
     return errors
 

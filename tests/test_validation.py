@@ -6,7 +6,8 @@ import pytest
 from hydra.errors import MissingConfigException
 
 from specdistill.build import build
-from specdistill.validation import ConfigError, looks_local, validate_config
+from specdistill.paths import looks_local
+from specdistill.validation import ConfigError, validate_config
 from tests.conftest import compose, compose_tiny, tiny_overrides
 
 

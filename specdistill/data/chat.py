@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from specdistill.validation import resolve_chat_template
+from specdistill.paths import resolve_chat_template
 
 _PROBE = [{"role": "user", "content": "specdistill probe question"},
           {"role": "assistant", "content": "specdistill probe answer"}]

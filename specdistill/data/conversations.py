@@ -66,7 +66,7 @@ def load_rows(path: str, split: str = "train", max_rows: Optional[int] = None, k
         return EMBEDDED_DATA[name](max_rows)
     import datasets
 
-    from specdistill.validation import looks_local
+    from specdistill.paths import looks_local
 
     p = Path(path).expanduser()
     if p.exists():

@@ -1,19 +1,33 @@
 """The draft adapter interface: everything training, decoding, evaluation and export need from one kind of draft.
 
 One subclass per kind (drafts/lm.py: standalone causal LMs; drafts/eagle3/: EAGLE-3 heads; drafts/dflash/: DFlash
-block drafters), registered in drafts/__init__.py. Callers ask `draft_adapter(model)` (a built draft) or
-`kind_for_init(init)` (a config) and never test a draft's type themselves, so a new kind (MTP heads) is one new folder
-(model.py, drafter.py, adapter.py, export.py). This package knows
-nothing of objectives, rollouts or the evaluator: they sit above it.
+block drafters), each registered with its spec by drafts/registry.py's register_kind. Callers ask
+`draft_adapter(model)` (a built draft) or `kind_for_init(init)` (a config) and never test a draft's type themselves,
+so a new kind (MTP heads) is one new folder (model.py, drafter.py, adapter.py, export.py). This package knows nothing
+of objectives, rollouts or the evaluator: they sit above it.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import torch
 
 from specdistill.decoding import Drafter, probs_from_logits
 from specdistill.tensors import unwrap
+
+if TYPE_CHECKING:
+    from specdistill.drafts.registry import DraftKind
+
+
+class _FromSpec:
+    """An adapter attribute that is a field of its kind's spec (adapter.kind is adapter.spec.name), on the class and
+    on an instance."""
+
+    def __init__(self, field: str):
+        self.field = field
+
+    def __get__(self, adapter, cls):
+        return getattr(cls.spec, self.field)
 
 
 class DraftAdapter:
@@ -23,20 +37,12 @@ class DraftAdapter:
     (V for an LM draft, the head's reduced vocabulary for EAGLE-3).
     """
 
-    kind: str = ""                          # name in reports ("draft", "eagle3")
-    inits: tuple[str, ...] = ()             # draft.init values that build this kind
-    serving_formats: tuple[str, ...] = ()   # export formats (export.py); () = its checkpoint folder is served as is
-    needs_row_features = False              # rollout rows carry target features (DraftedPositions.aux)
-    decodes_alone = True                    # can generate without the target (the assist=false rollout ablation)
-    needs_data_to_build = False             # build() needs training data (so no untrained one can be evaluated)
-    trains_on_trees = True                  # Draft-OPD can train it on token-tree rollouts (objective.tree_topk)
-    serves_trees = True                     # serving engines decode its token trees (SGLang's EAGLE tree flags)
-    path_inits: tuple[str, ...] = ()        # draft.init values that read draft.path (a warm start or the weights)
-    data_objective: str = "kd"              # the objective (objectives/) that trains this kind on data batches:
-                                            # Draft-OPD's kd_weight term uses it
-    card_title = "A draft model"            # how the model card (hub/card.py) names it
-    card_library = "transformers"           # the card's library_name: who loads the folder
-    card_tags: tuple[str, ...] = ()         # the card's extra hub tags
+    spec: ClassVar[DraftKind]  # what the kind is (drafts/registry.py), set by register_kind
+    # read from the spec on the class and on an adapter alike
+    kind = _FromSpec("name")
+    decodes_alone = _FromSpec("decodes_alone")
+    trains_on_trees = _FromSpec("trains_trees")
+    serves_trees = _FromSpec("serves_trees")
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -66,6 +72,12 @@ class DraftAdapter:
     def load(cls, path) -> torch.nn.Module:
         """The draft saved in `path` (a folder for which saved_in is true)."""
         raise NotImplementedError
+
+    @classmethod
+    def unreadable(cls, path) -> Optional[str]:
+        """Why a folder that looks like this kind's cannot be read back (an export in a format specdistill does not
+        load), or None. Default: None."""
+        return None
 
     @classmethod
     def warm_start_overrides(cls, path) -> list[str]:
@@ -109,7 +121,7 @@ class DraftAdapter:
         """Raise if the draft cannot draft after these prompts (default: any non-empty prompt will do)."""
 
     def row_feature_layers(self) -> Optional[list[int]]:
-        """The target's hidden_states ids logits_at reads per rollout row (needs_row_features), captured by the
+        """The target's hidden_states ids logits_at reads per rollout row, captured by the
         rollout's own verify forwards (decoding.speculative_generate(capture_layers=...)); None: tokens only."""
         return None
 
@@ -119,7 +131,7 @@ class DraftAdapter:
                   shares: Optional[list[int]] = None) -> torch.Tensor:
         """(P, Vd) the draft's next-token logits after rows[row[p]][:context_len[p]] WITH grad, one forward.
         rows: R x (L_r,) long; row, context_len, index (0-based draft position in its round): (P,) long;
-        features: (R, L, D) per-row target features (needs_row_features) or None;
+        features: (R, L, D) per-row target features (row_feature_layers) or None;
         shares: None, or (R,) row r agrees with row shares[r] (tokens and features) up to where its positions' round
         began (a branch row and its trajectory, DraftedPositions.source): a draft may reuse that row's work."""
         raise NotImplementedError
@@ -146,11 +158,6 @@ class DraftAdapter:
         raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------- export
-    @classmethod
-    def export(cls, draft_dir, out_dir, fmt: str, target_path: Optional[str], **kwargs) -> Any:
-        """Write the checkpoint's draft folder in a serving format (one of serving_formats)."""
-        raise ValueError(f"a {cls.kind} draft has no serving export formats: serve its checkpoint folder as is")
-
     @classmethod
     def card_section(cls, repo_id: str, target: str, exports: list[str], gamma: int) -> str:
         """The model card's "how to serve it" section (markdown), for vLLM and SGLang."""

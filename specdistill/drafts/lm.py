@@ -11,6 +11,7 @@ from specdistill.config import DraftConfig
 from specdistill.decoding import Drafter, LMDrafter
 from specdistill.decoding.kv import logits_dim, max_positions
 from specdistill.drafts.base import DraftAdapter, chain_counts, min_sum
+from specdistill.drafts.registry import SIZE_KEYS, register_kind
 from specdistill.losses import acceptance_rate
 from specdistill.models.target import load_causal_lm
 from specdistill.moe.draft import build_from_config
@@ -18,16 +19,14 @@ from specdistill.tensors import pad_rows, position_ids
 from specdistill.tokens import check_vocab_compatible
 
 
+@register_kind(name="draft", inits={"from_target": (), "config": SIZE_KEYS, "pretrained": (), "moe_experts": ()},
+               path_inits=("pretrained",), catch_all=True)
 class LMDraft(DraftAdapter):
     """Any HF causal LM: drafts from its own KV cache, q over the target's vocabulary, served as its folder."""
 
-    kind = "draft"
-    inits = ("from_target", "config", "pretrained", "moe_experts")
-    path_inits = ("pretrained",)
-
     @classmethod
     def matches(cls, model: torch.nn.Module) -> bool:
-        return isinstance(model, torch.nn.Module)  # the fallback kind: registered last
+        return isinstance(model, torch.nn.Module)  # the catch-all kind: tried last
 
     @classmethod
     def build(cls, draft_cfg, target, data) -> torch.nn.Module:
@@ -35,7 +34,7 @@ class LMDraft(DraftAdapter):
 
     @classmethod
     def saved_in(cls, path) -> bool:
-        return True  # the fallback kind: any HF causal LM folder
+        return True  # the catch-all kind: any HF causal LM folder
 
     @classmethod
     def load(cls, path) -> torch.nn.Module:

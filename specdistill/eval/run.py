@@ -22,9 +22,9 @@ def resolve_device(name: str) -> torch.device:
 
 def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
     """eval.draft_path (a trained HF draft folder) if set, else a draft built from the `draft` group (untrained)."""
-    from specdistill.drafts import kind_for_init, load_trained_draft
+    from specdistill.drafts import check_readable, kind_for_init, load_trained_draft
     from specdistill.drafts.base import cast_for_decoding
-    from specdistill.drafts.readback import check_draft_tokenizer, check_readable, read_back
+    from specdistill.drafts.readback import check_draft_tokenizer, read_back
     from specdistill.models.target import Target
 
     path = cfg.eval.draft_path
@@ -43,7 +43,7 @@ def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
     else:
         draft_cfg = OmegaConf.to_object(cfg.draft)
         kind = kind_for_init(draft_cfg.init)
-        if kind.needs_data_to_build:
+        if kind.spec.needs_data_to_build:
             raise ValueError(f"an {kind.kind} draft needs training data for its vocabulary: pass eval.draft_path=<a "
                              "trained draft's checkpoint draft/ folder>")
         draft = kind.build(draft_cfg, Target(target_model), None)

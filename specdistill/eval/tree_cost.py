@@ -119,7 +119,8 @@ def linear(x1: int, y1: float, x2: int, y2: float) -> Callable[[int], float]:
 
 def served(setting: Setting, serves_trees: bool = True) -> bool:
     """Whether a serving engine decodes `setting` for the draft: chains (and trees of topk 1) always, wider trees only
-    for a draft kind whose trees engines serve (drafts/: DraftAdapter.serves_trees; a DFlash drafter's are not)."""
+    for a draft kind whose trees engines serve (drafts/registry.py: DraftKind.serves_trees; a DFlash drafter's are
+    not)."""
     return serves_trees or setting.shape is None or setting.shape.topk == 1
 
 

@@ -69,7 +69,7 @@ def recommended_line(spec: dict, serves_trees: bool = True) -> str:
 
 def model_card(cfg, repo_id: str, metrics: dict, step: int, epoch: int, kind: type[DraftAdapter],
                exports: Optional[list[str]] = None) -> str:
-    """The card of a draft of `kind` (its adapter, drafts/: title, library, tags, serving section); `exports`: the
+    """The card of a draft of `kind` (its adapter, drafts/: its spec's card data, its serving section); `exports`: the
     serving formats staged next to it."""
     from specdistill.assets import serving_model_id
 
@@ -79,8 +79,8 @@ def model_card(cfg, repo_id: str, metrics: dict, step: int, epoch: int, kind: ty
     trainer = {k: _get(cfg, f"trainer.{k}") for k in ("lr", "max_steps", "micro_batch_size", "grad_accum", "seed")}
     data = {k: _get(cfg, f"data.{k}") for k in ("path", "max_rows", "max_length", "packing")}
     gamma = int(_get(cfg, "eval.gamma", 4))
-    tags = ["speculative-decoding", "draft-model", "specdistill", *kind.card_tags]
-    front = ["---", f"library_name: {kind.card_library}",
+    tags = ["speculative-decoding", "draft-model", "specdistill", *kind.spec.card.tags]
+    front = ["---", f"library_name: {kind.spec.card.library}",
              "tags:", *[f"- {t}" for t in tags]]
     if "/" in served and not served.startswith(("/", ".", "embedded:", "~")):
         front.append(f"base_model: {served}")  # a hub id, not a local path
@@ -89,7 +89,7 @@ def model_card(cfg, repo_id: str, metrics: dict, step: int, epoch: int, kind: ty
 
 # {repo_id.split('/')[-1]}
 
-{kind.card_title} for speculative decoding of **{target}**, trained with specdistill
+{kind.spec.card.title} for speculative decoding of **{target}**, trained with specdistill
 (run `{_get(cfg, 'run_name', '?')}`, objective `{objective.get('name', '?')}`). Speculative decoding with this draft is
 lossless: outputs follow the target's distribution exactly; the draft only changes speed.
 
@@ -106,7 +106,7 @@ The full resolved config is `specdistill/config.yaml`; the latest metrics are `s
 
 ## Acceptance
 
-{tau_table(metrics, gamma, kind.serves_trees)}
+{tau_table(metrics, gamma, kind.spec.serves_trees)}
 ## Serving
 
 {kind.card_section(repo_id, served, exports or [], gamma)}"""

@@ -1,13 +1,14 @@
 """Push a trained draft to the Hugging Face Hub after each epoch and at the end of training (hub.push=true).
 
 What a push uploads (one commit): the checkpoint's HF-format draft at the repository root, README.md (the model card,
-card.py), specdistill/config.yaml and specdistill/metrics.json and, for EAGLE-3 heads, the serving exports written by
-the kind's export under serving/vllm and serving/sglang. The folder is staged from the complete checkpoint (hard links,
-so pruning old checkpoints cannot touch it) and uploaded on the main process in a background thread, so training goes
-on (and other ranks never wait on the network). A push is retried with exponential backoff a bounded number of times;
-a push that still fails is reported (printed and hub/push_log.jsonl) and its staging folder kept for a manual upload.
-The local checkpoint is never modified. The token is huggingface_hub's own (HF_TOKEN or `hf auth login`): this module
-never reads it except to scrub it from error messages, and never prints or logs it.
+card.py), specdistill/config.yaml and specdistill/metrics.json and the serving exports of hub.serving_formats that
+the draft's kind writes (an EAGLE-3 head: serving/vllm and serving/sglang; an LM draft: none). The folder is staged
+from the complete checkpoint (hard links, so pruning old checkpoints cannot touch it) and uploaded on the main process
+in a background thread, so training goes on (and other ranks never wait on the network). A push is retried with
+exponential backoff a bounded number of times; a push that still fails is reported (printed and hub/push_log.jsonl)
+and its staging folder kept for a manual upload. The local checkpoint is never modified. The token is
+huggingface_hub's own (HF_TOKEN or `hf auth login`): this module never reads it except to scrub it from error
+messages, and never prints or logs it.
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ from specdistill.hub.card import model_card
 if TYPE_CHECKING:  # annotations only: the draft kinds are passed in
     from specdistill.drafts import DraftAdapter
 
-SERVING_FORMATS = ("vllm", "sglang")
 NO_RETRY_STATUS = (400, 401, 403, 404)  # a bad token, no permission, a bad repo id: retrying cannot help
 
 
@@ -52,9 +52,11 @@ def check_hub_config(hub) -> None:
     errors = [e for key, rule in rules(HubConfig).items() for e in rule.errors(f"hub.{key}", getattr(hub, key))]
     if errors:
         raise ValueError("bad hub settings: " + "; ".join(errors))
+    from specdistill.drafts import export_formats
+
     for f in hub.serving_formats:
-        if f not in SERVING_FORMATS:
-            raise ValueError(f"hub.serving_formats: unknown format {f!r}; choose from {list(SERVING_FORMATS)}")
+        if f not in export_formats():
+            raise ValueError(f"hub.serving_formats: unknown format {f!r}; choose from {list(export_formats())}")
 
 
 class PushFailed(RuntimeError):
@@ -118,7 +120,7 @@ def with_retries(fn: Callable[[], object], max_retries: int, backoff_s: float, l
 def stage(checkpoint: Path, out: Path, card: str, kind: type[DraftAdapter], formats: tuple[str, ...],
           target_path: Optional[str], gamma: int, log=print) -> list[str]:
     """Lay out the repository in `out` from a complete checkpoint folder; returns the serving formats exported (those
-    of `formats` the draft's kind exports to, drafts/: DraftAdapter.export)."""
+    of `formats` the draft's kind exports to, drafts/registry.py: DraftKind.export)."""
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(checkpoint / "draft", out, copy_function=_link_or_copy)
@@ -127,11 +129,11 @@ def stage(checkpoint: Path, out: Path, card: str, kind: type[DraftAdapter], form
         if (checkpoint / name).exists():
             _link_or_copy(checkpoint / name, out / "specdistill" / name)
     exported = []
-    if kind.serving_formats:
-        for fmt in formats:
+    for fmt in formats:
+        if fmt in kind.spec.formats:
             try:
-                kind.export(checkpoint / "draft", out / "serving" / fmt, fmt=fmt, target_path=target_path,
-                            speculative_tokens=gamma)
+                kind.spec.export(checkpoint / "draft", out / "serving" / fmt, fmt=fmt, target_path=target_path,
+                                 speculative_tokens=gamma)
                 exported.append(fmt)
             except Exception as e:  # a failed export must not block the push of the weights
                 log(f"[hub] {fmt} export skipped: {type(e).__name__}: {e}")
@@ -174,7 +176,7 @@ class HubPusher:
         gamma = int(self.cfg.eval.gamma)
         staging = self.root / f"staging-step-{step:07d}"
         formats = tuple(self.hub.serving_formats)
-        exports = list(formats) if kind.serving_formats else []
+        exports = [f for f in formats if f in kind.spec.formats]
         card = model_card(self.cfg, self.hub.repo_id, metrics, step, epoch, kind, exports)
         exported = stage(Path(checkpoint), staging, card, kind, formats, str(self.cfg.target.path), gamma, self.log)
         if exported != exports:  # the card must only point at folders that exist

@@ -68,9 +68,9 @@ class Objective:
     def check_draft_kind(self, kind) -> None:
         """Before anything loads (build.py): refuse a draft kind (a drafts.DraftAdapter class) this objective's
         settings cannot train, naming the fix. Default: the kinds trained by token-level losses on the data (an LM
-        draft: data_objective "kd"), and a kind whose data loss is its own (an EAGLE-3 head, a DFlash drafter) only
-        under that objective (its draft has no next-token logits of its own to distil)."""
-        own = kind.data_objective
+        draft: its spec's data_objective "kd"), and a kind whose data loss is its own (an EAGLE-3 head, a DFlash
+        drafter) only under that objective (its draft has no next-token logits of its own to distil)."""
+        own = kind.spec.data_objective
         if own not in ("kd", getattr(self, "name", None)):
             raise ValueError(f"objective={getattr(self, 'name', type(self).__name__)} cannot train a {kind.kind} "
                              f"draft: it trains with objective={own} (its own loss over the target's hidden states). "

@@ -86,9 +86,9 @@ class DFlashObjective(Objective):
         return self.__dict__.get("_calls", 0)
 
     def check_draft_kind(self, kind) -> None:
-        if kind.data_objective != "dflash":
+        if kind.spec.data_objective != "dflash":
             raise ValueError(f"objective=dflash trains DFlash block drafters; draft={kind.kind} trains with "
-                             f"objective={kind.data_objective}. Use draft=dflash (recipe=dflash_serve)")
+                             f"objective={kind.spec.data_objective}. Use draft=dflash (recipe=dflash_serve)")
 
     # ------------------------------------------------------------------------------------------- the protocol
     def num_tokens_before_prepare(self, batch: dict):

@@ -298,7 +298,8 @@ class DraftOPDObjective(Objective):
         if self.kd_weight > 0:
             metrics["kd_loss_sum"] = metrics["kd_loss_count"] = torch.zeros((), device=device)
             if bool(batch["loss_mask"].any()):
-                kd, kd_w = OFF_POLICY[draft_adapter(models.draft).data_objective].loss(self, batch, models)  # (N,) each
+                term = OFF_POLICY[draft_adapter(models.draft).spec.data_objective]
+                kd, kd_w = term.loss(self, batch, models)                                       # (N,) each
                 losses.append(kd)
                 weights.append(kd_w.detach())
                 metrics["kd_loss_sum"] = kd.detach().sum()
@@ -432,7 +433,7 @@ class DraftOPDObjective(Objective):
         replay = state.buffer.sample(round(self.replay_ratio * len(fresh)), state.refreshes) if self.replay else []
         n = len(fresh) + len(replay)
         if self.kd_weight > 0:  # the data batch's loss positions (a head: one per unroll step reaching one)
-            n += OFF_POLICY[draft_adapter(draft).data_objective].count(self, batch["loss_mask"].bool())
+            n += OFF_POLICY[draft_adapter(draft).spec.data_objective].count(self, batch["loss_mask"].bool())
         return _Prepared(batch, fresh, replay, refresh, metrics, f(n))
 
     def _rollout(self, batch, models, draft, target) -> DraftedPositions:
@@ -559,8 +560,8 @@ def _ttt_loss(obj: "DraftOPDObjective", batch: dict, models: Models) -> tuple[to
     return off.loss, off.weight * obj.kd_weight                                            # (N,) each
 
 
-# Keyed by the objective a draft kind trains with on data (DraftAdapter.data_objective, drafts/): token-level KD with
-# this objective's divergence, or recipe eagle3's TTT unroll (a head's off-policy loss is its own training loss).
+# Keyed by the objective a draft kind trains with on data (its spec's data_objective, drafts/registry.py): token-level
+# KD with this objective's divergence, or recipe eagle3's TTT unroll (a head's off-policy loss: its training loss).
 OFF_POLICY = {
     "kd": _OffPolicy(_kd_loss, lambda obj, lm: int(lm.sum())),
     "eagle3": _OffPolicy(_ttt_loss, lambda obj, lm: sum(int(lm[:, 1 + j:].sum()) for j in range(obj.gamma))),

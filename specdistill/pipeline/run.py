@@ -411,7 +411,7 @@ def export_final(cfg: DictConfig, checkpoint, output_dir, formats: Optional[list
                  log: Callable[[str], None] = print) -> list:
     """trainer.export_formats (or `formats`): serving exports of the final checkpoint's draft, validated, in
     <output_dir>/export/."""
-    kind = kind_for_init(cfg.draft.init)
+    kind = kind_for_init(cfg.draft.init).spec
     written = []
     for fmt in served_formats(cfg) if formats is None else formats:
         out = Path(output_dir) / "export" / fmt
@@ -427,23 +427,24 @@ def export_final(cfg: DictConfig, checkpoint, output_dir, formats: Optional[list
 def served_formats(cfg: DictConfig) -> list[str]:
     """trainer.export_formats that the draft kind has a layout for (a DFlash draft: vllm only); the others are skipped
     with a note at the start (check_export_config), so one recipe serves every kind it trains."""
-    kind = kind_for_init(cfg.draft.init)
-    return [f for f in cfg.trainer.export_formats or [] if f in kind.serving_formats]
+    return [f for f in cfg.trainer.export_formats or [] if f in kind_for_init(cfg.draft.init).spec.formats]
 
 
 def check_export_config(cfg: DictConfig) -> None:
-    from specdistill.export import FORMATS
+    from specdistill.drafts import export_formats
 
     formats = list(cfg.trainer.export_formats or [])
-    bad = [f for f in formats if f not in FORMATS]
+    bad = [f for f in formats if f not in export_formats()]
     if bad:
-        raise ValueError(f"trainer.export_formats {bad}: choose from {list(FORMATS)}")
-    if formats and not kind_for_init(cfg.draft.init).serving_formats:
-        raise ValueError(f"trainer.export_formats={formats} exports EAGLE-3 heads; draft.init={cfg.draft.init!r} is a "
-                         "standalone LM (serve its checkpoint folder as is): set trainer.export_formats=[]")
+        raise ValueError(f"trainer.export_formats {bad}: choose from {list(export_formats())}")
+    kind = kind_for_init(cfg.draft.init).spec
+    if formats and not kind.formats:
+        raise ValueError(f"trainer.export_formats={formats}: draft.init={cfg.draft.init!r} builds a {kind.name} draft, "
+                         "which has no serving export format (serve its checkpoint folder as is): set "
+                         "trainer.export_formats=[]")
     skipped = [f for f in formats if f not in served_formats(cfg)]
-    if skipped and kind_for_init(cfg.draft.init).serving_formats:
+    if skipped and kind.formats:
         print(f"[export] trainer.export_formats {skipped} skipped: a draft.init={cfg.draft.init} draft exports to "
-              f"{list(kind_for_init(cfg.draft.init).serving_formats)} only")
+              f"{list(kind.formats)} only")
     if cfg.eval.spec_eval_at not in ("every_epoch", "end"):
         raise ValueError(f"eval.spec_eval_at={cfg.eval.spec_eval_at!r}: choose every_epoch or end")

@@ -121,3 +121,25 @@ def test_the_export_cli_writes_the_saved_kinds_layout(tmp_path):
     draft.save_pretrained(tmp_path / "draft")
     assert main(["--draft", str(tmp_path / "draft"), "--out", str(tmp_path / "out")]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+
+
+def test_the_export_cli_checks_a_dflash_export_with_its_own_validation(tmp_path, capsys):
+    """--check asks the kind that wrote the export (its config.json's architectures): a DFlash export is validated as
+    DFlash, against --target's depth, and a broken one is refused naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from specdistill.cli.export import main
+
+    target = tiny_target()
+    target.save_pretrained(tmp_path / "target")
+    tiny_target(layers=6).save_pretrained(tmp_path / "deeper")
+    tiny_dflash(target, 4).save_pretrained(tmp_path / "draft")
+    export_dflash(tmp_path / "draft", tmp_path / "out")
+    assert main(["--check", str(tmp_path / "out"), "--target", str(tmp_path / "target")]) == 0
+    assert "is a valid vllm dflash export" in capsys.readouterr().out
+    assert main(["--check", str(tmp_path / "out"), "--target", str(tmp_path / "deeper")]) == 2
+    assert "layers" in capsys.readouterr().err
+    weights = tmp_path / "out" / "model.safetensors"
+    save_file({k: v for k, v in load_file(str(weights)).items() if k != "fc.weight"}, str(weights))
+    assert main(["--check", str(tmp_path / "out")]) == 2
+    assert "missing tensor fc.weight" in capsys.readouterr().err

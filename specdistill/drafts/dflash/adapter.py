@@ -21,29 +21,36 @@ import torch
 from specdistill.decoding import Drafter
 from specdistill.decoding.kv import logits_dim
 from specdistill.drafts.base import DraftAdapter, min_sum, min_sum_on_draft_vocab
+from specdistill.drafts.readback import unfit
+from specdistill.drafts.registry import Card, register_kind
 from specdistill.models.vocab import frequent_token_vocab, restrict_to_draft_vocab
 from specdistill.tensors import unwrap
 from specdistill.tokens import check_vocab_compatible
 
 from .drafter import DFlashDrafter
+from .export import check_target, export_dflash, validate_export
 from .model import ARCHITECTURE, DFlashDraft, build_dflash, check_settings, with_block_size
 
 
+def fits_target(draft, path, target_model, target_name: str, log) -> None:
+    """A DFlash draft read back beside its target: the layers, width and vocabulary it reads must be the target's."""
+    problems = check_target(draft.config, target_model.config.get_text_config().to_dict())
+    if problems:
+        raise unfit(path, target_name, "; ".join(problems))
+
+
+@register_kind(name="dflash", inits={"dflash": ("intermediate_size",)},  # any layer count, the target's width
+               path_inits=("dflash",),     # draft.path: a warm start
+               decodes_alone=False,        # every block reads the target's hidden states
+               trains_trees=False,         # its block positions see the anchor only, not the tree node they extend
+               serves_trees=False,         # vLLM's dflash method drafts chains; its trees are specdistill's decoding
+               data_objective="dflash",    # its data loss is the block loss (objectives/dflash.py)
+               warmup_objective={"name": "dflash"},  # Draft-OPD warms it up as recipe dflash_serve trains it
+               card=Card("A DFlash block drafter", library="specdistill", tags=("dflash",)),
+               exporters={"vllm": export_dflash}, validator=validate_export, export_architectures=(ARCHITECTURE,),
+               fits=fits_target)
 class DFlashDraftKind(DraftAdapter):
     """A DFlashDraft on the target's multi-layer hidden states: q over the target's vocabulary."""
-
-    kind = "dflash"
-    inits = ("dflash",)
-    serving_formats = ("vllm",)
-    needs_row_features = True
-    decodes_alone = False       # every block reads the target's hidden states
-    trains_on_trees = False     # its block positions see the anchor only, not the tree node they extend
-    serves_trees = False        # vLLM's dflash method drafts chains; its trees are specdistill's decoding
-    path_inits = ("dflash",)    # draft.path: a warm start
-    data_objective = "dflash"   # its data loss is the block loss (objectives/dflash.py)
-    card_title = "A DFlash block drafter"
-    card_library = "specdistill"
-    card_tags = ("dflash",)
 
     @classmethod
     def matches(cls, model: torch.nn.Module) -> bool:
@@ -138,12 +145,6 @@ class DFlashDraftKind(DraftAdapter):
         return dflash_chain_counts(self.model, target_out, batch, gamma)
 
     # ------------------------------------------------------------------------------------------- export
-    @classmethod
-    def export(cls, draft_dir, out_dir, fmt: str, target_path: Optional[str], **kwargs):
-        from .export import export_dflash
-
-        return export_dflash(draft_dir, out_dir, fmt=fmt, target_path=target_path, **kwargs)
-
     @classmethod
     def card_section(cls, repo_id: str, target: str, exports: list[str], gamma: int) -> str:
         v = "serving/vllm" if "vllm" in exports else "<export with scripts/export.py --format vllm>"

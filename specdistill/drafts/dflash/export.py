@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from specdistill.export import WEIGHTS_FILE, check_d2t, check_target_sizes, write_weights
+from specdistill.export import WEIGHTS_FILE, ExportResult, check_d2t, check_target_sizes, write_weights
 
 from .model import DFlashConfig
 
@@ -83,7 +83,7 @@ def export_dflash(draft_dir, out_dir, fmt: str = "vllm", target_path: Optional[s
     EAGLE-3-only options (speculative_tokens, verifier_name) do not apply: vLLM drafts block_size - 1 tokens."""
     from safetensors.torch import load_file
 
-    from specdistill.export import ExportResult, read_target_config
+    from specdistill.export import read_target_config
 
     if fmt not in FORMATS:
         raise ValueError(f"a DFlash draft exports to {FORMATS} only (SGLang and speculators have no DFlash layout "
@@ -141,6 +141,24 @@ def validate_dflash_export(path, include_embeddings: bool = False) -> DFlashConf
     if errs:
         raise ValueError(f"{path} is not a valid DFlash export:\n  - " + "\n  - ".join(errs))
     return c
+
+
+def validate_export(path, target_path: Optional[str] = None) -> ExportResult:
+    """An export re-read as --check reads it: validate_dflash_export (with the embeddings when the export ships
+    them), and the draft against --target's config when given. Raises ValueError listing every problem."""
+    from safetensors.torch import load_file
+
+    from specdistill.export import read_target_config
+
+    path = Path(path)
+    sd = load_file(str(path / WEIGHTS_FILE))
+    c = validate_dflash_export(path, include_embeddings="embed_tokens.weight" in sd)
+    if target_path is not None:
+        errs = check_target(c, read_target_config(target_path)[1])
+        if errs:
+            raise ValueError(f"{path} does not fit the target {target_path}:\n  - " + "\n  - ".join(errs))
+    tensors = {k: (list(v.shape), str(v.dtype).replace("torch.", "")) for k, v in sd.items()}
+    return ExportResult(path, "vllm", tensors, [], json.loads((path / "config.json").read_text()))
 
 
 def _write_atomic(out_dir: Path, config: dict, tensors: dict, include_embeddings: bool) -> None:

@@ -27,32 +27,30 @@ import torch
 from specdistill.decoding import Drafter
 from specdistill.decoding.kv import logits_dim
 from specdistill.drafts.base import DraftAdapter, min_sum_on_draft_vocab
-from specdistill.drafts.readback import check_eagle3_head
+from specdistill.drafts.registry import Card, register_kind
 from specdistill.models.vocab import frequent_token_vocab, restrict_to_draft_vocab
 from specdistill.moe.draft import init_eagle3_from_config
 from specdistill.tensors import pad_rows, shift_left, unwrap
 from specdistill.tokens import check_vocab_compatible
 
 from .drafter import Eagle3Drafter
-from .export import FORMATS, export_eagle3
+from .export import FORMATS, MIDLAYER_ARCH, SPECULATORS_ARCH, export_eagle3, validate_export
 from .model import ChainQuery, Eagle3Head, build_eagle3, default_aux_layer_ids
+from .readback import check_eagle3_head
 
 
+@register_kind(name="eagle3", inits={"eagle3": ("intermediate_size",)}, path_inits=("eagle3",),  # path: a warm start
+               num_layers=1,               # the one-layer layout vLLM and SGLang load
+               decodes_alone=False,        # every token it conditions on needs the target's hidden states
+               needs_data_to_build=True,   # its vocabulary is the training data's most frequent next tokens
+               data_objective="eagle3",    # its data loss is the training-time-test unroll, not a token-level KD
+               card=Card("An EAGLE-3 head", library="specdistill", tags=("eagle3",)),
+               exporters={fmt: export_eagle3 for fmt in FORMATS}, validator=validate_export,
+               export_architectures=(MIDLAYER_ARCH, SPECULATORS_ARCH), fits=check_eagle3_head)
 class Eagle3Draft(DraftAdapter):
     """An Eagle3Head on the target's aux hidden states: q over its draft vocabulary (Vd), mapped to target ids."""
 
-    kind = "eagle3"
-    inits = ("eagle3",)
-    serving_formats = FORMATS
-    needs_row_features = True
-    decodes_alone = False  # every token it conditions on needs the target's hidden states
-    needs_data_to_build = True  # its vocabulary is the training data's most frequent next tokens
-    path_inits = ("eagle3",)    # draft.path: a warm start
-    data_objective = "eagle3"   # its data loss is the training-time-test unroll, not a token-level KD
-    card_title = "An EAGLE-3 head"
-    card_library = "specdistill"
-    card_tags = ("eagle3",)
-    ARCHITECTURE = "LlamaForCausalLMEagle3"  # config.json architectures of a saved head (midlayer format)
+    ARCHITECTURE = MIDLAYER_ARCH  # config.json architectures of a saved head (midlayer format)
 
     @classmethod
     def matches(cls, model: torch.nn.Module) -> bool:
@@ -70,6 +68,18 @@ class Eagle3Draft(DraftAdapter):
     @classmethod
     def load(cls, path) -> torch.nn.Module:
         return Eagle3Head.from_pretrained(path)
+
+    @classmethod
+    def unreadable(cls, path) -> Optional[str]:
+        try:
+            raw = json.loads((Path(path).expanduser() / "config.json").read_text())
+        except (OSError, ValueError):
+            return None  # the loaders say what is missing
+        if SPECULATORS_ARCH in (raw.get("architectures") or []):
+            return (f"{path} is a speculators-format export ({SPECULATORS_ARCH}), which specdistill does not load: "
+                    "evaluate the checkpoint's draft/ folder it was exported from, or an export made with --format "
+                    "vllm")
+        return None
 
     @classmethod
     def warm_start_overrides(cls, path) -> list[str]:
@@ -109,10 +119,6 @@ class Eagle3Draft(DraftAdapter):
 
     def chain_counts(self, target_out, batch: dict, gamma: int) -> torch.Tensor:
         return eagle3_chain_counts(self.model, target_out, batch, gamma)
-
-    @classmethod
-    def export(cls, draft_dir, out_dir, fmt: str, target_path: Optional[str], **kwargs):
-        return export_eagle3(draft_dir, out_dir, fmt=fmt, target_path=target_path, **kwargs)
 
     @classmethod
     def card_section(cls, repo_id: str, target: str, exports: list[str], gamma: int) -> str:

@@ -48,12 +48,12 @@ from typing import Optional
 
 import torch
 
-from specdistill.export import (FORMATS, ExportResult, check_d2t, check_target_sizes, embedding_digest, flat_fields,
+from specdistill.export import (ExportResult, check_d2t, check_target_sizes, embedding_digest, flat_fields,
                                 read_target_config, write_weights)
 
 from .model import Eagle3Config, Eagle3Head, single_rope
 
-# EAGLE-3 heads write every serving format (FORMATS)
+FORMATS = ("vllm", "sglang", "speculators")  # the serving formats an EAGLE-3 head is written in
 MIDLAYER_ARCH = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCH = "Eagle3Speculator"
 # Tensors whose names differ between formats: midlayer `midlayer.X` <-> speculators `layers.0.X`; the rest are equal.
