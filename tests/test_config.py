@@ -3,9 +3,16 @@ import pytest
 from omegaconf import OmegaConf
 
 from specdistill.config import CONF_DIR, RECIPES_DIR
-from specdistill.objectives import validate_objective
+from specdistill.objectives import make_objective
 from specdistill.validation import range_errors
 from tests.conftest import compose
+
+
+
+def validate_objective(cfg):
+    """The composed `objective` as its dataclass (what validation.load_config converts it into)."""
+    return make_objective(OmegaConf.to_container(cfg.objective, resolve=True))
+
 
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
