@@ -1,8 +1,10 @@
 """Schema dataclasses for every Hydra group, and their registration with Hydra's ConfigStore.
 
 Each YAML under conf/<group>/ mirrors one dataclass here; Hydra validates keys and types when it
-composes, so a mistyped key fails before any model is loaded. Objectives keep their own knobs in their own dataclass
-(specdistill/objectives/<name>.py); `objective` is validated against it by `objectives.validate_objective`.
+composes, so a mistyped key fails before any model is loaded. A field's legal values are declared on it (`bounded`,
+`one_of`). The entry turns the composed config into a Config once (entry.load_config), checked by these rules and the
+cross-field checks of validation.py. Objectives keep their own knobs in their own dataclass
+(specdistill/objectives/<name>.py): the typed Config holds that dataclass in `objective`.
 """
 from __future__ import annotations
 
@@ -333,7 +335,9 @@ class WarmupConfig:
     trainer.epochs are the length of the phase after the warm-up (`objective`)."""
     # auto: run it unless draft.path holds a trained draft
     mode: str = one_of("never", ("never", "auto", "always"))
-    objective: Any = None  # the warm-up's objective, as `objective` (e.g. {name: eagle3, steps: 4, decay: 0.8})
+    # the warm-up's objective, as `objective` (e.g. {name: eagle3, steps: 4, decay: 0.8}); typed (entry.load_config):
+    # the phase's objective dataclass (from kind_objectives for a kind `objective` cannot train), None when none runs
+    objective: Any = None
     # The warm-up objective of a draft kind that `objective` cannot train, keyed by the objective that trains the kind
     # on data (drafts/: DraftAdapter.data_objective), e.g. {dflash: {name: dflash}}: recipe=draft_opd draft=dflash
     kind_objectives: Any = None
@@ -352,7 +356,8 @@ class Config:
     target: TargetConfig = field(default_factory=TargetConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    objective: Any = MISSING  # validated against the chosen objective's dataclass in objectives.validate_objective
+    # composed: a mapping with a `name`; typed (entry.load_config): that objective's dataclass (objectives/<name>.py)
+    objective: Any = MISSING
     warmup: WarmupConfig = field(default_factory=WarmupConfig)  # an optional phase before `objective`
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

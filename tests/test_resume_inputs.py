@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import specdistill.pipeline.run as pipeline
 from specdistill.entry import config_yaml
@@ -37,6 +38,11 @@ def run(tiny_target_dir, tiny_data_file, tmp_path_factory):
 
     pipeline.run(cfg())
     return {"root": root, "out": root / "run", "target": target, "data": data, "cfg": cfg}
+
+
+def trainer(composed):
+    """The trainer settings a folder claim reads, typed as the entry makes them (the rest of `composed` unchecked)."""
+    return OmegaConf.to_object(composed.trainer)
 
 
 def _checkpoint(out):
@@ -181,13 +187,13 @@ def test_a_fresh_run_into_another_runs_folder_is_refused_without_a_checkpoint(ru
     other = compose("eagle3", tiny_overrides(run["target"], run["data"], out, run["root"] / "cache")
                     + ["trainer.max_steps=2", "draft.num_layers=2", "trainer.resume=auto", *EVAL])
     with pytest.raises(FileExistsError, match="draft.num_layers"):
-        pipeline.check_folder_claim(load_config(other), config_yaml(other), out)
+        pipeline.check_folder_claim(trainer(other), config_yaml(other), out)
     said = []
-    (out / "config.yaml").write_text(pipeline.OmegaConf.to_yaml(cfg, resolve=True))
+    (out / "config.yaml").write_text(config_yaml(cfg))
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     own = compose("eagle3", tiny_overrides(run["target"], run["data"], out, run["root"] / "cache")
                   + ["trainer.max_steps=2", "trainer.resume=auto", *EVAL])
-    aside = pipeline.check_folder_claim(load_config(own), config_yaml(own), out, log=said.append)
+    aside = pipeline.check_folder_claim(trainer(own), config_yaml(own), out, log=said.append)
     assert "starts over at step 0" in said[0] and str(out / "metrics.jsonl") in said[0] and str(aside) in said[0]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # checking moves nothing
 
@@ -233,7 +239,7 @@ def test_other_eval_settings_on_a_run_evaluated_at_each_epoch_ask_for_their_own_
     ckpt = tmp_path / "run" / "checkpoints" / "step-0000002"
     ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text('{"step": 2}')
-    (ckpt / "config.yaml").write_text(pipeline.OmegaConf.to_yaml(run["cfg"](*every), resolve=True))
+    (ckpt / "config.yaml").write_text(config_yaml(run["cfg"](*every)))
     out = ckpt.parent.parent
     assert pipeline.why_pending(load_config(run["cfg"](*every)), out, 2) == {}
     assert pipeline.why_pending(load_config(run["cfg"](*every, "eval.spec_eval=false", "eval.gamma=3")), out, 2) == {}

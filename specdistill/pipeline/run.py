@@ -30,7 +30,7 @@ import yaml
 from omegaconf import DictConfig
 
 from specdistill.build import Components, assemble
-from specdistill.config import Config
+from specdistill.config import Config, TrainerConfig
 from specdistill.drafts import kind_for_init
 from specdistill.files import LOCK_FILE, check_writable, folder_lock, named_writes, write_text_atomic
 from specdistill.train.spec_eval import final_spec_eval, run_spec_eval, spec_eval_hook
@@ -66,7 +66,7 @@ def run(composed: DictConfig) -> FitResult:
     with lock:
         if acc.is_main_process:
             check_writable_folders(cfg)  # before minutes of conversion, tokenizing or regeneration
-        aside = check_folder_claim(cfg, yaml_text, out_dir, log=acc.print)  # every process: reads only
+        aside = check_folder_claim(cfg.trainer, yaml_text, out_dir, log=acc.print)  # every process: reads only
         if aside is not None:  # a run started over: its earlier files are kept, moved aside by the main process
             acc.wait_for_everyone()
             if acc.is_main_process:
@@ -150,7 +150,8 @@ def check_writable_folders(cfg: Config) -> None:
 EARLIER_PREFIX = "earlier-"  # <output_dir>/earlier-<UTC time>/: the files of a run started over (move_earlier_run)
 
 
-def check_folder_claim(cfg: Config, config_yaml: str, out_dir, log: Callable[[str], None] = print) -> Optional[Path]:
+def check_folder_claim(t: TrainerConfig, config_yaml: str, out_dir,
+                       log: Callable[[str], None] = print) -> Optional[Path]:
     """A folder belongs to the run that first wrote into it. A fresh run (trainer.resume=null) into a folder holding
     another run's files (CLAIM_FILES) is refused, naming them and the fixes, checkpoint or not; with checkpoints the
     training loop refuses it too. trainer.resume=auto in a folder whose run stopped before its first checkpoint starts
@@ -158,7 +159,7 @@ def check_folder_claim(cfg: Config, config_yaml: str, out_dir, log: Callable[[st
     the folder its files are to be moved into (move_earlier_run), else None. Reads only."""
     from specdistill.train.checkpoint import config_drift, list_checkpoints
 
-    out, t = Path(out_dir), cfg.trainer
+    out = Path(out_dir)
     claimed = [str(out / n) for n in CLAIM_FILES if (out / n).exists()]
     if not claimed or (t.resume and list_checkpoints(out)):
         return None  # a new folder, or a resume with something to resume from
