@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # annotations only: accelerate and the data package load when
 
 @dataclass
 class Components:
-    cfg: Config  # typed once at the entry (validation.load_config); `objective` and `warmup.objective` as dataclasses
+    cfg: Config  # typed once at the entry (entry.load_config); `objective` and `warmup.objective` as dataclasses
     accelerator: Accelerator
     models: Models
     objective: Objective  # the main (last) phase's objective; a step trains phases.at(step).objective
@@ -132,7 +132,7 @@ def with_offline_features(cfg: Config, target: Target, data: TokenizedData):
 def build(composed: DictConfig, accelerator: Optional[Accelerator] = None,
           make_data: Optional[Callable] = None) -> Components:
     """Components from a composed config (the door for code that composes with Hydra itself: tests, notebooks):
-    checked and typed once (validation.load_config), then assembled."""
+    checked and typed once (entry.load_config), then assembled."""
     from specdistill.entry import config_yaml, load_config
 
     cfg = load_config(composed, log=accelerator.print if accelerator is not None else print)

@@ -1,20 +1,22 @@
-"""Config checks in one place, run by every entry point before any model or data is loaded.
+"""Config checks in one place, run by every entry point before any model or data is loaded (checked_config, which
+entry.load_config completes with the objectives).
 
-Knows nothing about models or tensors: it reads the composed config (and, for the few checks that need them, a
-draft folder's config.json and whether torch sees CUDA). Hydra already refuses wrong types, unknown keys given
-without `+` (and, since `recipe` is not optional in conf/config.yaml, an unknown recipe, listing the known ones);
-what is left is checked here:
+Knows nothing about models or tensors: it reads the config (and, for the few checks that need them, a draft folder's
+config.json and whether torch sees CUDA). Hydra already refuses wrong types, unknown keys given without `+` (and,
+since `recipe` is not optional in conf/config.yaml, an unknown recipe, listing the known ones); what is left is
+checked here, first on the composed tree (what only it shows), then on the typed Config:
   - keys the schema does not have, appended with `+` (the schema is closed), with the nearest known key;
   - required values (`???` in a group YAML: data=jsonl needs data.path, target=local needs target.path);
+  - a run_name that would put trainer.output_dir outside its parent folder is refused;
   - the range or choices of every constrained setting, read from the schema's fields (specdistill/constraints.py),
     the key named in the message;
-  - a run_name that would put trainer.output_dir outside its parent folder is refused;
   - paths that look local (./x, ~/x, /x, *.jsonl ...) must exist: a typo is a local error, never a Hub lookup;
   - data.chat_template must be an inline Jinja template or a file holding one;
   - draft sizes the chosen draft.init would ignore (draft.num_layers=2 for an EAGLE-3 head) are refused;
   - a data or prompt setting naming a folder where one file is read;
   - an eval.gamma (eval.max_gamma, eval.tree.depth) above what a DFlash block drafts (block_size - 1);
   - eval.device=cuda on a machine or torch build without CUDA;
+  - hub.push without hub.repo_id;
   - settings that another setting makes useless (eval.draft_path with eval.drafter=ngram) give a warning.
 """
 from __future__ import annotations
@@ -361,9 +363,13 @@ def push_errors(hub: HubConfig) -> list[str]:
     return ["hub.push=true needs hub.repo_id=<user-or-org>/<name>"] if hub.push and not hub.repo_id else []
 
 
+def hub_errors(cfg: Config) -> list[str]:
+    return push_errors(cfg.hub)
+
+
 COMPOSITION_CHECKS = (unknown_key_errors, required_errors, run_name_errors)  # on the composed tree, before conversion
 CONFIG_CHECKS = (range_errors, path_errors, folder_errors, draft_shape_errors, block_gamma_errors, device_errors,
-                 lambda cfg: push_errors(cfg.hub))
+                 hub_errors)
 
 
 def checked_config(composed: DictConfig, log: Optional[Callable[[str], None]] = print) -> Config:

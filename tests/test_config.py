@@ -10,7 +10,7 @@ from tests.conftest import compose
 
 
 def validate_objective(cfg):
-    """The composed `objective` as its dataclass (what validation.load_config converts it into)."""
+    """The composed `objective` as its dataclass (what entry.load_config converts it into)."""
     return make_objective(OmegaConf.to_container(cfg.objective, resolve=True))
 
 

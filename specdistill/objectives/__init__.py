@@ -3,7 +3,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from specdistill.objectives.base import Models, StepOutput
+from specdistill.objectives.base import Models, Objective, StepOutput
 from specdistill.objectives.dflash import DFlashObjective
 from specdistill.objectives.draft_opd import DraftOPDObjective
 from specdistill.objectives.eagle3 import Eagle3Objective
@@ -19,9 +19,9 @@ OBJECTIVES["moe_opd"] = MoEOPDObjective
 OBJECTIVES["dflash"] = DFlashObjective
 
 
-def make_objective(raw: Any, key: str = "objective") -> Any:
+def make_objective(raw: Any, key: str = "objective") -> Objective:
     """An objective's dataclass from a mapping with a `name` (the composed `objective`, or a phase's:
-    warmup.objective), converted once at the entry (validation.load_config); `key` names the config key in the
+    warmup.objective), converted once at the entry (entry.load_config); `key` names the config key in the
     errors."""
     if not isinstance(raw, dict) or "name" not in raw:
         raise ValueError(f"{key} must be a mapping with a `name`; pick one with {key}=<name>, "

@@ -53,7 +53,7 @@ EVAL_KEYS_IGNORED = ("output_dir", "overwrite", "draft_path", "device", "threads
 
 
 def run(composed: DictConfig) -> FitResult:
-    """The pipeline for Hydra's composed config: checked and typed once here (validation.load_config); each stage
+    """The pipeline for Hydra's composed config: checked and typed once here (entry.load_config); each stage
     reads the typed Config."""
     cfg, yaml_text = load_config(composed, log=None), config_yaml(composed)
     check_hub_config(cfg.hub)  # the serving formats a push stages, before any model is loaded
