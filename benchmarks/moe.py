@@ -280,14 +280,14 @@ def _selection_of(draft, cfg) -> dict:
 
 def profile_target(cfg, out: Path, log=print) -> Path:
     """The target's routing on the training data, once for every arm (profile.json, heatmap.png)."""
-    from omegaconf import OmegaConf
-
     from specdistill.build import build_target, build_tokenizer
     from specdistill.data.dataset import build_data
     from specdistill.moe.profiler import calibration_batches, plot_heatmap, profile_routing
+    from specdistill.entry import load_config
 
-    target, tok = build_target(cfg), build_tokenizer(cfg)
-    data = build_data(OmegaConf.to_object(cfg.data), tok)
+    cfg = load_config(cfg, log=None)
+    target, tok = build_target(cfg.target), build_tokenizer(cfg)
+    data = build_data(cfg.data, tok)
     m = cfg.draft.moe
     prof = profile_routing(target.model, calibration_batches(data.train, tok.pad_token_id, m.profile_batches),
                            m.token_selection, source={"target": str(cfg.target.path), "data": str(cfg.data.path)})

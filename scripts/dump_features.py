@@ -15,12 +15,11 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from specdistill.config import CONF_DIR, register_configs
+from specdistill.config import CONF_DIR, Config, register_configs
 
 
-def dump(cfg: DictConfig, batch_size: int = 4, shard_mb: int = 256) -> Path:
+def dump(cfg: Config, batch_size: int = 4, shard_mb: int = 256) -> Path:
     import torch
-    from omegaconf import OmegaConf
     from tqdm.auto import tqdm
 
     from specdistill.build import build_target, build_tokenizer, feature_meta
@@ -31,11 +30,11 @@ def dump(cfg: DictConfig, batch_size: int = 4, shard_mb: int = 256) -> Path:
 
     if not cfg.data.offline_dir:
         raise ValueError("set data.offline_dir=<folder to write the features into>")
-    target = build_target(cfg)
+    target = build_target(cfg.target)
     L = target.config.num_hidden_layers
     target.set_aux_layer_ids(list(cfg.target.aux_layer_ids or default_aux_layer_ids(L)))
     tok = build_tokenizer(cfg)
-    data = build_data(OmegaConf.to_object(cfg.data), tok)
+    data = build_data(cfg.data, tok)
     H = target.config.hidden_size
     A = H * len(target.aux_layer_ids)
     n_tokens = sum(len(x) for x in data.train["input_ids"])
@@ -50,7 +49,7 @@ def dump(cfg: DictConfig, batch_size: int = 4, shard_mb: int = 256) -> Path:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target.to(device)
     out.parent.mkdir(parents=True, exist_ok=True)
-    writer = FeatureWriter(out, feature_meta(cfg, target.aux_layer_ids, data), shard_mb=shard_mb)
+    writer = FeatureWriter(out, feature_meta(cfg.target, target.aux_layer_ids, data), shard_mb=shard_mb)
     pad = tok.pad_token_id
     for s in tqdm(range(0, len(data.train), batch_size), desc="target features", unit="batch"):
         rows = [data.train[i] for i in range(s, min(s + batch_size, len(data.train)))]
@@ -69,11 +68,11 @@ def dump(cfg: DictConfig, batch_size: int = 4, shard_mb: int = 256) -> Path:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(composed: DictConfig) -> None:
     from specdistill.threads import configure_threads
-    from specdistill.validation import validate_config
+    from specdistill.entry import load_config
 
-    validate_config(cfg)  # required keys, ranges, local paths: before any model loads
+    cfg = load_config(composed)  # checked and typed once: before any model loads
     configure_threads(cfg.trainer.threads, "trainer.threads")
     dump(cfg)
 

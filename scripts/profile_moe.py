@@ -13,14 +13,13 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from specdistill.config import CONF_DIR, register_configs
+from specdistill.config import CONF_DIR, Config, register_configs
 
 DEFAULT_OUT = "outputs/profile_moe/profile.json"
 
 
-def profile(cfg: DictConfig) -> Path:
+def profile(cfg: Config) -> Path:
     import torch
-    from omegaconf import OmegaConf
 
     from specdistill.build import build_target, build_tokenizer
     from specdistill.data.dataset import build_data
@@ -29,9 +28,9 @@ def profile(cfg: DictConfig) -> Path:
 
     m = cfg.draft.moe
     ensure_default_target(cfg.target.path)
-    target = build_target(cfg)
+    target = build_target(cfg.target)
     tok = build_tokenizer(cfg)
-    data = build_data(OmegaConf.to_object(cfg.data), tok)
+    data = build_data(cfg.data, tok)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = target.model.to(device)
     batches = calibration_batches(data.train, tok.pad_token_id, m.profile_batches)
@@ -55,11 +54,11 @@ def profile(cfg: DictConfig) -> Path:
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(composed: DictConfig) -> None:
     from specdistill.threads import configure_threads
-    from specdistill.validation import validate_config
+    from specdistill.entry import load_config
 
-    validate_config(cfg)  # required keys, ranges, local paths: before any model loads
+    cfg = load_config(composed)  # checked and typed once: before any model loads
     configure_threads(cfg.trainer.threads, "trainer.threads")
     profile(cfg)
 

@@ -4,38 +4,49 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from specdistill.objectives import validate_objective
-from specdistill.phases import check_warmup, plan_phases
+from specdistill.config import Config, TargetConfig
+from specdistill.objectives import Models
+from specdistill.objectives.base import Objective
+from specdistill.phases import PhasePlan, plan_phases
 from specdistill.optim import build_optimizer, check_optimizer_backend
+
+if TYPE_CHECKING:  # annotations only: accelerate and the data package load when a run is built
+    from accelerate import Accelerator
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from specdistill.data.dataset import TokenizedData
+    from specdistill.models.target import Target
 
 
 @dataclass
 class Components:
-    cfg: DictConfig
-    accelerator: Any
-    models: Any  # objectives.Models
-    objective: Any  # the main (last) phase's objective; a step trains phases.at(step).objective
-    data: Any  # data.dataset.TokenizedData
+    cfg: Config  # typed once at the entry (entry.load_config); `objective` and `warmup.objective` as dataclasses
+    accelerator: Accelerator
+    models: Models
+    objective: Objective  # the main (last) phase's objective; a step trains phases.at(step).objective
+    data: TokenizedData
     optimizer: torch.optim.Optimizer
-    scheduler: Any
+    scheduler: LambdaLR
     output_dir: Path
-    phases: Any = None  # phases.PhasePlan: the objective, data stream and LR of every step (one phase: `objective`)
+    phases: PhasePlan  # the objective, data stream and LR of every step (one phase: `objective`)
+    config_yaml: str  # the composed config, resolved: what <output_dir>/config.yaml and every checkpoint hold
 
 
-def make_accelerator(cfg: DictConfig):
+def make_accelerator(cfg: Config) -> Accelerator:
     from accelerate import Accelerator
 
-    mp = cfg.trainer.mixed_precision
+    t = cfg.trainer
+    mp = t.mixed_precision
     if mp == "auto":
         mp = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
     kwargs = {}
-    if cfg.trainer.wandb:
-        os.environ.setdefault("WANDB_MODE", cfg.trainer.wandb_mode)
+    if t.wandb:
+        os.environ.setdefault("WANDB_MODE", t.wandb_mode)
         kwargs["log_with"] = "wandb"
     from accelerate.utils import InitProcessGroupKwargs
 
@@ -43,20 +54,20 @@ def make_accelerator(cfg: DictConfig):
 
     # Used where this Accelerator initialises the process group (GPU launches); on CPU, distributed.py passes the same
     # timeout to the gloo group it initialises first.
-    group = InitProcessGroupKwargs(timeout=process_group_timeout(cfg))
-    return Accelerator(mixed_precision=mp, project_dir=cfg.trainer.output_dir, kwargs_handlers=[group], **kwargs)
+    group = InitProcessGroupKwargs(timeout=process_group_timeout(t.process_group_timeout_s))
+    return Accelerator(mixed_precision=mp, project_dir=t.output_dir, kwargs_handlers=[group], **kwargs)
 
 
-def build_target(cfg: DictConfig):
+def build_target(t: TargetConfig) -> Target:
     from specdistill.models.target import Target, load_causal_lm
 
-    placement = "auto" if cfg.target.shard == "device_map" else None  # one process, its layers over the GPUs
-    return Target(load_causal_lm(cfg.target.path, cfg.target.dtype, device_map=placement), cfg.target.aux_layer_ids)
+    placement = "auto" if t.shard == "device_map" else None  # one process, its layers over the GPUs
+    return Target(load_causal_lm(t.path, t.dtype, device_map=placement), t.aux_layer_ids)
 
 
-def check_target_shard(cfg: DictConfig, objectives: list, processes: int) -> None:
+def check_target_shard(target: TargetConfig, objectives: list[Optional[Objective]], processes: int) -> None:
     """target.shard against the launch and the objectives, before anything loads."""
-    shard = cfg.target.shard
+    shard = target.shard
     if shard == "fsdp":
         if processes < 2:
             raise ValueError("target.shard=fsdp splits the target's layers over the processes of a launch and this "
@@ -73,76 +84,83 @@ def check_target_shard(cfg: DictConfig, objectives: list, processes: int) -> Non
                          "target.shard=fsdp to split the target over the processes")
 
 
-def place_target(cfg: DictConfig, target, accelerator) -> None:
+def place_target(shard: str, target: Target, accelerator: Accelerator) -> None:
     """Put the target where it runs: its layers split over the processes (target.shard=fsdp), then on this process's
     device; where device_map put it (target.shard=device_map)."""
-    if cfg.target.shard == "device_map":
+    if shard == "device_map":
         return
-    if cfg.target.shard == "fsdp":
+    if shard == "fsdp":
         from specdistill.models.target import shard_target
 
         shard_target(target)
     target.to(accelerator.device)
 
 
-def build_tokenizer(cfg: DictConfig):
+def build_tokenizer(cfg: Config):
     from specdistill.models.target import load_tokenizer
 
     from specdistill.data.chat import set_chat_template
 
     tok = load_tokenizer(cfg.target.path)
-    set_chat_template(tok, cfg.data.get("chat_template"))  # data.chat_template replaces the tokenizer's, checked
+    set_chat_template(tok, cfg.data.chat_template)  # data.chat_template replaces the tokenizer's, checked
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
 
 
-def feature_meta(cfg: DictConfig, aux_layer_ids, data) -> dict:
+def feature_meta(target: TargetConfig, aux_layer_ids: Optional[list[int]], data: TokenizedData) -> dict:
     """What offline features depend on, by content (the target's files and dtype; the data's fingerprint covers its
     bytes and the tokenizer): checked when training reads them."""
     from specdistill.assets import model_digest
 
-    return {"target": str(cfg.target.path), "target_files": model_digest(str(cfg.target.path)),
-            "target_dtype": str(cfg.target.dtype), "aux_layer_ids": list(aux_layer_ids or []),
+    return {"target": str(target.path), "target_files": model_digest(str(target.path)),
+            "target_dtype": str(target.dtype), "aux_layer_ids": list(aux_layer_ids or []),
             "data": data.fingerprint}
 
 
-def with_offline_features(cfg: DictConfig, target, data):
+def with_offline_features(cfg: Config, target: Target, data: TokenizedData):
     from specdistill.data.features import FeatureStore, WithFeatures
 
     store = FeatureStore(cfg.data.offline_dir)
-    want = feature_meta(cfg, target.aux_layer_ids, data)
+    want = feature_meta(cfg.target, target.aux_layer_ids, data)
     if not target.aux_layer_ids:  # KD needs only the final hidden state: any aux ids will do
         want.pop("aux_layer_ids")
     store.check_matches(want)
     return WithFeatures(data.train, store)
 
 
-def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = None) -> Components:
-    """Components for a run. make_data(cfg, target, tokenizer, log, share) -> TokenizedData replaces reading cfg.data
-    (the pipeline passes its regeneration stage when data.regenerate.enabled; build itself never regenerates); every
-    process calls it, and share (ranks.folder_share) says how they split its work."""
+def build(composed: DictConfig, accelerator: Optional[Accelerator] = None,
+          make_data: Optional[Callable] = None) -> Components:
+    """Components from a composed config (the door for code that composes with Hydra itself: tests, notebooks):
+    checked and typed once (entry.load_config), then assembled."""
+    from specdistill.entry import config_yaml, load_config
+
+    cfg = load_config(composed, log=accelerator.print if accelerator is not None else print)
+    return assemble(cfg, config_yaml(composed), accelerator, make_data)
+
+
+def assemble(cfg: Config, config_yaml: str, accelerator: Optional[Accelerator] = None,
+             make_data: Optional[Callable] = None) -> Components:
+    """Components for a run of the checked config `cfg`. make_data(cfg, target, tokenizer, log, share) ->
+    TokenizedData replaces reading cfg.data (the pipeline passes its regeneration stage when data.regenerate.enabled;
+    build itself never regenerates); every process calls it, and share (ranks.folder_share) says how they split its
+    work."""
     from torch.optim.lr_scheduler import LambdaLR
 
     from specdistill.data.dataset import build_data
     from specdistill.decoding import CacheMode
     from specdistill.drafts import kind_for_init, reads_draft_path
     from specdistill.drafts.readback import check_draft_tokenizer
-    from specdistill.objectives import Models
 
-    from specdistill.validation import validate_config
-
-    validate_config(cfg, log=(accelerator.print if accelerator is not None else print))  # before loading anything
-    warmup = check_warmup(cfg)  # the warm-up phase's objective (None: no warm-up), bad phase settings fail here
     if cfg.draft.path and reads_draft_path(cfg.draft.init):  # a warm start from a corrupt draft is refused
         from specdistill.files import check_draft_folder
 
         check_draft_folder(cfg.draft.path, what="draft.path draft")
-    objective = validate_objective(cfg)  # fail on a bad objective before loading anything
+    objective = cfg.objective
     accelerator = accelerator or make_accelerator(cfg)
     torch.manual_seed(cfg.trainer.seed)
     log = accelerator.print
-    check_target_shard(cfg, [objective, warmup], accelerator.num_processes)
+    check_target_shard(cfg.target, [objective, cfg.warmup.objective], accelerator.num_processes)
     check_optimizer_backend(cfg.trainer.optimizer, accelerator)
     regen = cfg.data.regenerate.enabled
     if regen and cfg.data.offline_dir:
@@ -151,7 +169,7 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
     if regen and make_data is None:
         raise ValueError("data.regenerate.enabled=true is a pipeline stage: run train.py (specdistill.pipeline.run), "
                          "or pass make_data=specdistill.pipeline.regenerate.build_regenerated_data to build()")
-    draft_cfg = OmegaConf.to_object(cfg.draft) if isinstance(cfg.draft, DictConfig) else cfg.draft
+    draft_cfg = cfg.draft
     kind = kind_for_init(draft_cfg.init)
     objective.check_draft_kind(kind)  # e.g. draft-only rollouts of a draft that cannot decode alone: before loading
     from specdistill.models.target import load_target_config
@@ -161,19 +179,18 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
         target_config = load_target_config(cfg.target.path)  # config.json only: the draft's settings against it
     kind.check_config(draft_cfg, target_config)
     with caches_filled_once(accelerator):  # the converted target and the tokenized data: one writer per cache folder
-        target = build_target(cfg)
+        target = build_target(cfg.target)
         tokenizer = build_tokenizer(cfg)
         if regen or cfg.data.offline_dir:  # the target's files hashed for the cache keys: once per cache folder
             from specdistill.assets import model_digest
 
             model_digest(str(cfg.target.path))
         if not regen:
-            data = build_data(OmegaConf.to_object(cfg.data) if isinstance(cfg.data, DictConfig) else cfg.data,
-                              tokenizer, log=log)
+            data = build_data(cfg.data, tokenizer, log=log)
     if regen:  # the target answers real prompts, every process its share; its features are kept from the same forwards
         from specdistill.ranks import folder_share, in_step
 
-        place_target(cfg, target, accelerator)
+        place_target(cfg.target.shard, target, accelerator)
         if kind.target_layers(draft_cfg, target.config):  # the layers a kind reads, captured while it decodes
             target.set_aux_layer_ids(kind.target_layers(draft_cfg, target.config))
         kind.prepare_target(target)
@@ -190,12 +207,12 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
         check_draft_tokenizer(draft_cfg.path, tokenizer, log)  # or says that it is skipped
     if cfg.data.offline_dir:
         data.train = with_offline_features(cfg, target, data)
-    place_target(cfg, target, accelerator)
+    place_target(cfg.target.shard, target, accelerator)
 
     t = cfg.trainer
     optimizer = build_optimizer(draft, t.optimizer, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay,
                                 momentum=t.muon_momentum, muon_weight_decay=t.muon_weight_decay)
-    plan = plan_phases(cfg, objective, warmup, data.train, tokenizer.pad_token_id, accelerator.process_index,
+    plan = plan_phases(t, cfg.warmup, objective, data.train, tokenizer.pad_token_id, accelerator.process_index,
                        accelerator.num_processes)
     # One optimizer for every phase; the LR restarts per phase (phases.py). A plain function as the lambda: LambdaLR
     # then saves only its step counter, and the schedule comes from the config on resume.
@@ -205,4 +222,4 @@ def build(cfg: DictConfig, accelerator=None, make_data: Optional[Callable] = Non
     accelerator.register_for_checkpointing(scheduler)
     decoding = CacheMode(static=cfg.eval.static_cache, compile=cfg.eval.compile)  # rollouts decode as the evaluator
     return Components(cfg, accelerator, Models(draft, target, tokenizer, decoding), objective, data, optimizer,
-                      scheduler, Path(cfg.trainer.output_dir), plan)
+                      scheduler, Path(t.output_dir), plan, config_yaml)

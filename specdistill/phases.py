@@ -24,11 +24,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from omegaconf import DictConfig, OmegaConf
-
+from specdistill.config import Config, TrainerConfig, WarmupConfig
 from specdistill.data.loader import StepBatches
-
-WARMUP_MODES = ("never", "auto", "always")
 
 
 def cosine_with_warmup(step: int, warmup_steps: int, horizon: int, min_ratio: float) -> float:
@@ -131,7 +128,7 @@ class PhasePlan:
                 p.objective.load_state_dict(state["phases"][p.name])
 
 
-def warmup_runs(cfg: DictConfig) -> bool:
+def warmup_runs(cfg: Config) -> bool:
     """Whether the warm-up phase runs: warmup.mode=always, or auto without a trained draft at draft.path."""
     from specdistill.drafts import reads_draft_path
 
@@ -139,16 +136,13 @@ def warmup_runs(cfg: DictConfig) -> bool:
     return mode == "always" or (mode == "auto" and not (cfg.draft.path and reads_draft_path(cfg.draft.init)))
 
 
-def check_warmup(cfg: DictConfig) -> Optional[Any]:
-    """The warm-up phase's objective (validated), or None when no warm-up runs. Bad settings fail here, before
-    anything is loaded, with the key and the fix in the message."""
+def warmup_objective(cfg: Config) -> Optional[Any]:
+    """The warm-up phase's objective (its dataclass, from warmup.objective or the kind's own warm-up objective), or None
+    when no warm-up runs. Bad settings fail here, before anything is loaded, with the key and the fix in the message."""
     from specdistill.drafts import kind_for_init, reads_draft_path
     from specdistill.objectives import make_objective
 
     w = cfg.warmup
-    if w.mode not in WARMUP_MODES:
-        raise ValueError(f"warmup.mode={w.mode!r}: choose one of {WARMUP_MODES} (auto: warm up unless draft.path "
-                         "holds a trained draft)")
     if w.mode == "always" and cfg.draft.path and reads_draft_path(cfg.draft.init):
         raise ValueError(f"warmup.mode=always with draft.path={cfg.draft.path}: the warm-up would retrain a draft that "
                          "is already trained. Drop draft.path to warm up from scratch, or set warmup.mode=auto (the "
@@ -158,13 +152,10 @@ def check_warmup(cfg: DictConfig) -> Optional[Any]:
     if (w.steps is None) == (w.epochs is None):
         raise ValueError(f"warmup: give its length as exactly one of warmup.steps (optimizer steps) or warmup.epochs "
                          f"(over the training data); got steps={w.steps}, epochs={w.epochs}")
-    for key in ("steps", "epochs"):
-        if w[key] is not None and w[key] < 1:
-            raise ValueError(f"warmup.{key}={w[key]}: a warm-up needs >= 1; to skip it set warmup.mode=never")
     if w.objective is None:
         raise ValueError("warmup.objective is not set: give the warm-up's objective, e.g. warmup.objective={name: "
                          "eagle3, steps: 4, decay: 0.8} (recipe=draft_opd sets it)")
-    raw = OmegaConf.to_container(w.objective, resolve=True) if isinstance(w.objective, DictConfig) else w.objective
+    raw = w.objective
     kind = kind_for_init(cfg.draft.init).spec
     trains_kind = kind.data_objective  # the objective that trains this draft kind on data
     if isinstance(raw, dict) and raw.get("name") != trains_kind and kind.warmup_objective is not None:
@@ -177,17 +168,15 @@ def check_warmup(cfg: DictConfig) -> Optional[Any]:
     return objective
 
 
-def plan_phases(cfg: DictConfig, objective, warmup_objective, train_set, pad_id: int, rank: int = 0,
+def plan_phases(t: TrainerConfig, w: WarmupConfig, objective, train_set, pad_id: int, rank: int = 0,
                 world: int = 1) -> PhasePlan:
-    """The run's phases over `train_set` for this rank (warmup_objective None: the main phase alone)."""
-    t = cfg.trainer
+    """The run's phases over `train_set` for this rank (w.objective None: the main phase alone)."""
     phases: list[Phase] = []
-    if warmup_objective is not None:
-        w = cfg.warmup
+    if w.objective is not None:
         batches = StepBatches(train_set, w.micro_batch_size or t.micro_batch_size, w.grad_accum or t.grad_accum,
                               pad_id, t.seed, rank, world)
         steps = w.steps if w.steps is not None else w.epochs * batches.steps_per_epoch
-        phases.append(Phase("warmup", warmup_objective, batches, 0, steps,
+        phases.append(Phase("warmup", w.objective, batches, 0, steps,
                             lr=w.lr if w.lr is not None else t.lr,
                             warmup_steps=w.warmup_steps if w.warmup_steps is not None else t.warmup_steps,
                             horizon=w.schedule_steps or steps, min_lr_ratio=t.min_lr_ratio))

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 
-def process_group_timeout(cfg) -> timedelta:
-    """How long a collective may wait for the slowest rank (trainer.process_group_timeout_s): it must cover the longest
-    stretch one rank works while the others wait (a rank's share of the regeneration, the final evaluation, a
-    checkpoint), not torch's 10 or 30 minutes."""
-    return timedelta(seconds=float(cfg.trainer.process_group_timeout_s))
+def process_group_timeout(seconds: float) -> timedelta:
+    """How long a collective may wait for the slowest rank (trainer.process_group_timeout_s, passed by the caller):
+    it must cover the longest stretch one rank works while the others wait (a rank's share of the regeneration, the
+    final evaluation, a checkpoint), not torch's 10 or 30 minutes."""
+    return timedelta(seconds=float(seconds))
 
 
 @contextlib.contextmanager

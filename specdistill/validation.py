@@ -1,14 +1,15 @@
-"""Config checks in one place, run by every entry point before any model or data is loaded.
+"""Config checks in one place, run by every entry point before any model or data is loaded (checked_config, which
+entry.load_config completes with the objectives).
 
-Knows nothing about models or tensors: it reads the composed config (and, for the few checks that need them, a
-draft folder's config.json, the draft kinds' specs and whether torch sees CUDA). Hydra already refuses wrong types,
-unknown keys given without `+` (and, since `recipe` is not optional in conf/config.yaml, an unknown recipe, listing
-the known ones); what is left is checked here:
+Knows nothing about models or tensors: it reads the config (and, for the few checks that need them, a draft folder's
+config.json, the draft kinds' specs and whether torch sees CUDA). Hydra already refuses wrong types, unknown keys
+given without `+` (and, since `recipe` is not optional in conf/config.yaml, an unknown recipe, listing the known
+ones); what is left is checked here, first on the composed tree (what only it shows), then on the typed Config:
   - keys the schema does not have, appended with `+` (the schema is closed), with the nearest known key;
   - required values (`???` in a group YAML: data=jsonl needs data.path, target=local needs target.path);
+  - a run_name that would put trainer.output_dir outside its parent folder is refused;
   - the range or choices of every constrained setting, read from the schema's fields (specdistill/constraints.py),
     the key named in the message;
-  - a run_name that would put trainer.output_dir outside its parent folder is refused;
   - paths that look local (./x, ~/x, /x, *.jsonl ...) must exist: a typo is a local error, never a Hub lookup;
   - data.chat_template must be an inline Jinja template or a file holding one;
   - draft sizes the chosen draft.init would ignore (draft.num_layers=2 for an EAGLE-3 head) are refused (the sizes
@@ -16,6 +17,7 @@ the known ones); what is left is checked here:
   - a data or prompt setting naming a folder where one file is read;
   - an eval.gamma (eval.max_gamma, eval.tree.depth) above what a DFlash block drafts (block_size - 1);
   - eval.device=cuda on a machine or torch build without CUDA;
+  - hub.push without hub.repo_id;
   - settings that another setting makes useless (eval.draft_path with eval.drafter=ngram) give a warning.
 """
 from __future__ import annotations
@@ -26,12 +28,13 @@ import json
 import os
 import typing
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from specdistill.assets import is_embedded
-from specdistill.constraints import rules
+from specdistill.config import Config, HubConfig
+from specdistill.constraints import field_errors
 from specdistill.paths import missing_local_path, resolve_chat_template
 
 
@@ -39,28 +42,15 @@ class ConfigError(ValueError):
     """A config a run must not start with; the message names every bad key and how to fix it."""
 
 
-def _get(cfg: DictConfig, dotted: str) -> tuple[bool, Any]:
-    node: Any = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, DictConfig) or part not in node:
-            return False, None
-        if OmegaConf.is_missing(node, part):
-            return False, None
-        node = node[part]
-    if isinstance(node, (DictConfig, ListConfig)):
-        node = OmegaConf.to_container(node, resolve=True)
-    return True, node
-
-
-def missing_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+def missing_keys(composed: DictConfig, prefix: str = "") -> list[str]:
     """Every `???` value left in the composed config (dotted keys)."""
     out = []
-    for k in cfg.keys():
+    for k in composed.keys():
         key = f"{prefix}{k}"
-        if OmegaConf.is_missing(cfg, k):
+        if OmegaConf.is_missing(composed, k):
             out.append(key)
         else:
-            v = cfg._get_node(k)
+            v = composed._get_node(k)
             if isinstance(v, DictConfig):
                 out.extend(missing_keys(v, key + "."))
     return out
@@ -76,44 +66,35 @@ REQUIRED_HINTS = {
 }
 
 
-def required_errors(cfg: DictConfig) -> list[str]:
-    return [f"{k} is required and not set: {REQUIRED_HINTS.get(k, f'pass {k}=<value>')}" for k in missing_keys(cfg)]
+def required_errors(composed: DictConfig) -> list[str]:
+    return [f"{k} is required and not set: {REQUIRED_HINTS.get(k, f'pass {k}=<value>')}"
+            for k in missing_keys(composed)]
 
 
-def range_errors(cfg: DictConfig) -> list[str]:
+def range_errors(cfg: Config) -> list[str]:
     """Every value outside the range or choices its schema field declares (specdistill/config.py), and the
     n-gram bounds out of order."""
-    from specdistill.config import Config
-
-    errors = []
-    for key, rule in rules(Config).items():
-        present, v = _get(cfg, key)
-        if present:
-            errors.extend(rule.errors(key, v))
-    present_min, nmin = _get(cfg, "eval.ngram_min")
-    present_max, nmax = _get(cfg, "eval.ngram_max")
-    if present_min and present_max and isinstance(nmin, int) and isinstance(nmax, int) and nmin > nmax:
-        errors.append(f"eval.ngram_min={nmin} must be <= eval.ngram_max={nmax}")
+    errors = field_errors(cfg, cls=Config)
+    if cfg.eval.ngram_min > cfg.eval.ngram_max:
+        errors.append(f"eval.ngram_min={cfg.eval.ngram_min} must be <= eval.ngram_max={cfg.eval.ngram_max}")
     return errors
 
 
-def path_errors(cfg: DictConfig) -> list[str]:
+def path_errors(cfg: Config) -> list[str]:
     """Local-looking paths that do not exist: the ones the run reads, and draft.path whenever it is set."""
-    keys = ["target.path", "data.path" if not _get(cfg, "data.regenerate.enabled")[1] else "data.regenerate.prompts",
-            "eval.prompts"]
-    keys.append("draft.path")  # checked whenever set: the draft groups whose init ignores it leave it null
-    present, drafter = _get(cfg, "eval.drafter")
-    if drafter == "draft":
-        keys.append("eval.draft_path")
+    read = [("target.path", cfg.target.path), ("data.regenerate.prompts", cfg.data.regenerate.prompts)
+            if cfg.data.regenerate.enabled else ("data.path", cfg.data.path), ("eval.prompts", cfg.eval.prompts)]
+    read.append(("draft.path", cfg.draft.path))  # checked whenever set: the groups whose init ignores it leave it null
+    if cfg.eval.drafter == "draft":
+        read.append(("eval.draft_path", cfg.eval.draft_path))
     errors = []
-    for key in keys:
-        present, v = _get(cfg, key)
-        if present and isinstance(v, str):
+    for key, v in read:
+        if isinstance(v, str):
             e = missing_local_path(key, v)
             if e:
                 errors.append(e)
-    present, template = _get(cfg, "data.chat_template")
-    if present and isinstance(template, str) and template:
+    template = cfg.data.chat_template
+    if isinstance(template, str) and template:
         try:
             resolve_chat_template(template)  # a file that does not exist and is no template either
         except ValueError as e:
@@ -121,28 +102,26 @@ def path_errors(cfg: DictConfig) -> list[str]:
     return errors
 
 
-def draft_shape_errors(cfg: DictConfig) -> list[str]:
+def draft_shape_errors(cfg: Config) -> list[str]:
     """Draft sizes that the chosen draft.init would silently ignore: refused, naming the setting that does apply. The
     sizes each init honours and the layer count it must have are its draft kind's (drafts/registry.py: DraftKind)."""
     from specdistill.drafts import kind_for_init
     from specdistill.drafts.registry import SIZE_KEYS, inits_honouring
 
-    present, init = _get(cfg, "draft.init")
-    if not present:
-        return []
+    init = cfg.draft.init
     try:
         kind = kind_for_init(init).spec
     except ValueError as e:  # an unknown init, named with the known ones
         return [str(e)]
     used, layers_needed = kind.inits[init], kind.num_layers
     errors = []
-    _, layers = _get(cfg, "draft.num_layers")
+    layers = cfg.draft.num_layers
     if layers_needed is not None and layers != layers_needed:
         errors.append(f"draft.num_layers={layers}: a draft.init={init} draft has exactly {layers_needed} decoder "
                       "layer (the EAGLE-3 layout vLLM and SGLang load); set draft.num_layers=1 (draft=eagle3 does), "
                       "and give it capacity with draft.intermediate_size")
     for k in SIZE_KEYS:
-        v = _get(cfg, f"draft.{k}")[1]
+        v = getattr(cfg.draft, k)
         if v is not None and k not in used:
             if used == ("intermediate_size",):
                 fix = ("give the head capacity with draft.intermediate_size (its MLP width); its width and heads are "
@@ -155,13 +134,13 @@ def draft_shape_errors(cfg: DictConfig) -> list[str]:
     return errors
 
 
-def run_name_errors(cfg: DictConfig) -> list[str]:
+def run_name_errors(composed: DictConfig) -> list[str]:
     """A run_name that trainer.output_dir interpolates must keep the run inside the output folder's parent
-    (`outputs/${run_name}`): `..` parts or an absolute path would write elsewhere or nest a path under it."""
-    present, name = _get(cfg, "run_name")
-    trainer = cfg.get("trainer")
-    raw = OmegaConf.to_container(trainer, resolve=False).get("output_dir") if isinstance(trainer, DictConfig) else None
-    if not present or not isinstance(raw, str) or "${run_name}" not in raw:
+    (`outputs/${run_name}`): `..` parts or an absolute path would write elsewhere or nest a path under it. Read before
+    the interpolation is resolved."""
+    name = composed.get("run_name")
+    raw = OmegaConf.to_container(composed.trainer, resolve=False).get("output_dir")
+    if name is None or not isinstance(raw, str) or "${run_name}" not in raw:
         return []
     name = str(name)
     parent = raw.split("${run_name}")[0] or "."
@@ -186,12 +165,10 @@ def schema_keys(cls: type, prefix: str = "") -> dict[str, Optional[type]]:
     return out
 
 
-def unknown_key_errors(cfg: DictConfig) -> list[str]:
+def unknown_key_errors(composed: DictConfig) -> list[str]:
     """Keys the schema does not have. Hydra refuses them on a plain override, but `+key=value` (Hydra's own hint for
     a mistyped key) appends one, and the run would ignore it: the schema is closed, so it is refused here with the
     nearest known key."""
-    from specdistill.config import Config
-
     known = schema_keys(Config)
     errors = []
 
@@ -207,7 +184,7 @@ def unknown_key_errors(cfg: DictConfig) -> list[str]:
             elif known.get(key) is not None and isinstance(node._get_node(k), DictConfig):
                 walk(node._get_node(k), known[key], key + ".")
 
-    walk(cfg, Config, "")
+    walk(composed, Config, "")
     return errors
 
 
@@ -236,12 +213,12 @@ def nearest_key(key: str, known: Iterable[str]) -> str:
     return f"see {where} in specdistill/config.py"
 
 
-def block_size_of(cfg: DictConfig) -> Optional[int]:
+def block_size_of(cfg: Config) -> Optional[int]:
     """The block size B of the block drafter eval.gamma drives, or None when the evaluated draft has none: the trained
     folder at eval.draft_path (its config.json's block_size), else the draft group's draft.dflash.block_size."""
-    if _get(cfg, "eval.drafter")[1] != "draft":
+    if cfg.eval.drafter != "draft":
         return None
-    draft_path = _get(cfg, "eval.draft_path")[1]
+    draft_path = cfg.eval.draft_path
     if draft_path:
         config = Path(str(draft_path)).expanduser() / "config.json"
         try:
@@ -251,37 +228,34 @@ def block_size_of(cfg: DictConfig) -> Optional[int]:
             return None  # the draft loader names a missing or unreadable folder
         block = saved.get("block_size") if "dflash_config" in saved or any("dflash" in a for a in archs) else None
         return block if isinstance(block, int) else None
-    if _get(cfg, "draft.init")[1] == "dflash":
-        block = _get(cfg, "draft.dflash.block_size")[1]
-        return block if isinstance(block, int) else None
-    return None
+    return cfg.draft.dflash.block_size if cfg.draft.init == "dflash" else None
 
 
-def block_gamma_errors(cfg: DictConfig) -> list[str]:
+def block_gamma_errors(cfg: Config) -> list[str]:
     """A block drafter proposes at most B - 1 tokens a round: an eval.gamma (or eval.max_gamma with dynamic_gamma,
     or a tree deeper) above that would be cut silently, and the reports would show acceptance at positions never
     drafted. Refused whenever real speculative decoding runs it (eval.spec_eval in training, or an evaluation of
     eval.draft_path); a sweep over eval.block_sizes sets gamma = B - 1 per block size itself."""
-    block = block_size_of(cfg)
-    if block is None or not (_get(cfg, "eval.spec_eval")[1] or _get(cfg, "eval.draft_path")[1]):
+    block, e = block_size_of(cfg), cfg.eval
+    if block is None or not (e.spec_eval or e.draft_path):
         return []
     most = block - 1
-    source = (f"the drafter at eval.draft_path has block_size={block}" if _get(cfg, "eval.draft_path")[1]
+    source = (f"the drafter at eval.draft_path has block_size={block}" if e.draft_path
               else f"draft.dflash.block_size={block}")
-    asked = [("eval.gamma", _get(cfg, "eval.gamma")[1])]
-    if _get(cfg, "eval.dynamic_gamma")[1]:
-        asked.append(("eval.max_gamma", _get(cfg, "eval.max_gamma")[1]))
-    if (_get(cfg, "eval.tree.topk")[1] or 0) > 0:
-        asked.append(("eval.tree.depth", _get(cfg, "eval.tree.depth")[1]))
+    asked = [("eval.gamma", e.gamma)]
+    if e.dynamic_gamma:
+        asked.append(("eval.max_gamma", e.max_gamma))
+    if e.tree.topk > 0:
+        asked.append(("eval.tree.depth", e.tree.depth))
     return [f"{key}={value} exceeds what a DFlash block drafts ({source}: one forward proposes block_size - 1 = "
             f"{most} tokens): set {key}={most}, or draft.dflash.block_size={value + 1} (and train at it)"
-            for key, value in asked if isinstance(value, int) and value > most]
+            for key, value in asked if value > most]
 
 
-def device_errors(cfg: DictConfig) -> list[str]:
+def device_errors(cfg: Config) -> list[str]:
     """eval.device=cuda[:N] on a machine (or a torch build) without CUDA, or a device index it does not have."""
-    present, device = _get(cfg, "eval.device")
-    if not present or not str(device).startswith("cuda"):
+    device = cfg.eval.device
+    if not device.startswith("cuda"):
         return []
     import torch
 
@@ -299,14 +273,16 @@ def device_errors(cfg: DictConfig) -> list[str]:
 FILE_KEYS = ("data.path", "eval.prompts", "data.regenerate.prompts")  # each read as one file of rows
 
 
-def folder_errors(cfg: DictConfig) -> list[str]:
+def folder_errors(cfg: Config) -> list[str]:
     """A data or prompt setting that names a folder where one file of rows is read, naming the files inside it."""
-    errors, regen = [], bool(_get(cfg, "data.regenerate.enabled")[1])
+    errors, regen = [], cfg.data.regenerate.enabled
+    values = {"data.path": cfg.data.path, "eval.prompts": cfg.eval.prompts,
+              "data.regenerate.prompts": cfg.data.regenerate.prompts}
     for key in FILE_KEYS:
-        present, value = _get(cfg, key)
+        value = values[key]
         if key == ("data.regenerate.prompts" if not regen else "data.path"):
             continue  # the source this run does not read
-        if not present or not isinstance(value, str) or is_embedded(value) or value == "heldout" or "://" in value:
+        if not isinstance(value, str) or is_embedded(value) or value == "heldout" or "://" in value:
             continue
         folder = Path(value).expanduser()
         if folder.is_dir():
@@ -340,33 +316,56 @@ def override_errors(args: Iterable[str]) -> list[str]:
     return errors
 
 
-def warnings(cfg: DictConfig) -> list[str]:
+def warnings(cfg: Config) -> list[str]:
     out = []
-    present, drafter = _get(cfg, "eval.drafter")
-    present_p, draft_path = _get(cfg, "eval.draft_path")
-    if present and present_p and draft_path and drafter != "draft":
+    drafter, draft_path = cfg.eval.drafter, cfg.eval.draft_path
+    if draft_path and drafter != "draft":
         out.append(f"eval.draft_path={draft_path!r} is ignored with eval.drafter={drafter!r} (only eval.drafter=draft "
                    "loads a draft): drop eval.draft_path, or set eval.drafter=draft to evaluate that draft")
     return out
 
 
-def validate_config(cfg: DictConfig, log: Optional[Callable[[str], None]] = print,
-                    checks: Iterable[Callable[[DictConfig], list[str]]] = (unknown_key_errors, required_errors,
-                                                                           range_errors, run_name_errors, path_errors,
-                                                                           folder_errors, draft_shape_errors,
-                                                                           block_gamma_errors, device_errors)
-                    ) -> list[str]:
-    """Raise ConfigError listing every problem at once; log and return the warnings. Cheap: no model, no data."""
-    errors: list[str] = []
-    for check in checks:
-        errors.extend(check(cfg))
-    if errors:
-        text = "bad config (nothing was loaded):\n  - " + "\n  - ".join(errors)
-        if all("does not exist" in e for e in errors):
-            raise FileNotFoundError(text)  # only missing files: the error callers of path checks expect
-        raise ConfigError(text)
-    found = warnings(cfg)
-    for w in found:
-        if log is not None:
-            log(f"[config] warning: {w}")
-    return found
+def push_errors(hub: HubConfig) -> list[str]:
+    """A push that cannot happen: hub.push without a repository."""
+    return ["hub.push=true needs hub.repo_id=<user-or-org>/<name>"] if hub.push and not hub.repo_id else []
+
+
+def hub_errors(cfg: Config) -> list[str]:
+    return push_errors(cfg.hub)
+
+
+COMPOSITION_CHECKS = (unknown_key_errors, required_errors, run_name_errors)  # on the composed tree, before conversion
+CONFIG_CHECKS = (range_errors, path_errors, folder_errors, draft_shape_errors, block_gamma_errors, device_errors,
+                 hub_errors)
+
+
+def checked_config(composed: DictConfig, log: Optional[Callable[[str], None]] = print) -> Config:
+    """The composed config as the typed Config, checked: the composition's own checks (keys the schema lacks, `???`
+    values, run_name), the conversion, then every field's rule and the cross-field checks on the typed object.
+    Raises ConfigError listing every problem at once (nothing is loaded); logs the warnings. entry.load_config adds
+    the objectives."""
+    _refuse([e for check in COMPOSITION_CHECKS for e in check(composed)])
+    cfg = OmegaConf.to_object(composed)
+    _refuse([e for check in CONFIG_CHECKS for e in check(cfg)])
+    if log is not None:
+        log_warnings(cfg, log)
+    return cfg
+
+
+def log_warnings(cfg: Config, log: Callable[[str], None]) -> None:
+    for w in warnings(cfg):
+        log(f"[config] warning: {w}")
+
+
+def validate_config(composed: DictConfig, log: Optional[Callable[[str], None]] = print) -> list[str]:
+    """checked_config's checks, for a command that only checks: the warnings (logged too)."""
+    return warnings(checked_config(composed, log))
+
+
+def _refuse(errors: list[str]) -> None:
+    if not errors:
+        return
+    text = "bad config (nothing was loaded):\n  - " + "\n  - ".join(errors)
+    if all("does not exist" in e for e in errors):
+        raise FileNotFoundError(text)  # only missing files: the error callers of path checks expect
+    raise ConfigError(text)

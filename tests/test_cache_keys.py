@@ -171,12 +171,11 @@ def test_the_converted_model_is_converted_again_when_its_gguf_changes(tmp_path, 
 def test_offline_features_are_checked_against_the_targets_files(setup):
     from types import SimpleNamespace
 
-    from omegaconf import OmegaConf
-
     from specdistill.build import feature_meta
+    from specdistill.config import TargetConfig
 
     _, tok, target, _ = setup
-    cfg = OmegaConf.create({"target": {"path": str(target), "dtype": "float32"}})
+    cfg = TargetConfig(path=str(target), dtype="float32")
     data = SimpleNamespace(fingerprint="f")
     before = feature_meta(cfg, [1], data)
     assert feature_meta(cfg, [1], data) == before

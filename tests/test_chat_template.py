@@ -1,7 +1,7 @@
 """data.chat_template: a supplied template (file or inline) gives assistant-only masks on a base tokenizer without one;
 bad templates and bad paths fail early, naming the fix."""
 import pytest
-from omegaconf import OmegaConf
+from specdistill.config import Config, DataConfig, TargetConfig
 
 from specdistill.data.chat import resolve_chat_template, set_chat_template, tokenize_conversation
 from specdistill.validation import path_errors
@@ -83,8 +83,8 @@ def test_template_that_fails_to_render_is_refused(base_tokenizer):
 def test_missing_file_that_is_no_template_fails_in_config_validation(tmp_path):
     with pytest.raises(ValueError, match="neither an existing file nor a Jinja template"):
         resolve_chat_template(str(tmp_path / "nope.jinja"))
-    cfg = OmegaConf.create({"target": {"path": "embedded:x"}, "data": {"path": "embedded:sharegpt",
-                                                                        "chat_template": "./templates/chatml.jinja"}})
+    cfg = Config(target=TargetConfig(path="embedded:x"),
+                 data=DataConfig(path="embedded:sharegpt", chat_template="./templates/chatml.jinja"))
     errs = path_errors(cfg)
     assert any("data.chat_template" in e for e in errs)
     (tmp_path / "empty.txt").write_text("just text")
@@ -97,7 +97,7 @@ def test_build_tokenizer_installs_the_setting(base_tokenizer, tmp_path):
 
     base_tokenizer.save_pretrained(tmp_path / "base")  # a model folder whose tokenizer has no template
     (tmp_path / "base" / "config.json").write_text("{}")
-    cfg = OmegaConf.create({"target": {"path": str(tmp_path / "base")}, "data": {"chat_template": CHATML}})
+    cfg = Config(target=TargetConfig(path=str(tmp_path / "base")), data=DataConfig(chat_template=CHATML))
     tok = build_tokenizer(cfg)
     assert tok.chat_template == CHATML
     trained, _ = _masked_text(tok, tokenize_conversation(tok, CONV, 512))

@@ -3,9 +3,16 @@ import pytest
 from omegaconf import OmegaConf
 
 from specdistill.config import CONF_DIR, RECIPES_DIR
-from specdistill.objectives import validate_objective
+from specdistill.objectives import make_objective
 from specdistill.validation import range_errors
 from tests.conftest import compose
+
+
+
+def validate_objective(cfg):
+    """The composed `objective` as its dataclass (what entry.load_config converts it into)."""
+    return make_objective(OmegaConf.to_container(cfg.objective, resolve=True))
+
 
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
@@ -72,3 +79,37 @@ def test_a_groups_default_yaml_mirrors_its_dataclass(group):
     cls = {"trainer": TrainerConfig, "eval": EvalConfig, "hub": HubConfig}[group]
     yaml = OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / "default.yaml"))
     assert yaml == OmegaConf.to_container(OmegaConf.structured(cls))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_loads_into_one_typed_config(recipe):
+    """The entry's conversion (entry.load_config) leaves no Hydra container anywhere in the Config the layers read:
+    each group is its dataclass, `objective` its objective's dataclass, and the warm-up's objective a dataclass when
+    a warm-up runs (None when none does)."""
+    import dataclasses
+
+    from omegaconf import Container
+
+    from specdistill.config import Config, EvalConfig, TrainerConfig
+    from specdistill.entry import load_config
+    from specdistill.objectives import OBJECTIVES
+
+    cfg = load_config(compose(recipe, []), log=None)
+
+    def containers(value, key=""):
+        if isinstance(value, Container):
+            return [key]
+        if dataclasses.is_dataclass(value):
+            return [k for f in dataclasses.fields(value) for k in containers(getattr(value, f.name), f"{key}.{f.name}")]
+        if isinstance(value, dict):
+            return [k for name, v in value.items() for k in containers(v, f"{key}.{name}")]
+        if isinstance(value, list):
+            return [k for i, v in enumerate(value) for k in containers(v, f"{key}[{i}]")]
+        return []
+
+    assert containers(cfg) == []
+    assert type(cfg) is Config and type(cfg.trainer) is TrainerConfig and type(cfg.eval) is EvalConfig
+    assert type(cfg.objective) is OBJECTIVES[compose(recipe, []).objective.name]
+    assert cfg.warmup.objective is None or type(cfg.warmup.objective) in OBJECTIVES.values()
+    if recipe == "draft_opd":
+        assert cfg.warmup.objective is not None  # warmup.mode=auto without a trained draft.path: it runs

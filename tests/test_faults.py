@@ -225,7 +225,7 @@ def test_folders_that_are_not_writable_are_refused_before_any_work(tiny_target_d
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    monkeypatch.setattr(pipeline, "build", lambda *a, **k: pytest.fail("built before the folders were checked"))
+    monkeypatch.setattr(pipeline, "assemble", lambda *a, **k: pytest.fail("built before the folders were checked"))
     cfg = compose("kd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "out", blocker / "cache"))
     with pytest.raises(WriteFailed, match=rf"{blocker / 'cache'} is not writable.*data.cache_dir="):
         pipeline.run(cfg)
@@ -277,7 +277,7 @@ def test_an_unreachable_hub_stops_a_push_run_before_training(tiny_target_dir, ti
         raise ConnectionError("cannot reach the server")
 
     monkeypatch.setattr(huggingface_hub.HfApi, "whoami", offline)
-    monkeypatch.setattr(pipeline, "build", lambda *a, **k: pytest.fail("built although the Hub is unreachable"))
+    monkeypatch.setattr(pipeline, "assemble", lambda *a, **k: pytest.fail("built although the Hub is unreachable"))
     cfg = compose("kd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "out", tmp_path / "cache")
                   + ["hub.push=true", "hub.repo_id=me/draft", "hub.max_retries=0"])
     with pytest.raises(PushFailed, match="hub.push=true.*cannot be used.*hub.push=false"):

@@ -7,6 +7,7 @@ import torch
 
 from specdistill.build import build
 from specdistill.data.features import FeatureStore, FeatureWriter
+from specdistill.entry import load_config
 from specdistill.models.target import Target
 from specdistill.train.loop import fit
 from tests.conftest import compose, make_tiny_lm, tiny_overrides
@@ -50,7 +51,7 @@ def test_training_from_offline_features_matches_online(tiny_target_dir, tiny_dat
     feats = tmp_path / "feats"
     base = tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "o", tmp_path / "cache") + [
         "trainer.max_steps=2", "data.max_rows=24", "objective.steps=2"]
-    dump.dump(compose("eagle3", base + [f"data.offline_dir={feats}"]), batch_size=3)
+    dump.dump(load_config(compose("eagle3", base + [f"data.offline_dir={feats}"])), batch_size=3)
     online = fit(build(compose("eagle3", base + ["trainer.output_dir=" + str(tmp_path / "on")])))
     offline = fit(build(compose("eagle3", base + [f"data.offline_dir={feats}",
                                                   f"trainer.output_dir={tmp_path / 'off'}"])))

@@ -75,7 +75,7 @@ def test_a_second_training_run_into_a_busy_output_dir_is_refused_before_any_work
     def no_build(*a, **k):
         raise AssertionError("built although the folder is in use")
 
-    monkeypatch.setattr(pipeline, "build", no_build)
+    monkeypatch.setattr(pipeline, "assemble", no_build)
     with pytest.raises(FolderBusy, match=f"pid {other_process}"):
         pipeline.run(compose("kd", tiny_overrides(tiny_target_dir, tiny_data_file, out, tmp_path / "cache")))
     assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]

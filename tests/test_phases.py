@@ -254,14 +254,12 @@ def test_an_epoch_bounded_run_anneals_over_its_own_length(schedule_steps):
     """trainer.epochs ends the run long before trainer.max_steps (recipe=eagle3_serve: 100000): the cosine spans the
     run, so its last step trains near lr * min_lr_ratio (a horizon of max_steps would leave the lr nearly constant);
     trainer.schedule_steps sets another horizon."""
-    from omegaconf import OmegaConf
-
+    from specdistill.config import TrainerConfig, WarmupConfig
     from specdistill.phases import plan_phases
 
-    cfg = OmegaConf.create({"trainer": {"lr": 1e-3, "warmup_steps": 2, "min_lr_ratio": 0.1, "max_steps": 100000,
-                                        "epochs": 3, "micro_batch_size": 4, "grad_accum": 1, "seed": 0,
-                                        "schedule_steps": schedule_steps}})
-    plan = plan_phases(cfg, _Named("eagle3"), None, [{"input_ids": [1], "loss_mask": [0]}] * 40, 0)
+    trainer = TrainerConfig(lr=1e-3, warmup_steps=2, min_lr_ratio=0.1, max_steps=100000, epochs=3, micro_batch_size=4,
+                            grad_accum=1, seed=0, schedule_steps=schedule_steps)
+    plan = plan_phases(trainer, WarmupConfig(), _Named("eagle3"), [{"input_ids": [1], "loss_mask": [0]}] * 40, 0)
     (main,) = plan.phases
     assert main.steps == 30 and main.horizon == (schedule_steps or 30)
     lrs = [main.lr_at(s) for s in range(main.steps)]

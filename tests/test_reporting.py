@@ -4,13 +4,14 @@ the in-training speculative evaluation has its own progress bar."""
 import pytest
 
 from specdistill.drafts import Eagle3Draft, LMDraft
+from specdistill.entry import load_config
 from tests.conftest import compose, tiny_overrides
 
 
 def test_card_serving_commands_name_the_original_hub_id_of_the_embedded_target():
     from specdistill.hub.card import model_card
 
-    cfg = compose("kd", [])  # target.path=embedded:smollm2-135m-instruct; nothing is loaded
+    cfg = load_config(compose("kd", []), log=None)  # target.path=embedded:smollm2-135m-instruct; nothing is loaded
     for kind in (LMDraft, Eagle3Draft):
         card = model_card(cfg, "me/draft", {}, step=1, epoch=0, kind=kind, exports=["vllm", "sglang"])
         serving = card.split("## Serving")[1]
@@ -27,7 +28,7 @@ def test_card_for_a_local_target_names_its_absolute_path(tmp_path, monkeypatch):
     (tmp_path / "my_target").mkdir()
     monkeypatch.chdir(tmp_path)
     cfg = compose("kd", ["target.path=./my_target"])
-    card = model_card(cfg, "me/draft", {}, step=1, epoch=0, kind=LMDraft)
+    card = model_card(load_config(cfg, log=None), "me/draft", {}, step=1, epoch=0, kind=LMDraft)
     assert f"vllm serve {tmp_path / 'my_target'}" in card
 
 

@@ -7,9 +7,12 @@ import shutil
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import specdistill.pipeline.run as pipeline
+from specdistill.entry import config_yaml
 from specdistill.train.inputs import InputsChanged, read_inputs
+from specdistill.entry import load_config
 from tests.conftest import compose, make_tiny_lm, make_tokenizer, tiny_overrides
 
 EVAL = ["eval.spec_eval=true", "eval.spec_eval_at=end", "eval.num_prompts=2", "eval.max_new_tokens=6", "eval.gamma=2",
@@ -35,6 +38,11 @@ def run(tiny_target_dir, tiny_data_file, tmp_path_factory):
 
     pipeline.run(cfg())
     return {"root": root, "out": root / "run", "target": target, "data": data, "cfg": cfg}
+
+
+def trainer(composed):
+    """The trainer settings a folder claim reads, typed as the entry makes them (the rest of `composed` unchecked)."""
+    return OmegaConf.to_object(composed.trainer)
 
 
 def _checkpoint(out):
@@ -179,13 +187,13 @@ def test_a_fresh_run_into_another_runs_folder_is_refused_without_a_checkpoint(ru
     other = compose("eagle3", tiny_overrides(run["target"], run["data"], out, run["root"] / "cache")
                     + ["trainer.max_steps=2", "draft.num_layers=2", "trainer.resume=auto", *EVAL])
     with pytest.raises(FileExistsError, match="draft.num_layers"):
-        pipeline.check_folder_claim(other, out)
+        pipeline.check_folder_claim(trainer(other), config_yaml(other), out)
     said = []
-    (out / "config.yaml").write_text(pipeline.OmegaConf.to_yaml(cfg, resolve=True))
+    (out / "config.yaml").write_text(config_yaml(cfg))
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     own = compose("eagle3", tiny_overrides(run["target"], run["data"], out, run["root"] / "cache")
                   + ["trainer.max_steps=2", "trainer.resume=auto", *EVAL])
-    aside = pipeline.check_folder_claim(own, out, log=said.append)
+    aside = pipeline.check_folder_claim(trainer(own), config_yaml(own), out, log=said.append)
     assert "starts over at step 0" in said[0] and str(out / "metrics.jsonl") in said[0] and str(aside) in said[0]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # checking moves nothing
 
@@ -200,14 +208,14 @@ def test_a_deleted_stage_output_is_made_again_and_other_eval_settings_evaluate_i
     out = run["out"]
     final = out / "eval" / "final"
     (final / "results.json").unlink()  # the folder stays: its files are what is checked
-    assert "results.json is missing" in pipeline.why_pending(run["cfg"](), out, 2)["eval/final"]
+    assert "results.json is missing" in pipeline.why_pending(load_config(run["cfg"]()), out, 2)["eval/final"]
     res = pipeline.run(run["cfg"]("trainer.resume=auto"))
     assert res.nothing_to_do and (final / "results.json").exists()
-    assert pipeline.why_pending(run["cfg"](), out, 2) == {}
+    assert pipeline.why_pending(load_config(run["cfg"]()), out, 2) == {}
 
     stamps = {p: p.stat().st_mtime_ns for p in final.rglob("*") if p.is_file()}
     other = run["cfg"]("trainer.resume=auto", "eval.gamma=3")
-    pending = pipeline.why_pending(other, out, 2)
+    pending = pipeline.why_pending(load_config(other), out, 2)
     (name, why), = pending.items()
     assert name.startswith("eval/final-") and "eval.gamma: 2 -> 3" in why
     pipeline.run(other)
@@ -231,11 +239,11 @@ def test_other_eval_settings_on_a_run_evaluated_at_each_epoch_ask_for_their_own_
     ckpt = tmp_path / "run" / "checkpoints" / "step-0000002"
     ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text('{"step": 2}')
-    (ckpt / "config.yaml").write_text(pipeline.OmegaConf.to_yaml(run["cfg"](*every), resolve=True))
+    (ckpt / "config.yaml").write_text(config_yaml(run["cfg"](*every)))
     out = ckpt.parent.parent
-    assert pipeline.why_pending(run["cfg"](*every), out, 2) == {}
-    assert pipeline.why_pending(run["cfg"](*every, "eval.spec_eval=false", "eval.gamma=3"), out, 2) == {}
-    (name, why), = pipeline.why_pending(run["cfg"](*every, "eval.gamma=3"), out, 2).items()
+    assert pipeline.why_pending(load_config(run["cfg"](*every)), out, 2) == {}
+    assert pipeline.why_pending(load_config(run["cfg"](*every, "eval.spec_eval=false", "eval.gamma=3")), out, 2) == {}
+    (name, why), = pipeline.why_pending(load_config(run["cfg"](*every, "eval.gamma=3")), out, 2).items()
     assert name.startswith("eval/final-") and "eval.gamma: 2 -> 3" in why and str(out / name) in why
 
 

@@ -55,18 +55,17 @@ def test_evaluation_shares_are_whole_batches_covering_every_prompt_once():
 def test_target_shard_settings_a_launch_accepts(shard, recipe, processes, error, tiny_target_dir, tiny_data_file,
                                                 tmp_path):
     from specdistill.build import check_target_shard
-    from specdistill.objectives import validate_objective
-    from specdistill.phases import check_warmup
+    from specdistill.entry import load_config
     from tests.conftest import ONPOLICY_ALONE, tiny_overrides
 
     over = tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path, tmp_path) + [f"target.shard={shard}"]
-    cfg = compose(recipe, over + (ONPOLICY_ALONE if recipe == "draft_opd" else []))
-    objectives = [validate_objective(cfg), check_warmup(cfg)]
+    cfg = load_config(compose(recipe, over + (ONPOLICY_ALONE if recipe == "draft_opd" else [])), log=None)
+    objectives = [cfg.objective, cfg.warmup.objective]
     if error is None:
-        check_target_shard(cfg, objectives, processes)
+        check_target_shard(cfg.target, objectives, processes)
     else:
         with pytest.raises(ValueError, match=error):
-            check_target_shard(cfg, objectives, processes)
+            check_target_shard(cfg.target, objectives, processes)
 
 
 def test_device_map_loads_the_target_through_accelerate_placement(tiny_target_dir, tiny_data_file, tmp_path,
@@ -87,9 +86,10 @@ def test_device_map_loads_the_target_through_accelerate_placement(tiny_target_di
                         classmethod(lambda cls, *a, **k: asked.update(k) or real(cls, *a, **k)))
     over = tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path, tmp_path) + ["target.shard=device_map"]
     cfg = compose("kd", over)
-    target = build_target(cfg)
+    target = build_target(cfg.target)
     assert asked.get("device_map") == "auto"
-    place_target(cfg, target, SimpleNamespace(device=torch.device("meta")))  # would move it if it were not left alone
+    # would move it if it were not left alone
+    place_target(cfg.target.shard, target, SimpleNamespace(device=torch.device("meta")))
     assert all(p.device.type == "cpu" for p in target.model.parameters())
 
 

@@ -49,7 +49,7 @@ def wandb_offline_without_network(cfg: DictConfig, log: Callable[[str], None] = 
 def _train(cfg: DictConfig) -> None:
     from specdistill.validation import validate_config
 
-    validate_config(cfg, log=None)  # before the wandb probe; build validates again and prints the warnings
+    validate_config(cfg, log=None)  # before the wandb probe; the pipeline checks again and prints the warnings
     wandb_offline_without_network(cfg)
     import torch.distributed as dist
 

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import dataclasses
+
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
+
+from specdistill.config import Config, EvalConfig
 
 from specdistill.eval.evaluator import EvalResult, check_eval_config, evaluate
 from specdistill.data.prompts import load_prompts
@@ -20,7 +24,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
+def load_draft(cfg: Config, target_model, tokenizer, log=print):
     """eval.draft_path (a trained HF draft folder) if set, else a draft built from the `draft` group (untrained)."""
     from specdistill.drafts import check_readable, kind_for_init, load_trained_draft
     from specdistill.drafts.base import cast_for_decoding
@@ -41,7 +45,7 @@ def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
         check_draft_tokenizer(path, tokenizer, log)  # or says that it is skipped
         log(f"[eval] draft from {path}")
     else:
-        draft_cfg = OmegaConf.to_object(cfg.draft)
+        draft_cfg = cfg.draft
         kind = kind_for_init(draft_cfg.init)
         if kind.spec.needs_data_to_build:
             raise ValueError(f"an {kind.kind} draft needs training data for its vocabulary: pass eval.draft_path=<a "
@@ -52,25 +56,25 @@ def load_draft(cfg: DictConfig, target_model, tokenizer, log=print):
     return cast_for_decoding(draft, target_model).requires_grad_(False).eval()  # the target's dtype
 
 
-def run(cfg: DictConfig, log=print) -> tuple[EvalResult, dict[str, Path]]:
-    """Evaluate into eval.output_dir: refused when another evaluation writes there, or when it holds results already
-    (unless eval.overwrite=true)."""
-    from specdistill.validation import validate_config
+def run(composed: DictConfig, log=print) -> tuple[EvalResult, dict[str, Path]]:
+    """Evaluate Hydra's composed config into eval.output_dir: refused when another evaluation writes there, or when
+    it holds results already (unless eval.overwrite=true)."""
+    from specdistill.entry import load_config
 
-    validate_config(cfg, log=log)  # required keys, ranges, local paths: before loading anything
-    ecfg = OmegaConf.to_object(cfg.eval)
+    cfg = load_config(composed, log=log)  # checked and typed once: before loading anything
+    ecfg = cfg.eval
     check_eval_config(ecfg)  # fail before loading anything
     out = Path(ecfg.output_dir).expanduser()
     check_writable(out, "eval.output_dir")
     with folder_lock(out, "eval.output_dir", log=log):  # one evaluation writes into a folder at a time
-        check_no_results(out, cfg)
+        check_no_results(out, ecfg)
         return _evaluate(cfg, ecfg, out, log)
 
 
-def check_no_results(out: Path, cfg: DictConfig) -> None:
+def check_no_results(out: Path, cfg: EvalConfig) -> None:
     """Refuse a folder that already holds an evaluation's results unless eval.overwrite=true, suggesting a folder
     named after the draft and the settings."""
-    if cfg.eval.overwrite:
+    if cfg.overwrite:
         return
     found = [f for f in RESULT_FILES if (out / f).exists()]
     if found:
@@ -79,9 +83,8 @@ def check_no_results(out: Path, cfg: DictConfig) -> None:
                               "pass eval.overwrite=true to replace them")
 
 
-def default_folder(cfg: DictConfig) -> str:
+def default_folder(e: EvalConfig) -> str:
     """A folder name that says which draft was evaluated and how: eval_<draft>_<prompts>_g<gamma>_t<temperature>."""
-    e = cfg.eval
     if e.drafter == "draft" and e.draft_path:
         p = Path(e.draft_path).expanduser()
         parts = [q for q in (p.parent.parent.parent.name, p.parent.name, p.name) if q and q != "draft"]
@@ -93,7 +96,7 @@ def default_folder(cfg: DictConfig) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in name)
 
 
-def _evaluate(cfg: DictConfig, ecfg, out: Path, log) -> tuple[EvalResult, dict[str, Path]]:
+def _evaluate(cfg: Config, ecfg: EvalConfig, out: Path, log) -> tuple[EvalResult, dict[str, Path]]:
     from specdistill.build import build_tokenizer
     from specdistill.models.target import load_causal_lm
     from specdistill.decoding.kv import max_positions
@@ -130,7 +133,7 @@ def _evaluate(cfg: DictConfig, ecfg, out: Path, log) -> tuple[EvalResult, dict[s
     extra = {"target_path": cfg.target.path, "draft_path": ecfg.draft_path,
              "prompts_skipped_too_long": prompts.skipped_too_long,
              "prompt_replacement_chars": prompts.replacement_chars, "threads": threads.to_dict(),
-             "config": OmegaConf.to_container(cfg.eval, resolve=True)}
+             "config": dataclasses.asdict(ecfg)}
     with named_writes(out, "eval.output_dir", "no result file is complete; the evaluation must run again"):
         paths = write_report(result, out, extra=extra)
     log(summary_line(result))

@@ -1,18 +1,14 @@
 """The model card (README.md) pushed with a draft: target, recipe, data, acceptance table, how to serve it."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import TYPE_CHECKING, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from specdistill.config import Config
 
 if TYPE_CHECKING:  # annotations only: the draft kinds are passed in
     from specdistill.drafts import DraftAdapter
-
-
-def _get(cfg, dotted: str, default=None):
-    v = OmegaConf.select(cfg, dotted, default=default) if isinstance(cfg, DictConfig) else default
-    return default if v is None else v
 
 
 def _fmt(v) -> str:
@@ -67,18 +63,18 @@ def recommended_line(spec: dict, serves_trees: bool = True) -> str:
             f"--speculative-num-steps {steps} --speculative-num-draft-tokens {tokens}`). {measured}")
 
 
-def model_card(cfg, repo_id: str, metrics: dict, step: int, epoch: int, kind: type[DraftAdapter],
+def model_card(cfg: Config, repo_id: str, metrics: dict, step: int, epoch: int, kind: type[DraftAdapter],
                exports: Optional[list[str]] = None) -> str:
     """The card of a draft of `kind` (its adapter, drafts/: its spec's card data, its serving section); `exports`: the
     serving formats staged next to it."""
     from specdistill.assets import serving_model_id
 
-    target = str(_get(cfg, "target.path", "?"))
+    target = str(cfg.target.path)
     served = serving_model_id(target)  # what vLLM / SGLang load: never embedded:<name>
-    objective = OmegaConf.to_container(cfg.objective, resolve=True) if isinstance(cfg, DictConfig) else {}
-    trainer = {k: _get(cfg, f"trainer.{k}") for k in ("lr", "max_steps", "micro_batch_size", "grad_accum", "seed")}
-    data = {k: _get(cfg, f"data.{k}") for k in ("path", "max_rows", "max_length", "packing")}
-    gamma = int(_get(cfg, "eval.gamma", 4))
+    objective = dataclasses.asdict(cfg.objective)
+    trainer = {k: getattr(cfg.trainer, k) for k in ("lr", "max_steps", "micro_batch_size", "grad_accum", "seed")}
+    data = {k: getattr(cfg.data, k) for k in ("path", "max_rows", "max_length", "packing")}
+    gamma = cfg.eval.gamma
     tags = ["speculative-decoding", "draft-model", "specdistill", *kind.spec.card.tags]
     front = ["---", f"library_name: {kind.spec.card.library}",
              "tags:", *[f"- {t}" for t in tags]]
@@ -90,7 +86,7 @@ def model_card(cfg, repo_id: str, metrics: dict, step: int, epoch: int, kind: ty
 # {repo_id.split('/')[-1]}
 
 {kind.spec.card.title} for speculative decoding of **{target}**, trained with specdistill
-(run `{_get(cfg, 'run_name', '?')}`, objective `{objective.get('name', '?')}`). Speculative decoding with this draft is
+(run `{cfg.run_name}`, objective `{cfg.objective.name}`). Speculative decoding with this draft is
 lossless: outputs follow the target's distribution exactly; the draft only changes speed.
 
 Step {step}, epoch {epoch}.

@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
-from specdistill.config import HubConfig
-from specdistill.constraints import rules
+from specdistill.config import Config, HubConfig
+from specdistill.constraints import check_fields
+from specdistill.validation import push_errors
 from specdistill.hub.card import model_card
 
 if TYPE_CHECKING:  # annotations only: the draft kinds are passed in
@@ -44,19 +45,20 @@ class PushRecord:
     staging: Optional[str] = None  # kept after a failure, for a manual `hf upload`
 
 
-def check_hub_config(hub) -> None:
-    """Fail before any model is loaded on a push without a repository, or a hub setting outside the range its schema
-    field declares (config.py's HubConfig)."""
-    if hub.push and not hub.repo_id:
-        raise ValueError("hub.push=true needs hub.repo_id=<user-or-org>/<name>")
-    errors = [e for key, rule in rules(HubConfig).items() for e in rule.errors(f"hub.{key}", getattr(hub, key))]
-    if errors:
-        raise ValueError("bad hub settings: " + "; ".join(errors))
+def serving_errors(hub: HubConfig) -> list[str]:
     from specdistill.drafts import export_formats
 
-    for f in hub.serving_formats:
-        if f not in export_formats():
-            raise ValueError(f"hub.serving_formats: unknown format {f!r}; choose from {list(export_formats())}")
+    return [f"hub.serving_formats: unknown format {f!r}; choose from {list(export_formats())}"
+            for f in hub.serving_formats if f not in export_formats()]
+
+
+def check_hub_config(hub: HubConfig) -> None:
+    """Fail before any model is loaded on a push without a repository, or a hub setting outside the range its schema
+    field declares (config.py's HubConfig)."""
+    errors = push_errors(hub) + serving_errors(hub)
+    if errors:
+        raise ValueError(errors[0])
+    check_fields(hub, "hub")
 
 
 class PushFailed(RuntimeError):
@@ -64,7 +66,7 @@ class PushFailed(RuntimeError):
     upload it."""
 
 
-def check_hub_access(hub, log=print) -> None:
+def check_hub_access(hub: HubConfig, log=print) -> None:
     """Before training, with hub.push=true: the Hub answers and the token is accepted (whoami), so a run does not
     train for hours and then fail to publish. Raises PushFailed naming the endpoint, hub.repo_id and the fix."""
     from huggingface_hub import HfApi
@@ -153,7 +155,7 @@ class HubPusher:
     """Checkpoint hook (specdistill.train.loop.fit's checkpoint_hooks): push after each epoch (hub.every_epoch) and at
     the end. Uploads run one at a time in a background thread of the main process; `finish()` waits for the last."""
 
-    def __init__(self, cfg, output_dir: Path, is_main: bool = True, log=print):
+    def __init__(self, cfg: Config, output_dir: Path, is_main: bool = True, log=print):
         self.cfg, self.hub = cfg, cfg.hub
         check_hub_config(self.hub)
         self.root = Path(output_dir) / "hub"
@@ -173,7 +175,7 @@ class HubPusher:
 
     def push(self, checkpoint: Path, step: int, epoch: int, final: bool, metrics: dict, kind: type[DraftAdapter],
              background: bool = False) -> None:
-        gamma = int(self.cfg.eval.gamma)
+        gamma = self.cfg.eval.gamma
         staging = self.root / f"staging-step-{step:07d}"
         formats = tuple(self.hub.serving_formats)
         exports = [f for f in formats if f in kind.spec.formats]

@@ -1,9 +1,9 @@
 """Training objectives, one file each; every objective is a dataclass whose __call__(batch, models) -> StepOutput."""
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from specdistill.objectives.base import Models, StepOutput
+from specdistill.objectives.base import Models, Objective, StepOutput
 from specdistill.objectives.dflash import DFlashObjective
 from specdistill.objectives.draft_opd import DraftOPDObjective
 from specdistill.objectives.eagle3 import Eagle3Objective
@@ -19,17 +19,10 @@ OBJECTIVES["moe_opd"] = MoEOPDObjective
 OBJECTIVES["dflash"] = DFlashObjective
 
 
-def validate_objective(cfg: DictConfig) -> Any:
-    """Turn cfg.objective into its objective's dataclass; unknown keys or names fail with the fix in the message."""
-    raw = cfg.objective
-    if isinstance(raw, DictConfig):
-        raw = OmegaConf.to_container(raw, resolve=True)
-    return make_objective(raw, "objective")
-
-
-def make_objective(raw: Any, key: str = "objective") -> Any:
-    """An objective's dataclass from a mapping with a `name` (cfg.objective, or a phase's: warmup.objective);
-    `key` names the config key in the errors."""
+def make_objective(raw: Any, key: str = "objective") -> Objective:
+    """An objective's dataclass from a mapping with a `name` (the composed `objective`, or a phase's:
+    warmup.objective), converted once at the entry (entry.load_config); `key` names the config key in the
+    errors."""
     if not isinstance(raw, dict) or "name" not in raw:
         raise ValueError(f"{key} must be a mapping with a `name`; pick one with {key}=<name>, "
                          f"one of {sorted(OBJECTIVES)}")
@@ -47,5 +40,5 @@ def make_objective(raw: Any, key: str = "objective") -> Any:
     return OmegaConf.to_object(merged)
 
 
-__all__ = ["OBJECTIVES", "validate_objective", "make_objective", "Models", "StepOutput", "KDObjective", "SFTObjective",
+__all__ = ["OBJECTIVES", "make_objective", "Models", "StepOutput", "KDObjective", "SFTObjective",
            "Eagle3Objective"]

@@ -57,8 +57,8 @@ class Objective:
 
     then, after the step's last micro-batch, `metrics = objective.end_step()` (deferred state updates: Draft-OPD's
     replay buffer), and state_dict() / load_state_dict() at checkpoints (per rank). Subclasses are dataclasses of
-    their config knobs (validated by objectives.validate_objective); runtime state (buffers, RNG, counters) lives in a
-    separate object that state_dict() saves. The defaults suit objectives on the data's own loss tokens.
+    their config knobs (made from the config by objectives.make_objective); runtime state (buffers, RNG, counters)
+    lives in a separate object that state_dict() saves. The defaults suit objectives on the data's own loss tokens.
     """
 
     # True when prepare() decodes with the target (rollouts): how many target forwards a micro-batch costs then

@@ -64,7 +64,7 @@ from specdistill.onpolicy.replay import ReplayBuffer, ReplayItem, pack_prefixes
 from specdistill.onpolicy.positions import CATEGORIES, FIRST_REJECTED, DraftedPositions, TargetLogits
 from specdistill.onpolicy.rollout import collect_rollout, left_pad, prompts_from_batch
 from specdistill.onpolicy.weights import WEIGHTINGS, position_weights, tree_reach_weights
-from specdistill.decoding import check_draft_policy, draft_temperature
+from specdistill.decoding import DRAFT_POLICIES, draft_temperature
 from specdistill.decoding.kv import max_positions
 from specdistill.decoding.tree import TreeShape
 from specdistill.decoding.tree_generate import proposes_trees
@@ -164,7 +164,8 @@ class DraftOPDObjective(Objective):
     max_new_tokens: int = bounded(64, ">= 2")  # rollout length per prompt (at least one drafted round)
     # rollout sampling temperature of draft and target (0 = greedy verification)
     temperature: float = bounded(1.0, ">= 0")
-    draft_policy: str = "greedy"        # T > 0: greedy = argmax drafts verified one-hot (the engines') | sample (d ~ q)
+    # T > 0: greedy = argmax drafts verified one-hot (the engines') | sample (d ~ q)
+    draft_policy: str = one_of("greedy", DRAFT_POLICIES)
     assist: bool = True                 # false: the draft decodes alone, the target scores afterwards (ablation)
     # a rollout serves this many calls (micro-batches) before it is refreshed
     rollout_every: int = bounded(1, ">= 1")
@@ -207,7 +208,6 @@ class DraftOPDObjective(Objective):
 
     def __post_init__(self):
         check_fields(self, "objective")  # the ranges and choices on the fields above
-        check_draft_policy(self.draft_policy, "objective.draft_policy")
         self.mix = parse_divergence(self.divergence)
         self._check_tree()
 

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from specdistill.config import RegenerateConfig
+from specdistill.config import Config, RegenerateConfig
 from specdistill.data.regenerated import (RegeneratedStore, write_part, drop_damaged_parts, num_parts, part_path,
                                           part_problem, split_rows, store_inputs, store_key)
 from specdistill.pipeline.engines import AnswerEngine, Sampling
@@ -443,7 +443,7 @@ def check_fits_positions(cfg: RegenerateConfig, model) -> None:
                          f"(max_position_embeddings). Fix: lower them so their sum is at most {limit}")
 
 
-def build_regenerated_data(cfg, target, tokenizer, log=print, share: Callable[[Path], WorkShare] = alone):
+def build_regenerated_data(cfg: Config, target, tokenizer, log=print, share: Callable[[Path], WorkShare] = alone):
     """data.regenerate.enabled: the TokenizedData of a (cached) regenerated store. `cfg` is the whole run config;
     `target` the models.target.Target, whose aux_layer_ids are the head's; share as in regenerate_store. The last
     data.heldout_size rows are held out (plain ids, no features: the held-out proxy runs the target itself)."""
@@ -453,10 +453,6 @@ def build_regenerated_data(cfg, target, tokenizer, log=print, share: Callable[[P
     from specdistill.drafts.eagle3.model import default_aux_layer_ids
 
     rcfg = cfg.data.regenerate
-    if not isinstance(rcfg, RegenerateConfig):
-        from omegaconf import OmegaConf
-
-        rcfg = RegenerateConfig(**OmegaConf.to_container(rcfg, resolve=True))
     check_fits_positions(rcfg, target.model)
     L = target.config.num_hidden_layers
     aux = list(target.aux_layer_ids or default_aux_layer_ids(L))

@@ -16,6 +16,7 @@ tokenizer) changed content since its checkpoint is refused by name (train/inputs
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -25,9 +26,11 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Optional
 
-from omegaconf import DictConfig, OmegaConf
+import yaml
+from omegaconf import DictConfig
 
-from specdistill.build import build
+from specdistill.build import Components, assemble
+from specdistill.config import Config, TrainerConfig
 from specdistill.drafts import kind_for_init
 from specdistill.files import LOCK_FILE, check_writable, folder_lock, named_writes, write_text_atomic
 from specdistill.train.spec_eval import final_spec_eval, run_spec_eval, spec_eval_hook
@@ -36,6 +39,8 @@ from specdistill.pipeline.regenerate import build_regenerated_data
 from specdistill.threads import configure_threads
 from specdistill.train.distributed import check_replicas, make_launch_accelerator
 from specdistill.train.loop import FitResult, fit
+from specdistill.entry import config_yaml, load_config
+from specdistill.validation import log_warnings
 
 STAGES_FILE = "stages.json"
 HUB_STAGE = "hub/push"  # recorded when the final checkpoint's push succeeded (no folder of its own)
@@ -47,17 +52,21 @@ CLAIM_FILES = ("config.yaml", "metrics.jsonl", "data_report.json", "summary.json
 EVAL_KEYS_IGNORED = ("output_dir", "overwrite", "draft_path", "device", "threads", "spec_eval_at")
 
 
-def run(cfg: DictConfig) -> FitResult:
-    check_hub_config(cfg.hub)  # before any model is loaded
+def run(composed: DictConfig) -> FitResult:
+    """The pipeline for Hydra's composed config: checked and typed once here (entry.load_config); each stage
+    reads the typed Config."""
+    cfg, yaml_text = load_config(composed, log=None), config_yaml(composed)
+    check_hub_config(cfg.hub)  # the serving formats a push stages, before any model is loaded
     check_export_config(cfg)
     acc = make_launch_accelerator(cfg)
+    log_warnings(cfg, acc.print)
     configure_threads(cfg.trainer.threads, "trainer.threads", log=acc.print)  # deliberate, printed (threads.py)
     out_dir = Path(cfg.trainer.output_dir)
     lock = folder_lock(out_dir, "trainer.output_dir", log=acc.print) if acc.is_main_process else nullcontext()
     with lock:
         if acc.is_main_process:
             check_writable_folders(cfg)  # before minutes of conversion, tokenizing or regeneration
-        aside = check_folder_claim(cfg, out_dir, log=acc.print)  # every process: reads only
+        aside = check_folder_claim(cfg.trainer, yaml_text, out_dir, log=acc.print)  # every process: reads only
         if aside is not None:  # a run started over: its earlier files are kept, moved aside by the main process
             acc.wait_for_everyone()
             if acc.is_main_process:
@@ -65,7 +74,7 @@ def run(cfg: DictConfig) -> FitResult:
             acc.wait_for_everyone()
         if cfg.hub.push:
             check_hub_access(cfg.hub, log=acc.print)  # before training: a push that cannot happen fails now
-        c = build_components(cfg, accelerator=acc)
+        c = run_components(cfg, yaml_text, accelerator=acc)
         check_run_inputs(cfg, c)  # a resume over changed data, target or tokenizer is refused here
         pusher = HubPusher(cfg, c.output_dir, is_main=acc.is_main_process, log=acc.print)
         with named_writes(c.output_dir, "trainer.output_dir", lambda: kept_checkpoint(c.output_dir)):
@@ -104,10 +113,15 @@ def run(cfg: DictConfig) -> FitResult:
     return result
 
 
-def build_components(cfg: DictConfig, accelerator=None):
-    """build.build with the pipeline's first stage: data.regenerate.enabled regenerates the data with the target."""
-    return build(cfg, accelerator=accelerator,
-                 make_data=build_regenerated_data if cfg.data.regenerate.enabled else None)
+def run_components(cfg: Config, config_yaml: str, accelerator=None) -> Components:
+    """build.assemble with the pipeline's first stage: data.regenerate.enabled regenerates the data with the target."""
+    return assemble(cfg, config_yaml, accelerator=accelerator,
+                    make_data=build_regenerated_data if cfg.data.regenerate.enabled else None)
+
+
+def build_components(composed: DictConfig, accelerator=None) -> Components:
+    """run_components for Hydra's composed config, checked and typed once as run does (tests, scripts)."""
+    return run_components(load_config(composed), config_yaml(composed), accelerator)
 
 
 def kept_checkpoint(output_dir) -> str:
@@ -119,7 +133,7 @@ def kept_checkpoint(output_dir) -> str:
             else "No checkpoint was complete yet")
 
 
-def check_writable_folders(cfg: DictConfig) -> None:
+def check_writable_folders(cfg: Config) -> None:
     """The folders a run writes into, each probed before any work: the output folder, the data cache, the regenerated
     store (data.regenerate.enabled) and (for an embedded target, converted once) SPECDISTILL_CACHE."""
     from specdistill.assets import CACHE_ROOT, is_embedded
@@ -136,7 +150,8 @@ def check_writable_folders(cfg: DictConfig) -> None:
 EARLIER_PREFIX = "earlier-"  # <output_dir>/earlier-<UTC time>/: the files of a run started over (move_earlier_run)
 
 
-def check_folder_claim(cfg: DictConfig, out_dir, log: Callable[[str], None] = print) -> Optional[Path]:
+def check_folder_claim(t: TrainerConfig, config_yaml: str, out_dir,
+                       log: Callable[[str], None] = print) -> Optional[Path]:
     """A folder belongs to the run that first wrote into it. A fresh run (trainer.resume=null) into a folder holding
     another run's files (CLAIM_FILES) is refused, naming them and the fixes, checkpoint or not; with checkpoints the
     training loop refuses it too. trainer.resume=auto in a folder whose run stopped before its first checkpoint starts
@@ -144,7 +159,7 @@ def check_folder_claim(cfg: DictConfig, out_dir, log: Callable[[str], None] = pr
     the folder its files are to be moved into (move_earlier_run), else None. Reads only."""
     from specdistill.train.checkpoint import config_drift, list_checkpoints
 
-    out, t = Path(out_dir), cfg.trainer
+    out = Path(out_dir)
     claimed = [str(out / n) for n in CLAIM_FILES if (out / n).exists()]
     if not claimed or (t.resume and list_checkpoints(out)):
         return None  # a new folder, or a resume with something to resume from
@@ -162,7 +177,7 @@ def check_folder_claim(cfg: DictConfig, out_dir, log: Callable[[str], None] = pr
         return None  # trainer.resume=PATH: the folder continues that checkpoint's run
     old = out / "config.yaml"
     if old.exists():
-        breaking = config_drift(old.read_text(), OmegaConf.to_yaml(cfg, resolve=True)).breaking
+        breaking = config_drift(old.read_text(), config_yaml).breaking
         if breaking and not t.resume_allow_drift:
             raise FileExistsError(
                 f"trainer.resume=auto: trainer.output_dir={out} holds another run's files ({', '.join(claimed)}; its "
@@ -189,7 +204,7 @@ def move_earlier_run(out_dir, aside: Path) -> Path:
     return dest
 
 
-def check_run_inputs(cfg: DictConfig, c) -> dict:
+def check_run_inputs(cfg: Config, c: Components) -> dict:
     """The run's inputs by content (train/inputs.py; hashed here, once per cache folder, before the first checkpoint
     records them). A resume from a checkpoint whose recorded inputs differ is refused by name, unless
     trainer.resume_accept_changed_inputs. Every process calls this (a sharded target's embeddings are gathered)."""
@@ -200,7 +215,7 @@ def check_run_inputs(cfg: DictConfig, c) -> dict:
     acc, t = c.accelerator, cfg.trainer
     embeddings = target_embedding_digest(c.models.target)
     with caches_filled_once(acc):
-        now = run_inputs(cfg, c.models.tokenizer, embeddings)
+        now = run_inputs(cfg.target, cfg.data, c.models.tokenizer, embeddings)
     try:
         checkpoint = resolve_resume(t.resume, c.output_dir)
     except FileNotFoundError:
@@ -211,7 +226,7 @@ def check_run_inputs(cfg: DictConfig, c) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- stages after training
-def stage_names(cfg: DictConfig) -> list[str]:
+def stage_names(cfg: Config) -> list[str]:
     """The stages that follow training, in order: eval/final (eval.spec_eval_at=end), export/<format> per
     trainer.export_formats, and hub/push (hub.push: the final checkpoint's push, done by fit's checkpoint hook)."""
     names = [FINAL_EVAL] if cfg.eval.spec_eval and cfg.eval.spec_eval_at == "end" else []
@@ -227,10 +242,15 @@ def read_stages(output_dir) -> dict:
         return {}  # absent, or unreadable: every stage runs again
 
 
-def eval_settings(eval_cfg) -> dict:
-    """The eval.* settings the final evaluation's results depend on (EVAL_KEYS_IGNORED left out), resolved."""
-    node = OmegaConf.to_container(eval_cfg, resolve=True) if OmegaConf.is_config(eval_cfg) else dict(eval_cfg)
+def eval_settings(node: dict) -> dict:
+    """The eval.* settings the final evaluation's results depend on (EVAL_KEYS_IGNORED left out), from eval's
+    settings as a mapping (dataclasses.asdict of an EvalConfig, or the eval section of a config.yaml)."""
     return {k: v for k, v in node.items() if k not in EVAL_KEYS_IGNORED}
+
+
+def settings_now(cfg: Config) -> dict:
+    """eval_settings of the run's eval.* now."""
+    return eval_settings(dataclasses.asdict(cfg.eval))
 
 
 def recorded_eval_settings(output_dir, step: int) -> Optional[dict]:
@@ -248,10 +268,10 @@ def recorded_eval_settings(output_dir, step: int) -> Optional[dict]:
     f = ckpts[0] / "config.yaml" if ckpts else None
     if f is None or not f.exists():
         return None
-    return eval_settings(OmegaConf.load(f).eval)
+    return eval_settings(yaml.safe_load(f.read_text())["eval"])
 
 
-def other_eval_stage(cfg: DictConfig, output_dir, step: int) -> Optional[str]:
+def other_eval_stage(cfg: Config, output_dir, step: int) -> Optional[str]:
     """eval/final-<digest> when the run's evaluation settings now (eval.spec_eval) differ from those its evaluations
     of the checkpoint at `step` were made with (eval/final's, or with eval.spec_eval_at=every_epoch the checkpoint's
     config): the evaluation a finished run resumed with other settings asks for; else None (also while eval/final
@@ -260,7 +280,7 @@ def other_eval_stage(cfg: DictConfig, output_dir, step: int) -> Optional[str]:
         return None
     if FINAL_EVAL in stage_names(cfg) and stage_problem(output_dir, FINAL_EVAL, step) is not None:
         return None
-    recorded, now = recorded_eval_settings(output_dir, step), eval_settings(cfg.eval)
+    recorded, now = recorded_eval_settings(output_dir, step), settings_now(cfg)
     if recorded is None or recorded == now:
         return None
     digest = hashlib.sha256(json.dumps(now, sort_keys=True, default=str).encode()).hexdigest()[:8]
@@ -312,7 +332,7 @@ def stage_problem(output_dir, name: str, step: int) -> Optional[str]:
     return None
 
 
-def why_pending(cfg: DictConfig, output_dir, step: int) -> dict[str, str]:
+def why_pending(cfg: Config, output_dir, step: int) -> dict[str, str]:
     """{stage: why it is not complete} for the checkpoint at `step`, in order; with other eval settings than those
     of a complete eval/final, the evaluation they ask for (other_eval_stage) too."""
     why = {n: p for n in stage_names(cfg) if (p := stage_problem(output_dir, n, step)) is not None}
@@ -320,13 +340,13 @@ def why_pending(cfg: DictConfig, output_dir, step: int) -> dict[str, str]:
     if other is not None:
         problem = stage_problem(output_dir, other, step)
         if problem is not None:
-            diff = settings_diff(recorded_eval_settings(output_dir, step) or {}, eval_settings(cfg.eval))
+            diff = settings_diff(recorded_eval_settings(output_dir, step) or {}, settings_now(cfg))
             why[other] = (f"{FINAL_EVAL} was made with other eval settings ({diff}); this evaluation goes into "
                           f"{Path(output_dir) / other}")
     return why
 
 
-def pending_stages(cfg: DictConfig, output_dir, step: int) -> list[str]:
+def pending_stages(cfg: Config, output_dir, step: int) -> list[str]:
     """The stages not complete for the checkpoint at `step` (why_pending), in order."""
     return list(why_pending(cfg, output_dir, step))
 
@@ -367,7 +387,7 @@ def record_stage(output_dir, name: str, step: int, checkpoint, settings: Optiona
     write_text_atomic(Path(output_dir) / STAGES_FILE, json.dumps(stages, indent=1))
 
 
-def final_stages(cfg: DictConfig, c, checkpoint: Path, step: int) -> None:
+def final_stages(cfg: Config, c: Components, checkpoint: Path, step: int) -> None:
     """Run the pending stages after training, each from scratch (a half-written folder of an interrupted stage is
     removed first) and recorded only once complete. Every rank calls this (the final eval has a barrier)."""
     acc = c.accelerator
@@ -380,7 +400,7 @@ def final_stages(cfg: DictConfig, c, checkpoint: Path, step: int) -> None:
         acc.wait_for_everyone()
         settings = None
         if name.startswith(FINAL_EVAL):
-            settings = eval_settings(cfg.eval)
+            settings = settings_now(cfg)
             with named_writes(folder.parent, "trainer.output_dir", f"the checkpoint {checkpoint} is complete; "
                               "trainer.resume=auto runs the evaluation again"):
                 if name == FINAL_EVAL:
@@ -407,7 +427,7 @@ def push_final(pusher: HubPusher, c, checkpoint: Path, step: int) -> None:
         pusher.push(Path(checkpoint), step, int(state.get("epoch", 0)), True, metrics, kind)
 
 
-def export_final(cfg: DictConfig, checkpoint, output_dir, formats: Optional[list[str]] = None,
+def export_final(cfg: Config, checkpoint, output_dir, formats: Optional[list[str]] = None,
                  log: Callable[[str], None] = print) -> list:
     """trainer.export_formats (or `formats`): serving exports of the final checkpoint's draft, validated, in
     <output_dir>/export/."""
@@ -424,13 +444,13 @@ def export_final(cfg: DictConfig, checkpoint, output_dir, formats: Optional[list
     return written
 
 
-def served_formats(cfg: DictConfig) -> list[str]:
+def served_formats(cfg: Config) -> list[str]:
     """trainer.export_formats that the draft kind has a layout for (a DFlash draft: vllm only); the others are skipped
     with a note at the start (check_export_config), so one recipe serves every kind it trains."""
     return [f for f in cfg.trainer.export_formats or [] if f in kind_for_init(cfg.draft.init).spec.formats]
 
 
-def check_export_config(cfg: DictConfig) -> None:
+def check_export_config(cfg: Config) -> None:
     from specdistill.drafts import export_formats
 
     formats = list(cfg.trainer.export_formats or [])
@@ -446,5 +466,3 @@ def check_export_config(cfg: DictConfig) -> None:
     if skipped and kind.formats:
         print(f"[export] trainer.export_formats {skipped} skipped: a draft.init={cfg.draft.init} draft exports to "
               f"{list(kind.formats)} only")
-    if cfg.eval.spec_eval_at not in ("every_epoch", "end"):
-        raise ValueError(f"eval.spec_eval_at={cfg.eval.spec_eval_at!r}: choose every_epoch or end")

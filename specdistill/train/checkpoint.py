@@ -85,10 +85,10 @@ class ConfigDrift:
 
 def config_drift(checkpoint_yaml: str, run_yaml: str) -> ConfigDrift:
     """Compare two resolved config YAMLs (a checkpoint's config.yaml and the resumed run's), key by key."""
-    from omegaconf import OmegaConf
+    import yaml
 
-    old = _flatten(OmegaConf.to_container(OmegaConf.create(checkpoint_yaml)))
-    new = _flatten(OmegaConf.to_container(OmegaConf.create(run_yaml)))
+    old = _flatten(yaml.safe_load(checkpoint_yaml) or {})
+    new = _flatten(yaml.safe_load(run_yaml) or {})
     missing = "<absent>"
     changed = {k: (old.get(k, missing), new.get(k, missing)) for k in sorted(old.keys() | new.keys())
                if old.get(k, missing) != new.get(k, missing) and not _matches(k, SILENT_KEYS)}

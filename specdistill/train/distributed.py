@@ -13,7 +13,8 @@ import os
 
 import torch
 from accelerate import Accelerator
-from omegaconf import DictConfig
+
+from specdistill.config import Config, TrainerConfig
 
 
 def launched_world_size() -> int:
@@ -21,7 +22,7 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def make_launch_accelerator(cfg: DictConfig):
+def make_launch_accelerator(cfg: Config) -> Accelerator:
     """build.make_accelerator, after initialising the process group the way this machine needs, then configured for
     DeepSpeed (batch sizes and clipping from trainer.*) and checked against WORLD_SIZE."""
     from accelerate import PartialState
@@ -41,12 +42,12 @@ def make_launch_accelerator(cfg: DictConfig):
         # The shared state every Accelerator created after this reuses: DDP over gloo (accelerate's MULTI_CPU), or
         # DeepSpeed over gloo. Without cpu=True accelerate would see 2 ranks and run them as DistributedType.NO.
         PartialState(cpu=not _env_true("ACCELERATE_USE_DEEPSPEED"), backend="gloo",
-                     timeout=process_group_timeout(cfg))
+                     timeout=process_group_timeout(cfg.trainer.process_group_timeout_s))
     acc = make_accelerator(cfg)
     if cpu_fsdp2:
         acc.__class__ = CpuFsdp2Accelerator  # keeps make_accelerator's settings; changes how the draft is prepared
     check_world(acc)
-    configure_deepspeed(acc, cfg)
+    configure_deepspeed(acc, cfg.trainer)
     kind = "FSDP2 (fully_shard over gloo)" if cpu_fsdp2 else acc.distributed_type
     acc.print(f"[train] {acc.num_processes} process(es), {kind}, device {acc.device}")
     return acc
@@ -61,7 +62,7 @@ def check_world(acc) -> None:
                            "(docs/guide.md, Scale-out)")
 
 
-def configure_deepspeed(acc, cfg: DictConfig) -> None:
+def configure_deepspeed(acc, t: TrainerConfig) -> None:
     """DeepSpeed needs the per-rank micro-batch before prepare(); the loop does its own accumulation (one engine step
     per optimizer step, gradient_accumulation_steps 1) and DeepSpeed does the clipping (trainer.max_grad_norm)."""
     plugin = getattr(acc.state, "deepspeed_plugin", None)
@@ -75,7 +76,6 @@ def configure_deepspeed(acc, cfg: DictConfig) -> None:
 
         unset_hf_deepspeed_config()
         plugin.zero3_init_flag = False
-    t = cfg.trainer
     ds = plugin.deepspeed_config
     gas = ds.get("gradient_accumulation_steps", "auto")
     if gas not in ("auto", 1):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from specdistill.config import DataConfig, RegenerateConfig, TargetConfig
 from specdistill.drafts.readback import CHECKPOINT_INPUTS
 
 # inputs.json keys a resume compares (the others name the inputs, or are implied by these)
@@ -44,26 +45,23 @@ class InputChange:
         return f"{self.setting}={self.where}: {_what(self.key)} {_short(self.recorded)} -> {_short(self.now)}"
 
 
-def run_inputs(cfg, tokenizer=None, embeddings: Optional[str] = None) -> dict:
-    """The inputs of a run with config `cfg` (a DictConfig or its resolved YAML parsed), by content. A config without
-    target and data (a bare test config) gives {}. `embeddings`: target_embedding_digest of the loaded target (None
-    leaves that key out)."""
+def run_inputs(target: TargetConfig, data: DataConfig, tokenizer=None, embeddings: Optional[str] = None) -> dict:
+    """The inputs of a run with these settings, by content. `embeddings`: target_embedding_digest of the loaded target
+    (None leaves that key out)."""
     from specdistill.assets import model_digest, source_digest
 
-    if cfg is None or "target" not in cfg or "data" not in cfg:
-        return {}
-    regen = bool(cfg.data.get("regenerate", {}).get("enabled", False))
+    regen = data.regenerate.enabled
     data_setting = "data.regenerate.prompts" if regen else "data.path"
-    data_path = str(cfg.data.regenerate.prompts if regen else cfg.data.path)
-    out: dict[str, Any] = {"target_path": str(cfg.target.path), "target_files": model_digest(str(cfg.target.path)),
+    data_path = str(data.regenerate.prompts if regen else data.path)
+    out: dict[str, Any] = {"target_path": str(target.path), "target_files": model_digest(str(target.path)),
                            "data_setting": data_setting, "data_path": data_path, "data_bytes": source_digest(data_path)}
-    offline = cfg.data.get("offline_dir")
+    offline = data.offline_dir
     if offline:
         from specdistill.cache import path_digest
 
         out["offline_dir"] = str(offline)
         out["offline_features"] = path_digest(offline)
-    out["chat_template_setting"] = cfg.data.get("chat_template")
+    out["chat_template_setting"] = data.chat_template
     if tokenizer is not None:
         from specdistill.cache import tokenizer_digest
 
@@ -75,10 +73,19 @@ def run_inputs(cfg, tokenizer=None, embeddings: Optional[str] = None) -> dict:
 
 
 def inputs_from_yaml(config_yaml: str, tokenizer=None, embeddings: Optional[str] = None) -> dict:
-    """run_inputs of a run's resolved config YAML."""
-    from omegaconf import OmegaConf
+    """run_inputs of a run's resolved config YAML; a config without target and data (a bare test config) gives {}."""
+    import yaml
 
-    return run_inputs(OmegaConf.create(config_yaml), tokenizer, embeddings)
+    raw = yaml.safe_load(config_yaml) or {}
+    if not isinstance(raw.get("target"), dict) or not isinstance(raw.get("data"), dict):
+        return {}
+    data, regen = raw["data"], raw["data"].get("regenerate") or {}
+    return run_inputs(TargetConfig(path=raw["target"]["path"]),
+                      DataConfig(path=data.get("path"), offline_dir=data.get("offline_dir"),
+                                 chat_template=data.get("chat_template"),
+                                 regenerate=RegenerateConfig(enabled=bool(regen.get("enabled", False)),
+                                                             prompts=regen.get("prompts"))),
+                      tokenizer, embeddings)
 
 
 def target_embedding_digest(target) -> Optional[str]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from omegaconf import OmegaConf
+import yaml
 from tqdm.auto import tqdm
 
 from specdistill.build import Components
@@ -180,7 +180,7 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
     (the speculative evaluator plugs in there). `checkpoint_hooks(c, saved)` run on every rank once the checkpoint of
     an epoch end or of the end of training is complete (the hub push plugs in there); with such hooks a checkpoint is
     written at every epoch end."""
-    config_yaml = OmegaConf.to_yaml(c.cfg, resolve=True)
+    config_yaml = c.config_yaml
     resume_from = _resume_point(c, config_yaml)
     done = finished_run(resume_from, c.phases.total_steps, c.output_dir)
     if done is not None:  # a finished run: every result file stays as it is
@@ -233,7 +233,7 @@ def _open_run(c: Components, config_yaml: str) -> None:
         import wandb
 
         def init(mode: str) -> None:
-            acc.init_trackers(t.wandb_project, config=OmegaConf.to_container(cfg, resolve=True),
+            acc.init_trackers(t.wandb_project, config=yaml.safe_load(config_yaml),
                               init_kwargs={"wandb": {"name": cfg.run_name, "dir": str(out_dir), "mode": mode}})
         started = len(acc.trackers)
         try:

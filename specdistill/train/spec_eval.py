@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from omegaconf import DictConfig, OmegaConf
-
 from specdistill.tensors import unwrap_target
 
 _warned: set[str] = set()
@@ -78,8 +76,7 @@ def _evaluate_share(c, step: int, name: str, sharing: int):
     from specdistill.eval.merge import shares
 
     acc = c.accelerator
-    ecfg = OmegaConf.to_object(c.cfg.eval) if isinstance(c.cfg.eval, DictConfig) else c.cfg.eval
-    cfg = for_training(ecfg)
+    cfg = for_training(c.cfg.eval)
     target = unwrap_target(c.models.target)
     tokenizer = c.models.tokenizer
     draft = acc.unwrap_model(c.models.draft)

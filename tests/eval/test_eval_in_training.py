@@ -5,6 +5,9 @@ import time
 from types import SimpleNamespace
 
 from accelerate import Accelerator
+from omegaconf import OmegaConf
+
+from specdistill.config import Config
 
 from specdistill.train.spec_eval import spec_eval_hook
 from specdistill.models.target import Target
@@ -13,8 +16,9 @@ from tests.conftest import compose, make_tiny_lm
 
 
 def _components(tok, tmp_path, overrides, heldout=None):
-    cfg = compose(None, ["eval.num_prompts=2", "eval.max_new_tokens=6", "eval.gamma=3", "eval.batch_sizes=[1,2]",
-                         "eval.compare_hf=true"] + overrides)  # sweep and HF comparison are dropped in training
+    composed = compose(None, ["eval.num_prompts=2", "eval.max_new_tokens=6", "eval.gamma=3", "eval.batch_sizes=[1,2]",
+                              "eval.compare_hf=true"] + overrides)  # sweep and HF comparison are dropped in training
+    cfg = Config(eval=OmegaConf.to_object(composed.eval))  # the parts the hook reads, typed as the entry makes them
     acc = Accelerator(cpu=True)
     draft = acc.prepare(make_tiny_lm(len(tok), layers=1, hidden=64, seed=1))
     draft.train()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from specdistill.objectives import validate_objective
+from specdistill.objectives import make_objective
 from specdistill.losses import divergence
 from specdistill.models.target import Target
 from specdistill.objectives import Models
@@ -93,16 +93,12 @@ def test_rollouts_refresh_every_n_calls():
     assert "rollout_tau_sum" not in out.metrics  # the 4th call reused the 3rd call's rollout
 
 
-def _cfg(**kw):
-    return OmegaConf.create({"objective": {"name": "draft_opd", **kw}})
-
-
 @pytest.mark.parametrize("bad, match", [({"gamma": 0}, "gamma"), ({"replay_ratio": 1.5}, "replay_ratio"),
                                         ({"divergence": "kl"}, "divergence"), ({"weighting": "x"}, "weighting"),
                                         ({"max_new_tokens": 1}, "max_new_tokens"), ({"gamam": 3}, "gamam")])
 def test_bad_config_fails_before_loading_anything(bad, match):
     with pytest.raises(ValueError, match=match):
-        validate_objective(_cfg(**bad))
+        make_objective({"name": "draft_opd", **bad})
 
 
 def test_bad_models_fail_at_the_first_call():

@@ -39,14 +39,17 @@ def main() -> None:
     over = tiny_overrides(TARGET, DATA, WORK / "out", WORK / "cache") + [
         "trainer.process_group_timeout_s=1234", "eval.num_prompts=5", "eval.max_new_tokens=8", "eval.gamma=3",
         "eval.batch_size=1", f"eval.prompts={DATA}", "eval.warmup_prompts=0", "eval.measure_cost=false"]
-    cfg = compose("kd", over)
+    from specdistill.entry import load_config
+
+    composed = compose("kd", over)
+    cfg = load_config(composed)
     acc = make_launch_accelerator(cfg)
     assert seen.get("timeout") == timedelta(seconds=1234), f"process group initialised with {seen}"
     rank = acc.process_index
 
     from specdistill.build import build
 
-    c = build(cfg, accelerator=acc)
+    c = build(composed, accelerator=acc)
     check_regeneration(acc, c.models.target.model, c.models.tokenizer)
     check_build_shares_regeneration(acc)
     check_spec_eval(acc, c)
@@ -122,8 +125,6 @@ COUNTS = ("num_prompts", "new_tokens", "target_only_new_tokens", "target_forward
 
 
 def check_spec_eval(acc, c) -> None:
-    from omegaconf import OmegaConf
-
     from specdistill.decoding.kv import max_positions
 
     from specdistill.data.prompts import load_prompts
@@ -134,7 +135,7 @@ def check_spec_eval(acc, c) -> None:
     run_spec_eval(c, epoch=-1, step=0, name="final")
     if acc.is_main_process:
         merged = json.loads((c.output_dir / "eval" / "final" / "results.json").read_text())
-        cfg = for_training(OmegaConf.to_object(c.cfg.eval))
+        cfg = for_training(c.cfg.eval)
         prompts = load_prompts(cfg.prompts, c.models.tokenizer, num_prompts=cfg.num_prompts,
                                max_new_tokens=cfg.max_new_tokens, context=max_positions(c.models.target.model),
                                max_prompt_tokens=cfg.max_prompt_tokens)
@@ -159,10 +160,10 @@ def check_sharded_target(acc, cfg, tok) -> None:
 
     cfg.target.aux_layer_ids = AUX
     cfg.target.shard = "fsdp"
-    whole = build_target(cfg)
-    sharded = build_target(cfg)
-    place_target(cfg, sharded, acc)
-    place_target(cfg, sharded, acc)  # placing it again changes nothing
+    whole = build_target(cfg.target)
+    sharded = build_target(cfg.target)
+    place_target(cfg.target.shard, sharded, acc)
+    place_target(cfg.target.shard, sharded, acc)  # placing it again changes nothing
     held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in sharded.model.parameters())
     total = sum(p.numel() for p in whole.model.parameters())
     assert held < 0.8 * total, f"rank {acc.process_index} holds {held} of {total} target parameters"

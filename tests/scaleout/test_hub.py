@@ -13,6 +13,7 @@ import pytest
 from specdistill.drafts import LMDraft
 from specdistill.hub.card import model_card
 from specdistill.hub.push import HubPusher, with_retries
+from specdistill.entry import load_config
 from tests.conftest import compose, tiny_overrides
 
 TOKEN = "hf_loopbackSecretToken0123456789"
@@ -155,7 +156,7 @@ def test_a_failing_hub_is_retried_then_reported_and_the_checkpoint_is_kept(tiny_
         cfg = compose("kd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "out", tmp_path / "cache") + [
             "hub.push=true", "hub.repo_id=me/tiny", f"hub.endpoint={hub.url}", "hub.max_retries=2",
             "hub.backoff_s=0.01"])
-        pusher = HubPusher(cfg, tmp_path / "out")
+        pusher = HubPusher(load_config(cfg, log=None), tmp_path / "out")
         pusher.push(ckpt, step=3, epoch=0, final=True, metrics={}, kind=LMDraft)
         records = pusher.finish()
     assert len(hub.commits) == 0 and hub.fail_commits == 100 - 3  # 1 try + 2 retries
@@ -183,7 +184,7 @@ def test_card_for_a_standalone_draft_has_the_tau_table_and_serving_commands(tiny
     cfg = compose("kd", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path, tmp_path / "cache"))
     metrics = {"spec/mean_accept_len": 2.5, "spec/alpha": 0.6, "spec/speedup": 1.7, "spec/num_prompts": 8.0,
                "spec/accept_rate_pos1": 0.8, "spec/accept_rate_pos2": 0.6, "heldout/mean_accept_len": 2.2}
-    card = model_card(cfg, "me/draft", metrics, step=40, epoch=1, kind=LMDraft)
+    card = model_card(load_config(cfg, log=None), "me/draft", metrics, step=40, epoch=1, kind=LMDraft)
     assert card.startswith("---\nlibrary_name: transformers") and "| mean acceptance length tau" in card
     assert "| acceptance | 0.800 | 0.600 |" in card and "tau 2.200" in card
     assert '"model": "me/draft"' in card and "--speculative-algorithm STANDALONE" in card
