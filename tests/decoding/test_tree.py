@@ -202,12 +202,22 @@ def test_static_caches_decode_the_same_trees(arch):
     assert torch.equal(static.position_accepted, growing.position_accepted)
 
 
+class _GrownChains(LMDrafter):
+    """Proposes a chain as the token tree of width 1 it is: grown by tree.grow with tree attention, verified as a
+    tree, committed by its path."""
+
+    def propose(self, shape, sampler):
+        return self._tree(shape)
+
+
 @torch.no_grad()
 def test_a_topk_1_tree_is_the_chain(tiny_lm, ragged_prompts):
     target, draft = tiny_lm(0), tiny_lm(1)
     ids, mask = ragged_prompts
     chain = speculative_generate(target, LMDrafter(draft), ids, mask, strategy=3, max_new_tokens=MAX_NEW)
-    tree = speculative_generate(target, LMDrafter(draft), ids, mask, strategy=TreeShape(1, 3), max_new_tokens=MAX_NEW)
+    tree = speculative_generate(target, _GrownChains(draft), ids, mask, strategy=TreeShape(1, 3),
+                                max_new_tokens=MAX_NEW)
+    assert all(not r.proposal.is_chain for r in tree.rounds)
     assert torch.equal(tree.sequences, chain.sequences)
     assert torch.equal(tree.accept_hist, chain.accept_hist)
     assert torch.equal(tree.position_accepted, chain.position_accepted)

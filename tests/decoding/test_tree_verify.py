@@ -80,3 +80,24 @@ def test_recursive_rejection_over_children_drawn_from_q_emits_the_target_distrib
     q = q_rows[parents].expand(B, -1, -1)                                            # (B, N, V) each node's q
     v = verify(_tree(B, tokens, q), target_probs=p_rows.expand(B, -1, -1), generator=g)
     _chi_square_first_and_second(chi_square_pvalue, v, p_rows[0], {1: p_rows[1], 2: p_rows[2]})
+
+
+def test_a_chain_verifies_as_the_tree_of_width_one():
+    """The chain fast path and the tree path agree on a chain written as a tree (node i's parent is node i-1): same
+    accepted drafts, next token and emitted tokens, the tree's path the chain's prefix; same attention and contexts."""
+    g = torch.Generator().manual_seed(0)
+    B, K = 256, 4
+    logits = torch.randn(B, K + 1, V, generator=g)
+    drafts = torch.where(torch.rand(B, K, generator=g) < 0.7, logits[:, :K].argmax(-1),
+                         torch.randint(0, V, (B, K), generator=g))
+    chain = Proposal(drafts)
+    tree = Proposal(drafts, parents=torch.arange(K).expand(B, -1), depth=torch.arange(1, K + 1).expand(B, -1),
+                    score=torch.zeros(B, K), fed=torch.full((B, K), -1), topk=1)
+    a, b = verify(chain, logits), verify(tree, logits)
+    assert a.path is None and 0 < int(a.num_accepted.sum()) < B * K
+    for field in ("accepted", "num_accepted", "next_token", "tokens"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+    on = torch.arange(K + 1) <= a.num_accepted[:, None]
+    assert torch.equal(b.path, torch.where(on, torch.arange(K + 1), 0))
+    for method in ("ancestors", "depths", "children", "contexts"):
+        assert torch.equal(getattr(chain, method)(), getattr(tree, method)()), method

@@ -57,13 +57,21 @@ def test_every_node_of_a_depth_gets_the_block_positions_top_k():
             assert all(s == sets[0] for s in sets), f"row {b} depth {d}: {sets}"
 
 
+class _GrownChains(DFlashDrafter):
+    """Proposes a chain as the token tree of width 1 it is (tree.grow), verified and committed as a tree."""
+
+    def propose(self, shape, sampler):
+        return self._tree(shape)
+
+
 @torch.no_grad()
 def test_a_topk_1_tree_is_the_chain():
     target = tiny_target()
     draft = tiny_dflash(target, 4)
     ids, mask = left_padded_prompts([9, 5, 2, 7], seed=1)
     chain = speculative_generate(target, DFlashDrafter(draft), ids, mask, strategy=3, max_new_tokens=20)
-    tree = speculative_generate(target, DFlashDrafter(draft), ids, mask, strategy=TreeShape(1, 3), max_new_tokens=20)
+    tree = speculative_generate(target, _GrownChains(draft), ids, mask, strategy=TreeShape(1, 3), max_new_tokens=20)
+    assert all(not r.proposal.is_chain for r in tree.rounds)
     assert torch.equal(tree.sequences, chain.sequences)
     assert torch.equal(tree.accept_hist, chain.accept_hist)
     assert torch.equal(tree.position_accepted, chain.position_accepted)
