@@ -12,6 +12,7 @@ Imports specdistill.decoding / drafts.eagle3, torch and transformers only.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import time
@@ -48,6 +49,8 @@ def main(argv=None) -> dict:
     head = build_eagle3(target, torch.randperm(V)[: min(args.draft_vocab, V)].sort().values, None)
     head = head.to(device=args.device, dtype=dtype).eval().requires_grad_(False)
     aux = list(head.config.aux_layer_ids)
+    # The chain length's keyword in the imported tree: `strategy` (one loop for chains and trees), else `gamma`.
+    key = "strategy" if "strategy" in inspect.signature(speculative_generate).parameters else "gamma"
     points = []
     for batch in args.batches:
         g = torch.Generator().manual_seed(batch)
@@ -58,7 +61,7 @@ def main(argv=None) -> dict:
                     "compiled": CacheMode(compile=True, backend=args.backend)}[name]
 
             def run():
-                return speculative_generate(target, Eagle3Drafter(head), ids, mask, gamma=args.gamma,  # noqa: B023
+                return speculative_generate(target, Eagle3Drafter(head), ids, mask, **{key: args.gamma},  # noqa: B023
                                             max_new_tokens=args.new_tokens, record=True, capture_layers=aux,
                                             cache=mode)  # noqa: B023
 

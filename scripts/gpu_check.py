@@ -418,7 +418,7 @@ def decode_target(target, ids, mask, n: int, cache, **kwargs) -> list[list[int]]
 def decode_spec(target, drafter, ids, mask, n: int, gamma: int, cache) -> list[list[int]]:
     from specdistill.decoding import speculative_generate
 
-    r = speculative_generate(target, drafter, ids, mask, gamma=gamma, max_new_tokens=n, cache=cache)
+    r = speculative_generate(target, drafter, ids, mask, strategy=gamma, max_new_tokens=n, cache=cache)
     return [r.tokens(i) for i in range(ids.shape[0])]
 
 

@@ -1,11 +1,13 @@
 """Drafters propose tokens for the target to verify: a standalone LM with its own KV cache, or prompt lookup (n-grams).
 
-The protocol, per generation: start(prompt) once, then each round propose(k) -> Proposal and commit(verdict info),
-and close() when the call ends (a drafter on a compiled cache hands its slot back for the next call to reuse).
+The protocol, per generation: start(prompt) once, then each round propose(shape) -> Proposal (a chain of up to k
+drafts, or a token tree: tree.TreeShape) and commit(verdict info), and close() when the call ends (a drafter on a
+compiled cache hands its slot back for the next call to reuse).
 A decoding loop that brings its own values to the host once per round commits in two halves: commit_begin() (device
 work, its host-needed sizes as a tensor), then commit_end() with those sizes, synced together with the loop's own.
-Like the target, a drafter holds every token but the last ("pending") one in its state: propose(k) feeds the
-pending token(s) and drafts k; commit() keeps the accepted drafts and makes next_token the new pending token.
+Like the target, a drafter holds every token but the last ("pending") one in its state: propose() feeds the
+pending token(s) and drafts; commit() keeps the accepted drafts (a tree's: its accepted path) and makes next_token the
+new pending token.
 Rows whose `active` flag is False have stopped: they keep nothing and their proposals are ignored.
 """
 
@@ -20,13 +22,7 @@ import torch
 
 from .kv import BatchKV, CacheMode, TokenBuffer, device_of, logits_dim, max_positions
 from .sampling import Sampler
-from .tree import Tree, TreeShape, grow
-
-
-@dataclass
-class Proposal:
-    tokens: torch.Tensor               # (B, k) long drafted tokens
-    probs: torch.Tensor | None = None  # (B, k, V) the draft's processed probs q; None = one-hot at tokens
+from .tree import Proposal, TreeShape, grow
 
 
 def check_confidence(confidence: float) -> float:
@@ -64,12 +60,14 @@ class DraftCommit:
 
     sizes: torch.Tensor  # (n,) long on the device (n may be 0)
     state: Any = None    # the drafter's own: whatever commit_end() needs besides the sizes
+    whole: tuple | None = None  # commit()'s arguments, when the whole commit runs in commit_end()
 
 
 class Drafter(ABC):
     vocab_size: int | None = None     # size of q's vocab; None: proposes token ids from the context, any vocab
     needs_hidden_states: bool = False  # EAGLE-style heads: the loop passes the target's hidden states to start/commit
-    max_tree_depth: int | None = None  # the deepest token tree propose_tree() grows (None: any; a block drafter: B-1)
+    grows_trees: bool = False          # propose() grows token trees (topk > 1) from the draft's scores of alternatives
+    max_tree_depth: int | None = None  # the deepest token tree propose() grows (None: any; a block drafter: B-1)
 
     @abstractmethod
     def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_hidden=None,
@@ -79,45 +77,44 @@ class Drafter(ABC):
         for drafters that run a causal LM on BatchKV; others ignore it."""
 
     @abstractmethod
-    def propose(self, k: int, sampler: Sampler) -> Proposal:
-        """Draft k tokens per row: sampled from q at temperature > 0, argmax at temperature 0. A drafter may return
-        fewer columns than k (n-gram lookup with no match anywhere returns 0); the round verifies what it got."""
+    def propose(self, shape: TreeShape, sampler: Sampler) -> Proposal:
+        """A chain (shape.is_chain): up to shape.size drafts per row, sampled from q at temperature > 0, argmax at
+        temperature 0; a drafter may return fewer columns (n-gram lookup with no match anywhere returns 0), the round
+        verifies what it got. A tree (grows_trees drafters only): decoding/tree.py's expansion under each row's
+        pending token from the draft's scores, top-k children deterministic given the context (verified one-hot)."""
 
     @abstractmethod
     def commit(self, num_accepted: torch.Tensor, next_token: torch.Tensor, active: torch.Tensor,
-               target_hidden=None) -> None:
+               target_hidden=None, path: torch.Tensor | None = None) -> None:
         """Row b accepted its first num_accepted[b] drafts, then next_token[b] (B,). active (B,) bool: rows going on.
+        path: after a tree, the accepted nodes are path[b, 1 : num_accepted[b] + 1] (path (B, D+1) node ids from the
+        root); None after a chain.
 
-        target_hidden: the target's per-layer hidden states (B, k+1, H) for [pending, d_1..d_k] from the
-        verification forward (only when needs_hidden_states); row b keeps the first 1 + num_accepted[b].
+        target_hidden: the target's per-layer hidden states (B, n+1, H) of [pending, accepted drafts ...] from the
+        verification forward (a chain's: all k+1 columns; a tree's: its path's), only when needs_hidden_states; row b
+        keeps the first 1 + num_accepted[b].
         """
 
     def commit_begin(self, num_accepted: torch.Tensor, next_token: torch.Tensor, active: torch.Tensor,
-                     target_hidden=None) -> DraftCommit:
+                     target_hidden=None, path: torch.Tensor | None = None) -> DraftCommit:
         """commit()'s device half: nothing brought to the host. This default defers the whole commit to
         commit_end() (drafters whose commit needs no host value, or syncs on its own)."""
-        return DraftCommit(num_accepted.new_zeros(0), (num_accepted, next_token, active, target_hidden))
+        return DraftCommit(num_accepted.new_zeros(0), whole=(num_accepted, next_token, active, target_hidden, path))
 
     def commit_end(self, plan: DraftCommit, sizes: list[int]) -> None:
         """commit()'s host half: sizes are plan.sizes on the host."""
-        self.commit(*plan.state)
+        self.commit(*plan.whole)
 
     def close(self) -> None:
         """The decoding call ended: free what the call held for the next one (a compiled cache's slot)."""
         return None
 
-    def propose_tree(self, shape: TreeShape) -> Tree:
-        """Grow a token tree under each row's pending token (decoding/tree.py) from the draft's scores: the nodes'
-        tokens are deterministic given the context (top-k children), verified as one-hot proposals."""
-        raise ValueError(f"{type(self).__name__} proposes one token per position: token trees need a drafter that "
-                         "scores alternatives (an LM draft, an EAGLE-3 head or a DFlash drafter)")
-
-    def commit_path(self, path: torch.Tensor, num_accepted: torch.Tensor, next_token: torch.Tensor,
-                    active: torch.Tensor, target_hidden=None) -> None:
-        """After propose_tree(): row b accepted the nodes path[b, 1 : num_accepted[b] + 1] (path (B, D+1) node ids
-        from the root), then next_token[b]. target_hidden: the target's per-layer hidden states (B, D+1, H) of the
-        path's nodes (root first), when needs_hidden_states; row b keeps the first 1 + num_accepted[b]."""
-        raise ValueError(f"{type(self).__name__} has no token tree to commit: it does not propose trees")
+    def chain_only(self, shape: TreeShape) -> int:
+        """The chain length a chain-only drafter drafts for `shape`; a token tree is refused."""
+        if not shape.is_chain:
+            raise ValueError(f"{type(self).__name__} proposes one token per position: token trees need a drafter "
+                             "that scores alternatives (an LM draft, an EAGLE-3 head or a DFlash drafter)")
+        return shape.size
 
     def prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         """Work a drafter needs before these prompts (B, T) are decoded, done outside the timed decoding: the
@@ -132,6 +129,8 @@ class LMDrafter(Drafter):
     confidence > 0: stop drafting early once every row's latest draft has probability below it (that draft is still
     proposed), as HF assisted generation's assistant_confidence_threshold: a weak draft stops wasting verify width.
     """
+
+    grows_trees = True
 
     def __init__(self, model: torch.nn.Module, confidence: float = 0.0):
         self.model = model
@@ -152,7 +151,11 @@ class LMDrafter(Drafter):
         self.pending_valid = torch.ones_like(self.pending, dtype=torch.bool)  # (B, P)
 
     @torch.no_grad()
-    def propose(self, k: int, sampler: Sampler) -> Proposal:
+    def propose(self, shape: TreeShape, sampler: Sampler) -> Proposal:
+        return self._chain(shape.size, sampler) if shape.is_chain else self._tree(shape)
+
+    def _chain(self, k: int, sampler: Sampler) -> Proposal:
+        """k drafts, one draft step each, from the draft's own cache."""
         B, P = self.pending.shape
         rows = torch.arange(B, device=self.pending.device)
         self.kv.reserve(P + max(k - 1, 0))  # the round's steps: pending, then every draft but the last
@@ -173,12 +176,17 @@ class LMDrafter(Drafter):
         return Proposal(self.tokens, q)
 
     @torch.no_grad()
-    def commit(self, num_accepted, next_token, active, target_hidden=None) -> None:
+    def commit(self, num_accepted, next_token, active, target_hidden=None, path=None) -> None:
+        if path is not None:
+            self._commit_path(path, num_accepted, next_token, active)
+            return
         plan = self.commit_begin(num_accepted, next_token, active, target_hidden)
         self.commit_end(plan, plan.sizes.tolist())  # one host sync
 
     @torch.no_grad()
-    def commit_begin(self, num_accepted, next_token, active, target_hidden=None) -> DraftCommit:
+    def commit_begin(self, num_accepted, next_token, active, target_hidden=None, path=None) -> DraftCommit:
+        if path is not None:  # a tree's commit gathers its path's columns and syncs on its own
+            return super().commit_begin(num_accepted, next_token, active, target_hidden, path)
         device = self.pending.device
         n, next_token, active = num_accepted.to(device), next_token.to(device), active.to(device)
         B, k = self.tokens.shape
@@ -195,6 +203,9 @@ class LMDrafter(Drafter):
 
     @torch.no_grad()
     def commit_end(self, plan: DraftCommit, sizes: list[int]) -> None:
+        if plan.whole is not None:
+            super().commit_end(plan, sizes)
+            return
         kv_plan, unfed, full, next_token, active = plan.state
         self.kv.commit_end(kv_plan, sizes[:3])
         self._pend(unfed, full, next_token, active, any_full=bool(sizes[3]))
@@ -215,8 +226,7 @@ class LMDrafter(Drafter):
             self.pending, self.pending_valid = self.pending[:, :1], self.pending_valid[:, :1]
 
     # ------------------------------------------------------------------------------------------- token trees
-    @torch.no_grad()
-    def propose_tree(self, shape: TreeShape) -> Tree:
+    def _tree(self, shape: TreeShape) -> Proposal:
         """EAGLE-2 expansion (tree.grow) on the draft's cache: the pending block, then each depth's beams with tree
         attention at position (pending's) + depth. The cache tail holds [pending slots, fed beams in feeding order]."""
         B, P = self.pending.shape
@@ -235,8 +245,7 @@ class LMDrafter(Drafter):
         self.tree = grow(shape, root, feed)
         return self.tree
 
-    @torch.no_grad()
-    def commit_path(self, path, num_accepted, next_token, active, target_hidden=None) -> None:
+    def _commit_path(self, path, num_accepted, next_token, active) -> None:
         device = self.pending.device
         path, n = path.to(device), num_accepted.to(device)
         next_token, active = next_token.to(device), active.to(device)
@@ -275,7 +284,8 @@ class NGramDrafter(Drafter):
         self.context = TokenBuffer.from_prompt(input_ids, attention_mask)
 
     @torch.no_grad()
-    def propose(self, k: int, sampler: Sampler) -> Proposal:
+    def propose(self, shape: TreeShape, sampler: Sampler) -> Proposal:
+        k = self.chain_only(shape)
         ctx, length = self.context.tokens, self.context.length              # (B, S), (B,)
         B, S = ctx.shape
         device = ctx.device
@@ -300,7 +310,7 @@ class NGramDrafter(Drafter):
         self.tokens = tokens
         return Proposal(tokens, None)
 
-    def commit(self, num_accepted, next_token, active, target_hidden=None) -> None:
+    def commit(self, num_accepted, next_token, active, target_hidden=None, path=None) -> None:
         emitted = torch.cat([self.tokens, next_token[:, None]], dim=1)      # (B, k+1)
         emitted.scatter_(1, num_accepted[:, None], next_token[:, None])     # accepted drafts, then next_token
         self.context.append(emitted, (num_accepted + 1) * active)
@@ -353,13 +363,14 @@ class OracleDrafter(Drafter):
         self.continuation = self._continuations[key].to(input_ids.device)  # (B, N)
         self.offset = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)  # (B,)
 
-    def propose(self, k: int, sampler: Sampler) -> Proposal:
+    def propose(self, shape: TreeShape, sampler: Sampler) -> Proposal:
+        k = self.chain_only(shape)
         N = self.continuation.shape[1]
         at = self.offset[:, None] + torch.arange(k, device=self.offset.device)  # (B, k) positions in the replay
         # Past the replay's end (a budget beyond the prepared one) its last token repeats; verification stays lossless.
         return Proposal(self.continuation.gather(1, at.clamp(max=N - 1)), None)
 
-    def commit(self, num_accepted, next_token, active, target_hidden=None) -> None:
+    def commit(self, num_accepted, next_token, active, target_hidden=None, path=None) -> None:
         device = self.offset.device
         self.offset = self.offset + (num_accepted.to(device) + 1) * active.to(device)  # accepted drafts + next_token
 

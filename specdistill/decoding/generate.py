@@ -1,7 +1,10 @@
-"""Speculative decoding (Leviathan et al. 2023; Chen et al. 2023) and its target-only baseline, each giving a Rollout.
+"""Speculative decoding (Leviathan et al. 2023; Chen et al. 2023), with chains or token trees (EAGLE-2; SpecInfer), and
+its target-only baseline, each giving a Rollout.
 
-Each round: the drafter proposes K tokens, the target scores [pending, d_1..d_K] in ONE forward, verification keeps
-an accepted prefix plus one target token (correction or bonus), and both caches roll back to what was kept.
+Each round: a strategy (a gamma policy, or a tree shape) says what to propose; the drafter proposes N tokens under the
+pending token (the root): a chain d_1..d_K, or a tree (tree.py); the target scores [pending, nodes] in ONE forward (a
+tree with tree attention, positions by depth); verification (verify.py) keeps an accepted path (a chain's: a prefix)
+plus one target token (correction or bonus); both caches keep [pending, accepted path] and drop the rest.
 Both models' states hold every token but the last ("pending") one, so the prefill feeds prompt[:, :-1] and every
 generated token comes out of a round: target forwards = rounds, and mean_accept_len = tokens / rounds.
 Batch > 1: one shared cache per model with per-row masks and positions (see kv.py); rows accept different counts,
@@ -22,12 +25,24 @@ import torch
 from specdistill.tokens import check_vocab_compatible, pad_id
 
 from .drafters import Drafter
-from .kv import CacheMode, TokenBuffer, device_of, logits_dim, max_positions
-from .sampling import DEFAULT_DRAFT_POLICY, Sampler
-from .verify import verify_greedy, verify_sampling
+from .kv import BatchKV, CacheMode, TokenBuffer, device_of, logits_dim, max_positions
+from .sampling import DEFAULT_DRAFT_POLICY, Sampler, check_draft_policy
+from .tree import Proposal, TreeShape
+from .verify import PAD, Verdict, verify
 
 
-# ----------------------------------------------------------------------------------------------- gamma policies
+# ----------------------------------------------------------------------------------------------- strategies
+class Strategy(Protocol):
+    """What each round proposes: a gamma policy (chains) or a TreeShape (the same tree every round)."""
+
+    @property
+    def max_shape(self) -> TreeShape: ...  # the widest proposal: the caches' room and the counters' depth
+
+    def next_shape(self, remaining: int) -> TreeShape: ...  # this round's, with `remaining` tokens of budget left
+
+    def update(self, proposed: int, accepted: int) -> None: ...  # drafts proposed / accepted in the last round
+
+
 class GammaPolicy(Protocol):
     max_gamma: int
 
@@ -36,8 +51,20 @@ class GammaPolicy(Protocol):
     def update(self, proposed: int, accepted: int) -> None: ...
 
 
+class _Chains:
+    """A gamma policy as a Strategy: chains of gamma() drafts, none past the budget (the token after the last draft
+    comes free)."""
+
+    @property
+    def max_shape(self) -> TreeShape:
+        return TreeShape.chain(self.max_gamma)
+
+    def next_shape(self, remaining: int) -> TreeShape:
+        return TreeShape.chain(max(min(self.gamma(), self.max_gamma, remaining - 1), 0))
+
+
 @dataclass
-class FixedGamma:
+class FixedGamma(_Chains):
     k: int
 
     def __post_init__(self) -> None:
@@ -56,7 +83,7 @@ class FixedGamma:
 
 
 @dataclass
-class DynamicGamma:
+class DynamicGamma(_Chains):
     """Adapts gamma to the recent acceptance rate: an EMA of accepted / proposed drafts per round (summed over
     rows). Above grow_above (rounds where everything is accepted push it there) gamma grows by 1, below
     shrink_below it shrinks by 1, always within [min_gamma, max_gamma]. State persists across calls."""
@@ -94,20 +121,33 @@ class DynamicGamma:
 # ----------------------------------------------------------------------------------------------- results
 @dataclass
 class RoundRecord:
-    """One verification round = one target forward. Per-row tensors; a row inactive this round emits nothing."""
+    """One verification round = one target forward. Per-row tensors; a row inactive this round emits nothing.
+    K is the proposal's depth: a chain's length, a tree's deepest node; a tree's counters are by depth."""
 
-    gamma: int                   # K, tokens drafted this round
+    gamma: int                   # K, the proposal's depth
     active: torch.Tensor         # (B,) bool, rows still generating when the round began
     offset: torch.Tensor         # (B,) long, tokens the row had generated before this round (index into sequences)
-    draft_tokens: torch.Tensor   # (B, K)
-    accepted: torch.Tensor       # (B, K) bool
+    draft_tokens: torch.Tensor   # (B, K) a chain's drafts; a tree's accepted path's drafts, then PAD
+    accepted: torch.Tensor       # (B, K) bool, the accepted path reached depth k+1
     num_accepted: torch.Tensor   # (B,)
     next_token: torch.Tensor     # (B,) correction or bonus (meaningless where not active)
     num_emitted: torch.Tensor    # (B,) tokens appended to sequences (num_accepted + 1, cut at EOS / budget)
-    alpha: torch.Tensor          # (B, K) sum_x min(p, q) per drafted position, after a rejection too; 0 if inactive
+    alpha: torch.Tensor          # (B, K) a chain's sum_x min(p, q) per drafted position, after a rejection too; a
+    #                              tree's target mass on the children of the path node at depth k; 0 if inactive
+    proposal: Proposal | None = None  # the round's proposal: N nodes under the root (the pending token); q not kept
+    path: torch.Tensor | None = None  # trees: (B, K+1) long node ids from the root to the last accepted node, 0-padded
     # record=True only: what an on-policy trainer builds its loss from (p after processing is
     # sampling.probs_from_logits(target_logits, temperature, top_p); q is the drafter's to recompute).
-    target_logits: torch.Tensor | None = None  # (B, K+1, V) raw target logits at [pending, d_1..d_K]
+    # A chain: (B, K+1, V) raw target logits at [pending, d_1..d_K]. A tree: (B, C, V) at its contexts.
+    target_logits: torch.Tensor | None = None
+    # trees, record=True or score_nodes=True: (B, N) the target's probability of node i's token at its parent,
+    # processed at the decoding temperature (greedy: 1.0 where it is the target's argmax there, else 0): verification
+    # reaches a node with the product along its path (the cost model's tree search replays trees from it:
+    # eval/tree_search.py)
+    node_prob: torch.Tensor | None = None
+    # trees, record=True only: the contexts the draft proposed children at, the root (0) and every node with a child,
+    # in node order then padded with -1 (B, C) (on-policy training on the tree: onpolicy/positions.py)
+    contexts: torch.Tensor | None = None
 
 
 @dataclass
@@ -117,8 +157,9 @@ class Rollout:
     rounds: list[RoundRecord]        # empty for target_generate
     target_forwards: torch.Tensor    # (B,) rounds (decode forwards) in which the row was active; prefill excluded
     accept_hist: torch.Tensor        # (max_gamma+1,) row-rounds by num_accepted
-    position_proposed: torch.Tensor  # (max_gamma,) drafts proposed at draft position k, summed over row-rounds
-    position_accepted: torch.Tensor  # (max_gamma,) drafts accepted at position k
+    position_proposed: torch.Tensor  # (max_gamma,) drafts proposed at draft position k (trees: row-rounds whose tree
+    #                                  reaches depth k+1), summed over row-rounds
+    position_accepted: torch.Tensor  # (max_gamma,) drafts accepted at position k (trees: accepted paths reaching k+1)
     position_alpha: torch.Tensor     # (max_gamma,) sum of alpha at position k
     prefill_seconds: float           # target prefill + drafter start (warm-up: report apart)
     round_seconds: list[float]       # wall time of each round (host-synchronized, CUDA included); target_generate
@@ -242,10 +283,11 @@ class _KeptFeatures:
     def _make(self, like: torch.Tensor) -> None:
         self.data = like.new_zeros(like.shape[0], self.width + 1, like.shape[-1])
 
-    def add(self, out, offset: torch.Tensor, count: torch.Tensor) -> None:
-        """out: the verify forward over [pending, d_1..d_K]; row b keeps its first count[b] columns (the tokens at
-        offset[b] .. offset[b]+count[b]-1 after the prompt but its last token: pending, then the accepted drafts)."""
-        feats = _layers(out, self.layers)                                   # (B, K+1, D)
+    def add(self, hidden_states, offset: torch.Tensor, count: torch.Tensor) -> None:
+        """hidden_states: the verify forward's per layer (B, K+1, H) of [pending, accepted path ...]; row b keeps its
+        first count[b] columns (the tokens at offset[b] .. offset[b]+count[b]-1 after the prompt but its last token:
+        pending, then the accepted drafts)."""
+        feats = torch.cat([hidden_states[k] for k in self.layers], dim=-1)  # (B, K+1, D)
         if self.data is None:
             self._make(feats)
         j = torch.arange(feats.shape[1], device=feats.device)
@@ -266,7 +308,85 @@ def _counters(batch: int, max_gamma: int, device) -> dict[str, torch.Tensor]:
     )
 
 
+def _path_hidden(hidden_states, path: torch.Tensor | None):
+    """The target's per-layer hidden states (B, N+1, H) of a proposal -> those of its accepted path's nodes
+    (B, D+1, H); a chain's path is its prefix, so they stay as they are."""
+    if hidden_states is None or path is None:
+        return hidden_states
+    idx = path[..., None]
+    return tuple(h.gather(1, idx.expand(-1, -1, h.shape[-1])) for h in hidden_states)
+
+
+def _check_strategy(shape: TreeShape, draft_policy: str) -> None:
+    check_draft_policy(draft_policy)
+    if not shape.is_chain and draft_policy != "greedy":
+        raise ValueError(f"draft_policy={draft_policy!r} with a token tree: trees propose each node's top-k children "
+                         "(draft_policy='greedy'); sampled drafts are verified along chains only")
+
+
+def _count(stats: dict[str, torch.Tensor], rnd: RoundRecord) -> None:
+    """Add one round to the counters, from sums over active rows (ratios are taken from these sums, never averaged):
+    by draft position, a tree's by depth."""
+    K, active = rnd.gamma, rnd.active
+    if rnd.proposal.is_chain:
+        proposed = active.sum()                                             # every active row drafted K
+    else:
+        depth = rnd.proposal.depth.max(1).values                            # (B,) each row's tree depth
+        proposed = ((torch.arange(K, device=depth.device) < depth[:, None]) & active[:, None]).sum(0)  # (K,)
+    stats["target_forwards"] += active.long()
+    stats["accept_hist"].scatter_add_(0, rnd.num_accepted, active.long())
+    stats["position_proposed"][:K] += proposed
+    stats["position_accepted"][:K] += rnd.accepted.sum(0)
+    stats["position_alpha"][:K] += rnd.alpha.sum(0)
+
+
+def _record(proposal: Proposal, verdict: Verdict, logits, probs, active, offset, count, *, record: bool,
+            score_nodes: bool) -> RoundRecord:
+    """The round's RoundRecord: logits (B, N+1, V) the verify forward's, probs their processed p (None: greedy)."""
+    accepted = verdict.accepted & active[:, None]                           # (B, K)
+    K = accepted.shape[1]
+    drafts, node_prob, contexts, target_logits = proposal.tokens, None, None, logits if record else None
+    if not proposal.is_chain:
+        drafts = torch.where(accepted, verdict.tokens[:, :K], PAD)
+        node_prob = proposal.node_prob(logits, probs) if record or score_nodes else None
+        contexts = proposal.contexts() if record else None
+        target_logits = None if contexts is None else logits.gather(
+            1, contexts.clamp(min=0)[..., None].expand(-1, -1, logits.shape[-1]))          # (B, C, V)
+    if proposal.probs is not None:  # a sampled chain's q (B, K, V) would stay alive with the rollout
+        proposal = Proposal(proposal.tokens)
+    return RoundRecord(gamma=K, active=active, offset=offset, draft_tokens=drafts, accepted=accepted,
+                       num_accepted=verdict.num_accepted * active, next_token=verdict.next_token, num_emitted=count,
+                       alpha=verdict.alpha * active[:, None], proposal=proposal, path=verdict.path,
+                       target_logits=target_logits, node_prob=node_prob, contexts=contexts)
+
+
 # ----------------------------------------------------------------------------------------------- decoding
+@dataclass
+class _Call:
+    """One speculative_generate call's state between its rounds (a round = one target forward)."""
+
+    target: BatchKV                   # the target's KV cache: every token but the pending one
+    drafter: Drafter
+    strategy: Strategy
+    sampler: Sampler                  # processes the target's logits (greedy: verification by argmax)
+    draft_sampler: Sampler            # what the drafter proposes with (Sampler.for_drafts)
+    generator: torch.Generator | None
+    eos: torch.Tensor | None          # (E,) ids that end a row
+    max_new_tokens: int
+    hidden: dict                      # the target forward's kwargs: output_hidden_states when someone reads them
+    out: TokenBuffer                  # (B, max_new_tokens) the generated tokens
+    stats: dict[str, torch.Tensor]    # Rollout's counters
+    kept: _KeptFeatures | None        # capture_layers: Rollout.hidden
+    pending: torch.Tensor             # (B,) the last token: both models hold every token before it
+    active: torch.Tensor              # (B,) bool, rows still generating
+    record: bool
+    score_nodes: bool
+    max_remaining: int                # the most tokens an active row may still generate
+    t_prev: float                     # when the last round ended
+    rounds: list[RoundRecord] = field(default_factory=list)
+    round_seconds: list[float] = field(default_factory=list)
+
+
 @torch.no_grad()
 def speculative_generate(
     target_model: torch.nn.Module,
@@ -274,7 +394,7 @@ def speculative_generate(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     *,
-    gamma: int | GammaPolicy = 4,
+    strategy: int | Strategy = 4,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -284,32 +404,34 @@ def speculative_generate(
     draft_policy: str = DEFAULT_DRAFT_POLICY,
     capture_layers: list[int] | None = None,
     cache: CacheMode = CacheMode(),
+    score_nodes: bool = False,
 ) -> Rollout:
     """Generate from target_model with drafts from `drafter`; lossless: greedy output equals target-only greedy,
     sampled output is distributed as the target's (same temperature / top_p processing for both models).
 
+    strategy: what each round proposes: an int (a fixed gamma: chains of that many drafts), a gamma policy
+    (FixedGamma, DynamicGamma), or a tree.TreeShape (token trees; topk=1 is a chain).
     draft_policy (sampling.DRAFT_POLICIES, temperature > 0 only): "greedy" drafts q's argmax and verifies it as a
-    one-hot proposal (the serving engines' way), "sample" draws drafts from q and verifies with q.
+    one-hot proposal (the serving engines' way), "sample" draws drafts from q and verifies with q (chains only: trees
+    propose each node's top-k children, deterministic given the context, and "sample" is refused for them).
+    record: each RoundRecord keeps the target's raw logits (a tree's: at its contexts, with node_prob) for on-policy
+    training. score_nodes: a tree's RoundRecord keeps node_prob (the cost model's tree search).
     capture_layers: HF hidden_states ids whose features of every kept token come back in Rollout.hidden (on-policy
     training of EAGLE-3 heads reads them instead of running the target again).
     cache: growing (default) or static KV caches, compiled or not (kv.CacheMode), for the target and LM drafts."""
-    policy = FixedGamma(gamma) if isinstance(gamma, int) else gamma
+    strategy = FixedGamma(strategy) if isinstance(strategy, int) else strategy
+    widest = strategy.max_shape
+    _check_strategy(widest, draft_policy)
     sampler = Sampler(temperature, top_p, generator)
-    draft_sampler = sampler.for_drafts(draft_policy)
     device = device_of(target_model)
     input_ids, attention_mask = _check_inputs(target_model, input_ids, attention_mask, max_new_tokens, device)
     _check_draft_vocab(target_model, drafter)
     B = input_ids.shape[0]
-    eos = _eos(eos_token_id, device)
     hidden = {"output_hidden_states": True} if drafter.needs_hidden_states or capture_layers else {}
-    out = TokenBuffer(B, max_new_tokens, device, fill=_pad_id(eos_token_id))
-    stats = _counters(B, policy.max_gamma, device)
-    rounds: list[RoundRecord] = []
-    round_seconds: list[float] = []
 
     # 1. Prefill both models with the prompt but its last token, which becomes the first pending token.
     t0 = _clock(device)
-    new_kv = cache.factory(_cache_length(input_ids, max_new_tokens, policy.max_gamma))
+    new_kv = cache.factory(_cache_length(input_ids, max_new_tokens, widest.size))
     target = new_kv(target_model)
     try:
         prefill = target.prefill(input_ids[:, :-1], attention_mask[:, :-1], **hidden)
@@ -317,77 +439,75 @@ def speculative_generate(
                       new_kv=new_kv)
         kept = (_KeptFeatures(capture_layers, prefill, B, input_ids.shape[1], max_new_tokens, device) if capture_layers
                 else None)
-        pending = input_ids[:, -1]                                              # (B,)
-        active = torch.ones(B, dtype=torch.bool, device=device)
-        max_remaining = max_new_tokens
-        t_prev = t_start = _clock(device)
-
-        while True:
-            # 2. Draft K tokens; K never drafts past the budget (the token after the last draft comes free).
-            K = max(min(policy.gamma(), policy.max_gamma, max_remaining - 1), 0)
-            proposal = drafter.propose(K, draft_sampler)
-            drafts = proposal.tokens.to(device)                                # (B, K') with K' <= K
-            K = drafts.shape[1]
-            q = None if proposal.probs is None else proposal.probs.to(device)  # (B, K, V); None = one-hot at drafts
-
-            # 3. Verify: one target forward over [pending, d_1..d_K] scores every draft plus the bonus position.
-            out_t = target.step(torch.cat([pending[:, None], drafts], dim=1), **hidden)
-            logits = out_t.logits                                               # (B, K+1, V)
-            p = None if sampler.greedy else sampler.probs(logits)              # (B, K+1, V) processed
-            verdict = verify_greedy(drafts, logits) if sampler.greedy else verify_sampling(drafts, q, p, generator)
-            n = verdict.num_accepted                                            # (B,)
-
-            # 4. Emit accepted drafts + next token, cut at EOS and at max_new_tokens.
-            offset = out.length
-            count, done = _emit_counts(verdict.tokens, verdict.num_emitted, offset, max_new_tokens, eos, active)
-            out.append(verdict.tokens, count)
-            if kept is not None:
-                kept.add(out_t, offset, count)
-            going = active & ~done
-
-            # 5. Roll back: rows that go on keep [pending, accepted drafts]; next_token becomes their pending token.
-            #    Both commits' device halves now, their host halves after the round's one sync (below).
-            col = torch.arange(K + 1, device=device)
-            target_plan = target.commit_begin((col <= n[:, None]) & going[:, None])
-            draft_plan = drafter.commit_begin(n, verdict.next_token, going,
-                                              target_hidden=getattr(out_t, "hidden_states", None))
-            pending = torch.where(going, verdict.next_token, pending)
-
-            # 6. Counters from sums over active rows (ratios are taken from these sums, never averaged).
-            accepted = verdict.accepted & active[:, None]                       # (B, K)
-            stats["target_forwards"] += active.long()
-            stats["accept_hist"].scatter_add_(0, n, active.long())
-            stats["position_proposed"][:K] += active.sum()
-            stats["position_accepted"][:K] += accepted.sum(0)
-            stats["position_alpha"][:K] += (verdict.alpha * active[:, None]).sum(0)
-            rounds.append(RoundRecord(
-                gamma=K, active=active, offset=offset, draft_tokens=drafts, accepted=accepted,
-                num_accepted=n * active, next_token=verdict.next_token, num_emitted=count,
-                alpha=verdict.alpha * active[:, None],
-                target_logits=logits if record else None,
-            ))
-
-            # The round's one host sync: loop control and both commits' crop sizes (nothing syncs per token).
-            remaining = torch.where(going, max_new_tokens - out.length, 0).max()
-            host = torch.cat([torch.stack([going.sum(), accepted.sum(), active.sum(), remaining]),
-                              target_plan.sizes.to(device), draft_plan.sizes.to(device)]).tolist()
-            n_going, n_accepted, n_active, max_remaining = host[:4]
-            target.commit_end(target_plan, host[4:7])
-            drafter.commit_end(draft_plan, host[7:])
-            policy.update(K * n_active, n_accepted)
-            active = going
-            t_now = time.perf_counter()  # the .tolist() above waited for the device
-            round_seconds.append(t_now - t_prev)
-            t_prev = t_now
-            if n_going == 0:
-                break
-
-        return Rollout(sequences=out.tokens[:, :max_new_tokens], num_new_tokens=out.length, rounds=rounds,
-                       prefill_seconds=t_start - t0, round_seconds=round_seconds,
-                       hidden=None if kept is None else kept.result(), **stats)
+        call = _Call(target, drafter, strategy, sampler, sampler.for_drafts(draft_policy), generator,
+                     _eos(eos_token_id, device), max_new_tokens, hidden,
+                     out=TokenBuffer(B, max_new_tokens, device, fill=_pad_id(eos_token_id)),
+                     stats=_counters(B, widest.max_depth, device), kept=kept, pending=input_ids[:, -1],
+                     active=torch.ones(B, dtype=torch.bool, device=device), record=record, score_nodes=score_nodes,
+                     max_remaining=max_new_tokens, t_prev=_clock(device))
+        t_start = call.t_prev
+        while _round(call):  # steps 2-6, one target forward each
+            pass
+        return Rollout(sequences=call.out.tokens[:, :max_new_tokens], num_new_tokens=call.out.length,
+                       rounds=call.rounds, prefill_seconds=t_start - t0, round_seconds=call.round_seconds,
+                       hidden=None if kept is None else kept.result(), **call.stats)
     finally:  # the call's caches go back now, for the next call to reuse (BatchKV.close)
         target.close()
         drafter.close()
+
+
+def _round(c: _Call) -> bool:
+    """One round of speculative_generate; False once every row has stopped."""
+    device = c.pending.device
+    # 2. Draft N nodes under the pending token; never deeper than the budget (the next token comes free).
+    proposal = c.drafter.propose(c.strategy.next_shape(c.max_remaining), c.draft_sampler).to(device)
+
+    # 3. Verify: one target forward over [pending, node 1..N] scores every node plus the bonus position.
+    out_t = c.target.step(torch.cat([c.pending[:, None], proposal.tokens], dim=1),
+                          **proposal.attention(c.target.length), **c.hidden)
+    logits = out_t.logits                                                   # (B, N+1, V)
+    probs = None if c.sampler.greedy else c.sampler.probs(logits)          # (B, N+1, V) processed
+    verdict = verify(proposal, logits, probs, c.generator)
+    n = verdict.num_accepted                                                # (B,)
+
+    # 4. Emit the accepted path + next token, cut at EOS and at max_new_tokens.
+    offset = c.out.length
+    count, done = _emit_counts(verdict.tokens, verdict.num_emitted, offset, c.max_new_tokens, c.eos, c.active)
+    c.out.append(verdict.tokens, count)
+    path_hidden = _path_hidden(getattr(out_t, "hidden_states", None), verdict.path)  # (B, D+1, H) per layer
+    if c.kept is not None:
+        c.kept.add(path_hidden, offset, count)
+    going = c.active & ~done
+
+    # 5. Commit: rows that go on keep [pending, accepted path] (a tree's path first moves to the front of the tail);
+    #    next_token becomes their pending token. Both commits' device halves now, their host halves after the
+    #    round's one sync (below).
+    if verdict.path is not None:
+        c.target.gather_tail(verdict.path)
+    keep = torch.arange(proposal.num_nodes + 1, device=device) < ((n + 1) * going)[:, None]  # (B, N+1)
+    target_plan = c.target.commit_begin(keep)
+    draft_plan = c.drafter.commit_begin(n, verdict.next_token, going, target_hidden=path_hidden, path=verdict.path)
+    c.pending = torch.where(going, verdict.next_token, c.pending)
+
+    # 6. The round's record and the counters.
+    rnd = _record(proposal, verdict, logits, probs, c.active, offset, count, record=c.record,
+                  score_nodes=c.score_nodes)
+    c.rounds.append(rnd)
+    _count(c.stats, rnd)
+
+    # The round's one host sync: loop control and both commits' crop sizes (nothing syncs per token).
+    remaining = torch.where(going, c.max_new_tokens - c.out.length, 0).max()
+    host = torch.cat([torch.stack([going.sum(), rnd.accepted.sum(), c.active.sum(), remaining]),
+                      target_plan.sizes.to(device), draft_plan.sizes.to(device)]).tolist()
+    n_going, n_accepted, n_active, c.max_remaining = host[:4]
+    c.target.commit_end(target_plan, host[4:7])
+    c.drafter.commit_end(draft_plan, host[7:])
+    c.strategy.update(rnd.gamma * n_active, n_accepted)
+    c.active = going
+    t_now = time.perf_counter()  # the .tolist() above waited for the device
+    c.round_seconds.append(t_now - c.t_prev)
+    c.t_prev = t_now
+    return n_going > 0
 
 
 @torch.no_grad()

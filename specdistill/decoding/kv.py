@@ -304,8 +304,9 @@ class BatchKV:
 
         Token trees (decoding/tree.py): positions (B, C) are the new tokens' position ids (by depth) and tail_visible
         (B, C, T) which of the T uncommitted tail columns, these C included, each new token sees (its ancestors and
-        itself) instead of every earlier one; commit_path() then keeps one path per row. Compiled tree steps run at
-        their width's bucket (compiled.width_bucket), padded with slots that are dropped again after the forward."""
+        itself) instead of every earlier one; commit_path() (or gather_tail() and commit_begin()) then keeps one path
+        per row. Compiled tree steps run at their width's bucket (compiled.width_bucket), padded with slots that are
+        dropped again after the forward."""
         if self.closed:
             raise ValueError("BatchKV.step after close(): the decoding call that held this cache ended (its compiled "
                              "cache may serve another call now); prefill() again to start a new decoding")
@@ -464,11 +465,19 @@ class BatchKV:
     @torch.no_grad()
     def commit_path(self, columns: torch.Tensor, count: torch.Tensor) -> None:
         """Keep, per row, the tail slots at tail columns columns[b, :count[b]] (columns (B, W), count (B,)), in that
-        order: a token tree's accepted path, each node after its ancestors; drop the rest of the tail.
+        order, and drop the rest of the tail: gather_tail(), then commit() (one host sync)."""
+        tail = self.mask.shape[1] - self.committed
+        self.gather_tail(columns)
+        self.commit(torch.arange(tail, device=self.mask.device) < count.to(self.mask.device)[:, None])
 
-        The kept slots are gathered to the front of the tail, which touches W columns per layer, never the whole
-        cache; their keys keep the rotary positions they were computed at (by depth), so the path is then a prefix
-        of the tail and commit() keeps it as it keeps accepted chain drafts."""
+    @torch.no_grad()
+    def gather_tail(self, columns: torch.Tensor) -> None:
+        """Move, per row, the tail slots at tail columns columns[b] (columns (B, W)) to the front of the tail, in that
+        order: a token tree's accepted path, each node after its ancestors. A commit() (or commit_begin()) of the
+        path's length then keeps it as it keeps accepted chain drafts and drops the rest of the tail.
+
+        The gather touches W columns per layer, never the whole cache; the keys keep the rotary positions they were
+        computed at (by depth)."""
         S0 = self.committed
         tail = self.mask.shape[1] - S0
         columns = columns[:, :tail].clamp(0, tail - 1)  # a row keeps at most the tail; entries past count are unused
@@ -485,7 +494,6 @@ class BatchKV:
             values[:, :, S0 - front: S0 - front + W] = values.gather(2, idx)
         self.mask[:, S0: S0 + W] = self.mask.gather(1, at)
         self.positions[:, S0: S0 + W] = self.positions.gather(1, at)
-        self.commit(torch.arange(tail, device=at.device) < count.to(at.device)[:, None])
 
     def _first_visible(self, mask: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         """() the first column that a sliding layer's window may still show to some row's next queries."""

@@ -89,7 +89,7 @@ class Sampler:
 
     def for_drafts(self, policy: str) -> "Sampler":
         """The sampler a drafter proposes with under the drafting policy: this one (sample), or greedy (argmax, q
-        one-hot: Proposal.probs None, which verify_sampling treats as a one-hot proposal)."""
+        one-hot: Proposal.probs None, which verify() treats as a one-hot proposal)."""
         check_draft_policy(policy)
         return self if policy == "sample" or self.greedy else Sampler(0.0)
 

@@ -1,9 +1,11 @@
-"""Token trees for speculative decoding: shapes, EAGLE-2 expansion (Li et al. 2024, arXiv 2406.16858) by cumulative
-draft probability, and what the target needs to score a tree in one forward (attention among ancestors, positions by
-depth). Knows nothing of models or caches: a drafter supplies the draft's logits through a callback.
+"""A round's proposal: a token tree, of which a chain is the width-1 case. Shapes (what to propose), EAGLE-2
+expansion (Li et al. 2024, arXiv 2406.16858) by cumulative draft probability, and what the target needs to score a
+proposal in one forward (attention among ancestors, positions by depth). Knows nothing of models or caches: a drafter
+supplies the draft's logits through a callback.
 
-A tree hangs under its root, node 0: the pending token, which both models have not fed yet. Nodes 1..N are drafted
-tokens, ordered by depth (a parent always comes before its children) and, among nodes of one depth, by score.
+A proposal hangs under its root, node 0: the pending token, which both models have not fed yet. Nodes 1..N are drafted
+tokens, ordered by depth (a parent always comes before its children) and, among nodes of one depth, by score. A chain
+(topk=1) is node i's parent i-1: it stores no parents, and the target scores it with plain causal attention.
 
 Expansion, for TreeShape(topk, depth, nodes):
   depth 1   the root's topk most probable children; they are the beams.
@@ -19,6 +21,7 @@ SGLang serves the same expansion with --speculative-eagle-topk=topk, --speculati
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,16 +33,19 @@ MAX_TREE_NODES = 256  # a verify forward over more tokens than this is a prefill
 
 @dataclass(frozen=True)
 class TreeShape:
-    """How a round's token tree is grown (see the module docstring). topk=1 is a chain of `depth` drafts."""
+    """What a round proposes (see the module docstring). topk=1 is a chain of up to `depth` drafts, drawn by the
+    drafting sampler (sampled or argmax; a drafter may stop it early); topk > 1 grows a tree of top-k children.
+
+    As a decoding strategy (generate.Strategy) a shape proposes itself every round, cut to the token budget."""
 
     topk: int = 4            # children scored per beam, and beams kept per depth
-    depth: int = 4           # draft steps: the deepest node's depth
+    depth: int = 4           # draft steps: the deepest node's depth (0: an empty chain, the round is a target step)
     nodes: int | None = None  # drafted nodes kept (best by cumulative probability); None: every scored node
 
     def __post_init__(self) -> None:
         if self.topk < 1:
             raise ValueError(f"tree topk={self.topk} must be >= 1 (children per beam; topk=1 is a chain)")
-        if self.depth < 1:
+        if self.depth < (0 if self.topk == 1 else 1):
             raise ValueError(f"tree depth={self.depth} must be >= 1 (draft steps per round)")
         if self.nodes is not None and self.nodes < 1:
             raise ValueError(f"tree nodes={self.nodes} must be >= 1, or None to keep every scored node")
@@ -49,6 +55,15 @@ class TreeShape:
         if self.size > MAX_TREE_NODES:
             raise ValueError(f"a tree of {self.size} nodes (topk={self.topk}, depth={self.depth}, nodes={self.nodes}) "
                              f"exceeds {MAX_TREE_NODES}: set nodes=N to keep the N best, or lower topk / depth")
+
+    @classmethod
+    def chain(cls, k: int) -> TreeShape:
+        """A chain of up to k drafts (k >= 0)."""
+        return cls(topk=1, depth=k)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
 
     @property
     def scored(self) -> int:
@@ -72,6 +87,18 @@ class TreeShape:
         cut = TreeShape(self.topk, depth)
         return cut if self.nodes is None or self.nodes >= cut.scored else TreeShape(self.topk, depth, self.nodes)
 
+    # Strategy (generate.py): the same shape every round, no deeper than the budget (the token after the deepest node
+    # comes free), and nothing learned from the rounds.
+    @property
+    def max_shape(self) -> TreeShape:
+        return self
+
+    def next_shape(self, remaining: int) -> TreeShape:
+        return self.at_most(max(min(self.max_depth, remaining - 1), 1))
+
+    def update(self, proposed: int, accepted: int) -> None:
+        pass
+
     def sglang_flags(self) -> dict[str, int]:
         """The SGLang server flags that serve this shape (num-draft-tokens counts the root)."""
         return {"--speculative-eagle-topk": self.topk, "--speculative-num-steps": self.depth,
@@ -83,15 +110,28 @@ class TreeShape:
 
 
 @dataclass
-class Tree:
-    """B token trees of N drafted nodes each (the root, node 0, is the pending token and is not stored)."""
+class Proposal:
+    """B proposals of N drafted nodes each under the root (node 0, the pending token, is not stored). parents None: a
+    chain, node i's parent is node i-1 (depth i); trees (tree.grow) fill parents, depth, score and fed."""
 
-    tokens: torch.Tensor   # (B, N) long, target vocabulary ids of nodes 1..N
-    parents: torch.Tensor  # (B, N) long, parent node of nodes 1..N, in 0..N-1 (0 = root), always < the node
-    depth: torch.Tensor    # (B, N) long, 1 for the root's children
-    score: torch.Tensor    # (B, N) float, cumulative draft log-probability of the path to the node
-    fed: torch.Tensor      # (B, N) long, order in which the draft was fed the node (a beam), -1: never fed
-    topk: int              # most children any node has
+    tokens: torch.Tensor                   # (B, N) long, target vocabulary ids of nodes 1..N
+    probs: torch.Tensor | None = None      # (B, N, V) chains: the q each draft was drawn from; None: one-hot at tokens
+    parents: torch.Tensor | None = None    # (B, N) long, parent node of nodes 1..N, in 0..N-1 (0 = root), < the node
+    depth: torch.Tensor | None = None      # (B, N) long, 1 for the root's children
+    score: torch.Tensor | None = None      # (B, N) float, cumulative draft log-probability of the path to the node
+    fed: torch.Tensor | None = None        # (B, N) long, order in which the draft was fed the node (a beam), -1: never
+    topk: int = 1                          # most children any node has
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents is None
+
+    def to(self, device: torch.device) -> Proposal:
+        """This proposal on `device` (itself when it is there already)."""
+        if self.tokens.device == device:
+            return self
+        move = {k: getattr(self, k) for k in ("tokens", "probs", "parents", "depth", "score", "fed")}
+        return dataclasses.replace(self, **{k: None if v is None else v.to(device) for k, v in move.items()})
 
     @property
     def num_nodes(self) -> int:
@@ -99,17 +139,29 @@ class Tree:
 
     @functools.cached_property
     def max_depth(self) -> int:
-        """The deepest node's depth (one host sync, then cached: the tree is not changed after grow())."""
-        return int(self.depth.max()) if self.num_nodes else 0
+        """The deepest node's depth (a tree: one host sync, then cached; the proposal is not changed after grow())."""
+        if self.is_chain or not self.num_nodes:
+            return self.num_nodes
+        return int(self.depth.max())
+
+    def parent_ids(self) -> torch.Tensor:
+        """(B, N) parents, a chain's included."""
+        if not self.is_chain:
+            return self.parents
+        return torch.arange(self.num_nodes, device=self.tokens.device).expand_as(self.tokens)
 
     def depths(self) -> torch.Tensor:
         """(B, N+1) depth of every node, the root's 0 included: the offset of its position id."""
+        if self.is_chain:
+            return torch.arange(self.num_nodes + 1, device=self.tokens.device).expand(self.tokens.shape[0], -1)
         return torch.cat([torch.zeros_like(self.depth[:, :1]), self.depth], dim=1)
 
     def ancestors(self) -> torch.Tensor:
         """(B, N+1, N+1) bool: [b, i, j] is True when node j is node i or one of its ancestors (the root is everyone's):
-        the tree attention mask, node i attends to exactly these."""
+        the tree attention mask, node i attends to exactly these (a chain's: causal)."""
         B, N = self.tokens.shape
+        if self.is_chain:
+            return torch.ones(N + 1, N + 1, dtype=torch.bool, device=self.tokens.device).tril().expand(B, -1, -1)
         eye = torch.eye(N + 1, dtype=torch.bool, device=self.tokens.device).expand(B, -1, -1)
         parent = torch.cat([torch.zeros_like(self.parents[:, :1]), self.parents], dim=1)   # (B, N+1) root -> itself
         seen = eye.clone()
@@ -117,16 +169,25 @@ class Tree:
             seen = seen | seen.gather(1, parent[..., None].expand(-1, -1, N + 1))
         return seen
 
+    def attention(self, start: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What BatchKV.step needs to score [root, nodes] from committed lengths start (B,): nothing for a chain
+        (causal, consecutive positions), positions by depth and the ancestor mask for a tree."""
+        if self.is_chain:
+            return {}
+        return {"positions": start[:, None] + self.depths().to(start.device),
+                "tail_visible": self.ancestors().to(start.device)}
+
     def children(self) -> torch.Tensor:
         """(B, N+1, topk) long: the children of every node in node order (best-scored first), padded with -1."""
         B, N = self.tokens.shape
         device = self.tokens.device
+        parents = self.parent_ids()
         nodes = torch.arange(1, N + 1, device=device).expand(B, -1)         # (B, N)
         # A child's rank among its siblings: siblings come before it in node order.
-        same = self.parents[:, :, None] == self.parents[:, None, :]        # (B, N, N)
+        same = parents[:, :, None] == parents[:, None, :]                   # (B, N, N)
         rank = (same & torch.ones(N, N, dtype=torch.bool, device=device).tril(-1)).sum(2)  # (B, N)
         out = torch.full((B, N + 1, self.topk + 1), -1, dtype=torch.long, device=device)   # last slot: trash
-        out[torch.arange(B, device=device)[:, None], self.parents, rank.clamp(max=self.topk)] = nodes
+        out[torch.arange(B, device=device)[:, None], parents, rank.clamp(max=self.topk)] = nodes
         return out[..., : self.topk]
 
     def path(self, node: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +200,26 @@ class Tree:
         out = torch.zeros(B, D + 2, dtype=torch.long, device=node.device)
         out.scatter_(1, col, torch.arange(N + 1, device=node.device).expand(B, -1))
         return out[:, : D + 1], depths.gather(1, node[:, None]).squeeze(1)
+
+    def contexts(self) -> torch.Tensor:
+        """(B, C) long: the root (0) and every node with a child, in node order, padded with -1: where the draft
+        proposed children (a chain's: nodes 0..N-1)."""
+        B, N = self.tokens.shape
+        has_child = torch.zeros(B, N + 1, dtype=torch.bool, device=self.tokens.device)
+        has_child.scatter_(1, self.parent_ids(), True)
+        has_child[:, 0] = True
+        C = int(has_child.sum(1).max())
+        order = torch.sort((~has_child).int(), dim=1, stable=True).indices[:, :C]      # context nodes first, in order
+        return torch.where(has_child.gather(1, order), order, -1)
+
+    def node_prob(self, logits: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+        """(B, N) the target's probability of each node's token at its parent: logits (B, N+1, V) of [root, nodes];
+        probs the processed distribution (B, N+1, V), or None for greedy decoding (then 1.0 at the argmax, else 0)."""
+        parents, tokens = self.parent_ids().to(logits.device), self.tokens.to(logits.device)
+        if probs is None:
+            return (logits.argmax(-1).gather(1, parents) == tokens).float()
+        V = probs.shape[-1]
+        return probs.flatten(1).gather(1, parents * V + tokens).float()
 
 
 # Feed callback of grow(): the beams of one depth d >= 1 (B, k) target ids; which of the fed beams each sees (B, k, F)
@@ -153,7 +234,7 @@ def _identity(ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def grow(shape: TreeShape, root_logits: torch.Tensor, feed: Feed,
-         to_target: Callable[[torch.Tensor], torch.Tensor] = _identity) -> Tree:
+         to_target: Callable[[torch.Tensor], torch.Tensor] = _identity) -> Proposal:
     """EAGLE-2 expansion (module docstring) from the draft's logits after the root, root_logits (B, Vd).
 
     to_target maps draft-vocabulary ids to the target's (a vocab-restricted head); feed() gets target ids."""
@@ -207,7 +288,7 @@ def grow(shape: TreeShape, root_logits: torch.Tensor, feed: Feed,
                  pool_fed[:, 1:])
 
 
-def _keep(shape: TreeShape, tokens, parents, depth, score, fed) -> Tree:
+def _keep(shape: TreeShape, tokens, parents, depth, score, fed) -> Proposal:
     """Pool (B, P) -> the kept nodes (all, or the N best by score), renumbered by depth then score."""
     B, P = tokens.shape
     device = tokens.device
@@ -226,5 +307,5 @@ def _keep(shape: TreeShape, tokens, parents, depth, score, fed) -> Tree:
     node_of = torch.zeros(B, P + 1, dtype=torch.long, device=device)
     node_of.scatter_(1, keep + 1, torch.arange(1, N + 1, device=device).expand(B, -1))
     new_parents = node_of.gather(1, parents.gather(1, keep))
-    return Tree(tokens=tokens.gather(1, keep), parents=new_parents, depth=depth.gather(1, keep),
+    return Proposal(tokens=tokens.gather(1, keep), parents=new_parents, depth=depth.gather(1, keep),
                 score=score.gather(1, keep), fed=fed.gather(1, keep), topk=shape.topk)

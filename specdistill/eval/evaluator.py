@@ -42,12 +42,11 @@ import torch
 from specdistill.config import DRAFTERS, EvalConfig
 from specdistill.constraints import check_fields
 from specdistill.decoding import (CacheMode, Drafter, DynamicGamma, FixedGamma, LMDrafter, NGramDrafter, Sampler,
-                                  check_draft_policy, speculative_generate, target_generate)
+                                  Strategy, check_draft_policy, speculative_generate, target_generate)
 from specdistill.decoding.drafters import OracleDrafter
 from specdistill.decoding.compiled import compile_stats
 from specdistill.decoding.kv import device_of, max_positions
 from specdistill.decoding.tree import TreeShape
-from specdistill.decoding.tree_generate import proposes_trees, tree_generate
 from specdistill.drafts import draft_adapter
 from specdistill.eval.batches import PromptBatch, make_batches
 from specdistill.eval.hf_baseline import HF_MODES, hf_generate, hf_runners, hf_summary  # noqa: F401  (re-exported)
@@ -97,7 +96,7 @@ def _check_tree_drafter(cfg: EvalConfig, drafter: Drafter) -> None:
     shape = tree_shape(cfg)
     if shape is None:
         return
-    if not proposes_trees(drafter):
+    if not drafter.grows_trees:
         raise ValueError(f"eval.tree.topk={shape.topk}: {type(drafter).__name__} proposes one token per position, so "
                          "it cannot grow token trees; set eval.tree.topk=0 for chains")
     top = drafter.max_tree_depth
@@ -182,10 +181,11 @@ class _Decoders:
     def __post_init__(self):
         self._seeds = iter(range(self.cfg.seed, self.cfg.seed + 10**6))
 
-    def policy(self):
+    def strategy(self) -> Strategy:
+        """What each round proposes: eval.tree's shape, or chains of eval.gamma (fixed or dynamic)."""
         cfg = self.cfg
-        if tree_shape(cfg) is not None:  # the counters of a tree are by depth
-            return FixedGamma(tree_shape(cfg).max_depth)
+        if tree_shape(cfg) is not None:
+            return tree_shape(cfg)
         if cfg.dynamic_gamma:
             return DynamicGamma(min_gamma=1, max_gamma=cfg.max_gamma, init=cfg.gamma)
         return FixedGamma(cfg.gamma)
@@ -203,31 +203,20 @@ class _Decoders:
             return Run([r.tokens(i) for i in range(len(b.index))], t, r)
         return run
 
-    def spec(self, max_new: int, policy) -> Runner:
-        if tree_shape(self.cfg) is not None:
-            return self.tree(max_new, tree_shape(self.cfg))
-
+    def spec(self, max_new: int, strategy: Strategy, score_nodes: bool = False) -> Runner:
+        """Speculative decoding with `strategy` (chains or a tree shape); score_nodes: trees keep node_prob."""
         def run(b: PromptBatch) -> Run:
             r, t = timed(self.device, lambda: speculative_generate(
-                self.target_model, self.drafter, b.input_ids, b.attention_mask, gamma=policy, max_new_tokens=max_new,
-                generator=self.generator(), draft_policy=self.cfg.draft_policy, cache=self.cache(),
-                **self._sampling()))
+                self.target_model, self.drafter, b.input_ids, b.attention_mask, strategy=strategy,
+                max_new_tokens=max_new, generator=self.generator(), draft_policy=self.cfg.draft_policy,
+                cache=self.cache(), score_nodes=score_nodes, **self._sampling()))
             return Run([r.tokens(i) for i in range(len(b.index))], t, r)
         return run
 
-    def tree(self, max_new: int, shape: TreeShape, score_nodes: bool = False) -> Runner:
-        def run(b: PromptBatch) -> Run:
-            r, t = timed(self.device, lambda: tree_generate(
-                self.target_model, self.drafter, b.input_ids, b.attention_mask, tree=shape, max_new_tokens=max_new,
-                generator=self.generator(), draft_policy=self.cfg.draft_policy, cache=self.cache(),
-                score_nodes=score_nodes, **self._sampling()))
-            return Run([r.tokens(i) for i in range(len(b.index))], t, r)
-        return run
-
-    def pair(self, max_new: int, policy=None) -> dict[str, Runner]:
+    def pair(self, max_new: int, strategy: Strategy | None = None) -> dict[str, Runner]:
         """Target-only and speculative, in that order (run_pass rotates from it)."""
-        policy = policy if policy is not None else self.policy()
-        return {"target": self.target(max_new), "spec": self.spec(max_new, policy)}
+        strategy = strategy if strategy is not None else self.strategy()
+        return {"target": self.target(max_new), "spec": self.spec(max_new, strategy)}
 
     def batches(self, prompt_ids: list[list[int]], batch_size: int) -> list[PromptBatch]:
         """Left-padded batches, each prepared by the drafter before any timed call (the oracle decodes it here)."""
@@ -356,7 +345,7 @@ def _hf_side_by_side(dec: _Decoders, prompt_ids: list[list[int]], runs: dict[str
     """HF at batch 1 next to ours: the measured pass's own runs when it ran at batch 1 (HF inline), else a batch-1
     pass of ours and HF's."""
     if dec.cfg.batch_size != 1:
-        runs = run_pass(dec.batches(prompt_ids, 1), {"spec": dec.spec(dec.cfg.max_new_tokens, dec.policy()),
+        runs = run_pass(dec.batches(prompt_ids, 1), {"spec": dec.spec(dec.cfg.max_new_tokens, dec.strategy()),
                                                      "target": dec.target(dec.cfg.max_new_tokens), **hf},
                         "hf side by side", progress)
     return hf_summary(runs["spec"], runs["target"], {k: runs[k] for k in hf}, drafter_name)
@@ -380,7 +369,7 @@ def _batch_sweep(dec: _Decoders, prompt_ids: list[list[int]], main_point: SweepP
             sweep.append(main_point)
             continue
         runs = run_pass(dec.batches(prompt_ids[:n_sweep], bs), dec.pair(cfg.max_new_tokens), f"sweep B={bs}", progress)
-        tot = _totals(runs, dec.policy().max_gamma)
+        tot = _totals(runs, dec.strategy().max_shape.max_depth)
         sweep.append(tot.point(bs, n_sweep, _row_mismatches(runs) if greedy else None))
     return sweep
 
@@ -478,14 +467,15 @@ def evaluate(target_model, tokenizer, drafter_spec, prompts, cfg: EvalConfig, *,
     cost = _cost(dec, batches[0], tcost)
 
     # 3. The measured pass: target-only and speculative (and HF at batch 1) interleaved per batch.
-    policy = dec.policy()
+    strategy = dec.strategy()
+    max_depth = strategy.max_shape.max_depth  # the counters' width: draft positions, a tree's depths
     hf_inline = bool(hf) and cfg.batch_size == 1
-    runners = dec.pair(cfg.max_new_tokens, policy) | (hf if hf_inline else {})
+    runners = dec.pair(cfg.max_new_tokens, strategy) | (hf if hf_inline else {})
     runs = run_pass(batches, runners, f"eval {drafter_name} gamma={cfg.gamma} B={cfg.batch_size}", progress)
-    tot = _totals(runs, policy.max_gamma)
+    tot = _totals(runs, max_depth)
     greedy = cfg.temperature == 0
     mismatches = _greedy_mismatches(target_model, batches, runs, log) if greedy else []
-    samples = _samples(tokenizer, batches, runs, ps.categories, policy.max_gamma, cfg.position_buckets)
+    samples = _samples(tokenizer, batches, runs, ps.categories, max_depth, cfg.position_buckets)
 
     # 4. HF side by side at batch 1; 5. the batch-size sweep; 6. assemble.
     hf_result = _hf_side_by_side(dec, prompt_ids, runs, hf, drafter_name, progress) if hf else None
@@ -623,7 +613,7 @@ def _tree_candidates(dec: _Decoders, prompt_ids: list[list[int]], batch: PromptB
                      baseline: float, progress: bool, notes: list[str]) -> list[tree_cost.Setting]:
     """Tree shapes from a probe decode (eval/tree_search.py), or none, with the reason in `notes`."""
     cfg = dec.cfg
-    if not proposes_trees(dec.drafter):
+    if not dec.drafter.grows_trees:
         notes.append(f"trees not searched: {type(dec.drafter).__name__} cannot score alternatives (it drafts one "
                      "token per position), so the recommended setting is a chain length")
         return []
@@ -648,7 +638,7 @@ def _tree_candidates(dec: _Decoders, prompt_ids: list[list[int]], batch: PromptB
     # 2. The probe decode: its trees (tau by replay) and its rounds' wall time (the bookkeeping o).
     probe = TreeShape(tree_search.MAX_TOPK, D)
     probe_batches = dec.batches(prompt_ids[: cfg.tree.probe_prompts], cfg.batch_size)
-    runs = run_pass(probe_batches, {"probe": dec.tree(cfg.max_new_tokens, probe, score_nodes=True)},
+    runs = run_pass(probe_batches, {"probe": dec.spec(cfg.max_new_tokens, probe, score_nodes=True)},
                     f"probe {probe.name}", progress)
     rounds = [r for run in runs["probe"] for r in run.rollout.rounds]
     trees = tree_search.probe_trees(probe, rounds)
@@ -676,7 +666,7 @@ def _measure(dec: _Decoders, batches: list[PromptBatch], runs: dict[str, list[Ru
     the baseline and the greedy reference)."""
     cfg = dec.cfg
     if rec.shape is not None:
-        runner, max_gamma = dec.tree(cfg.max_new_tokens, rec.shape), rec.shape.max_depth
+        runner, max_gamma = dec.spec(cfg.max_new_tokens, rec.shape), rec.shape.max_depth
     else:
         again = replace(dec, cfg=replace(cfg, gamma=rec.gamma, dynamic_gamma=False, tree=replace(cfg.tree, topk=0)))
         runner, max_gamma = again.spec(cfg.max_new_tokens, FixedGamma(rec.gamma)), rec.gamma

@@ -12,7 +12,7 @@ from specdistill.output_positions import bucket_name
 class CostRatio:
     target_step_ms: float   # one target forward, 1 token per row, KV-cached (batch of the first eval batch)
     verify_ms: float        # one target forward of gamma+1 tokens per row
-    draft_token_ms: float   # drafter.propose(gamma) / gamma in the steady state (after a committed round)
+    draft_token_ms: float   # a chain of gamma's drafter.propose() / gamma in the steady state (after a committed round)
     c: float                # draft_token_ms / target_step_ms
     v: float                # verify_ms / target_step_ms
     context_tokens: int     # prompt length the costs were timed at

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from specdistill.decoding import Drafter, Rollout, Sampler
+from specdistill.decoding import Drafter, Rollout, Sampler, TreeShape
 from specdistill.decoding.kv import BatchKV, CacheMode, device_of
 from specdistill.eval.batches import PromptBatch
 from specdistill.eval.results import CostRatio
@@ -88,14 +88,16 @@ class ProposeTimes:
 @torch.no_grad()
 def propose_times(kv: BatchKV, drafter: Drafter, ids: torch.Tensor, mask: torch.Tensor, target_hidden,
                       gamma: int, sampler: Sampler, reps: int, new_kv=BatchKV) -> ProposeTimes:
-    """Time drafter.propose(gamma) right after start() (once), then `reps` times after a committed round, past one
-    untimed warm-up. Each round between: the target verifies [pending, drafts] on kv (rolled back after), and the
-    drafter commits with every draft rejected, the target's argmax at the pending position as its next token."""
+    """Time drafter.propose() of a chain of gamma right after start() (once), then `reps` times after a committed
+    round, past one untimed warm-up. Each round between: the target verifies [pending, drafts] on kv (rolled back
+    after), and the drafter commits with every draft rejected, the target's argmax at the pending position as its next
+    token."""
     device = device_of(kv.model)
     B = ids.shape[0]
     hidden = {"output_hidden_states": True} if drafter.needs_hidden_states else {}
     drafter.start(ids, mask, target_hidden=target_hidden, new_kv=new_kv)
-    proposal, first = timed(device, lambda: drafter.propose(gamma, sampler))
+    chain = TreeShape.chain(gamma)
+    proposal, first = timed(device, lambda: drafter.propose(chain, sampler))
     pending = ids[:, -1]                                                     # (B,)
     none = torch.zeros(B, dtype=torch.long, device=device)
     going = torch.ones(B, dtype=torch.bool, device=device)
@@ -106,7 +108,7 @@ def propose_times(kv: BatchKV, drafter: Drafter, ids: torch.Tensor, mask: torch.
         kv.commit(torch.zeros(B, drafts.shape[1] + 1, dtype=torch.bool, device=device))  # the target stays put
         pending = out.logits[:, 0].argmax(-1)                                # (B,)
         drafter.commit(none, pending, going, target_hidden=getattr(out, "hidden_states", None))
-        proposal, t = timed(device, lambda: drafter.propose(gamma, sampler))
+        proposal, t = timed(device, lambda: drafter.propose(chain, sampler))
         if i:  # the first steady round is a warm-up
             times.append(t)
     return ProposeTimes(1000 * first, 1000 * statistics.median(times))

@@ -8,7 +8,7 @@ runs at
 where b is one step of target-only decoding, its bookkeeping included, and tau' counts each row's last round, cut
 short by its budget of T tokens (b = 1, o = 0, T infinite when not measured: the plain cost model of every
 evaluation). A chain of gamma: d = gamma * c, k = gamma + 1; a tree of N nodes: d = its
-propose_tree time, k = N + 1.
+propose time, k = N + 1.
 Chains' tau for every gamma up to the measured one follows from the measured acceptance rates a_k:
 tau(gamma) = 1 + sum_{k <= gamma} prod_{i <= k} a_i (every round drafting gamma, no row stopping mid-round).
 eval.measure_recommended searches tree shapes too (eval/tree_search.py) and measures the recommended setting.
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdistill.decoding import Drafter
+from specdistill.decoding import Drafter, Sampler
 from specdistill.decoding.kv import BatchKV, CacheMode, device_of
 from specdistill.decoding.tree import TreeShape
 from specdistill.eval.batches import PromptBatch
@@ -167,8 +167,8 @@ class TreeCost:
     shape: str
     nodes: int            # drafted nodes per round; the target verifies nodes + 1
     target_step_ms: float
-    draft_round_ms: float  # propose_tree() in the steady state (after a committed round)
-    draft_prefill_ms: float  # the first propose_tree() after start()
+    draft_round_ms: float  # propose() in the steady state (after a committed round)
+    draft_prefill_ms: float  # the first propose() after start()
     verify_ms: float      # one forward of nodes + 1 tokens with the tree's mask
     d: float              # draft_round_ms / target_step_ms
     v: float              # verify_ms / target_step_ms
@@ -177,7 +177,7 @@ class TreeCost:
 @torch.no_grad()
 def measure_tree_cost(target_model, drafter: Drafter, batch: PromptBatch, shape: TreeShape, reps: int = 5,
                       cache: CacheMode = CacheMode()) -> TreeCost:
-    """Time the drafter's propose_tree(shape) in the steady state and the target's verify forward of its tree, at the
+    """Time the drafter's propose(shape) in the steady state and the target's verify forward of its tree, at the
     batch's context. Between timed rounds the target verifies the tree and every node is rejected (both caches keep
     the root only), as any later round of a generation follows a committed one."""
     device = device_of(target_model)
@@ -188,15 +188,14 @@ def measure_tree_cost(target_model, drafter: Drafter, batch: PromptBatch, shape:
     hidden = {"output_hidden_states": True} if drafter.needs_hidden_states else {}
     prefill = kv.prefill(ids[:, :-1], mask[:, :-1], **hidden)
     drafter.start(ids, mask, target_hidden=getattr(prefill, "hidden_states", None), new_kv=new_kv)
-    tree, first = timed(device, lambda: drafter.propose_tree(shape))
+    greedy = Sampler(0.0)
+    tree, first = timed(device, lambda: drafter.propose(shape, greedy))
     pending = ids[:, -1]                                                     # (B,)
     none = torch.zeros(B, dtype=torch.long, device=device)
     going = torch.ones(B, dtype=torch.bool, device=device)
 
     def verify(tree):
-        out = kv.step(torch.cat([pending[:, None], tree.tokens.to(device)], 1),
-                      positions=kv.length[:, None] + tree.depths().to(device), tail_visible=tree.ancestors().to(device),
-                      **hidden)
+        out = kv.step(torch.cat([pending[:, None], tree.tokens.to(device)], 1), **tree.attention(kv.length), **hidden)
         return out
 
     draft_times, verify_times = [], []
@@ -206,8 +205,8 @@ def measure_tree_cost(target_model, drafter: Drafter, batch: PromptBatch, shape:
         kv.commit_path(root_only, none + 1)                                  # keep the root: the round's pending token
         pending = out.logits[:, 0].argmax(-1)
         root_hidden = None if not hidden else tuple(h[:, :1] for h in out.hidden_states)
-        drafter.commit_path(root_only, none, pending, going, target_hidden=root_hidden)
-        tree, t_draft = timed(device, lambda: drafter.propose_tree(shape))
+        drafter.commit(none, pending, going, target_hidden=root_hidden, path=None if tree.is_chain else root_only)
+        tree, t_draft = timed(device, lambda: drafter.propose(shape, greedy))
         if i:  # the first steady round is a warm-up
             draft_times.append(t_draft)
             verify_times.append(t_verify)

@@ -1,11 +1,11 @@
 """The cost model's search over token-tree shapes: one probe decode with a wide tree, then the tau of every candidate
 shape predicted by replaying its expansion (EAGLE-2: decoding/tree.py) on the probe's trees. Knows nothing of
-models: it reads TreeRound records (decoding/tree_generate.py) and takes costs as numbers.
+models: it reads the RoundRecords of tree decodes (decoding/generate.py) and takes costs as numbers.
 
 The probe decodes a few prompts with TreeShape(4, D): every scored node kept, 4 + (D-1) * 16 of them. For each of its
 rounds (M row-rounds) and node u it knows u's cumulative draft score, its parent, its children (the probe's beams
 have 4, ranked by score, other nodes none) and node_prob(u), the target's probability of u's token at its parent.
-Recursive rejection over top-k children accepts child x with probability p(x) (tree_verify.py), so verification
+Recursive rejection over top-k children accepts child x with probability p(x) (decoding/verify.py), so verification
 reaches u with probability R(u) = prod of node_prob along u's path (0 or 1 at temperature 0), and a tree T accepts
 E[n] = sum_{u in T} R(u) drafted tokens per round: tau(T) = 1 + the mean of that sum over the probe's rounds.
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from specdistill.decoding.tree import TreeShape
-from specdistill.decoding.tree_generate import TreeRound
+from specdistill.decoding.generate import RoundRecord
 from specdistill.eval.tree_cost import Setting, VerifyCurve
 
 MAX_TOPK = 4  # the probe's width, and the widest candidate
@@ -45,13 +45,13 @@ class ProbeTrees:
         return self.score.shape[0]
 
 
-def probe_trees(shape: TreeShape, rounds: list[TreeRound]) -> ProbeTrees | None:
-    """The full-shape rounds of probe decodes with `shape` (TreeRound records), active rows only; None when every round
+def probe_trees(shape: TreeShape, rounds: list[RoundRecord]) -> ProbeTrees | None:
+    """The full-shape rounds of probe decodes with `shape` (their RoundRecords), active rows only; None when every round
     was cut short (a budget of max_new_tokens <= the probe's depth)."""
     score, reach, children = [], [], []
     for r in rounds:
-        tree = r.tree
-        if tree is None or tree.num_nodes != shape.size or tree.max_depth != shape.max_depth:
+        tree = r.proposal
+        if tree is None or tree.is_chain or tree.num_nodes != shape.size or tree.max_depth != shape.max_depth:
             continue
         rows = r.active.to(tree.tokens.device).nonzero().flatten()
         if rows.numel() == 0:

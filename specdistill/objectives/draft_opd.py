@@ -30,10 +30,10 @@ micro-batch at a time and rescales the gradients by the step's global count afte
 (train/loop.py: accumulate). The replay buffer's updates of a step's micro-batches (priorities, new rejections) wait
 for end_step(), so every micro-batch of a step samples the buffer as it was when the step began, whatever the split.
 
-Token trees (objective.tree_topk > 0): rollouts decode with trees through the evaluator's tree decoder
-(decoding/tree_generate.py); every context of a tree (the root and each node with a child: the accepted path, the
-rejected siblings and the nodes under them) is one position, trained on its own context (off-path ones on branch
-rows), weighted by reach, the probability that verification reaches its node (onpolicy/tree_positions.py,
+Token trees (objective.tree_topk > 0): rollouts decode with trees through the evaluator's decoder (a tree shape as
+decoding.speculative_generate's strategy); every context of a tree (the root and each node with a child: the accepted
+path, the rejected siblings and the nodes under them) is one position, trained on its own context (off-path ones on
+branch rows), weighted by reach, the probability that verification reaches its node (onpolicy/positions.py,
 tree_opd_loss below).
 
 Config and state: DraftOPDObjective's fields mirror conf/objective/draft_opd.yaml; everything a run accumulates
@@ -67,7 +67,6 @@ from specdistill.onpolicy.weights import WEIGHTINGS, position_weights, tree_reac
 from specdistill.decoding import DRAFT_POLICIES, draft_temperature
 from specdistill.decoding.kv import max_positions
 from specdistill.decoding.tree import TreeShape
-from specdistill.decoding.tree_generate import proposes_trees
 from specdistill.tensors import unwrap, unwrap_target
 from specdistill.tokens import eos_ids, pad_id
 
@@ -391,7 +390,7 @@ class DraftOPDObjective(Objective):
         adapter = draft_adapter(draft)
         adapter.check_target(target, "on-policy distillation compares the two distributions token by token; use a "
                              "draft with the target's tokenizer")
-        if self.tree_shape() is not None and not proposes_trees(adapter.drafter()):
+        if self.tree_shape() is not None and not adapter.drafter().grows_trees:
             raise ValueError(f"objective.tree_topk={self.tree_topk}: a {adapter.kind} draft cannot score alternatives "
                              "(it drafts one token per position), so it cannot grow token trees; set "
                              "objective.tree_topk=0 for chain rollouts (LM drafts and EAGLE-3 heads grow trees)")
@@ -494,7 +493,7 @@ def tree_opd_loss(p_logits: torch.Tensor, q_logits: torch.Tensor, parent: torch.
     """Draft-OPD's loss on one tree rollout's contexts, as a scalar: sum_u reach(u) D(p_u || q_u) / P.
 
     p_logits (P, V) the target's logits at each context (the node's row of the verify forward), q_logits (P, V) the
-    draft's there (with grad); parent (P,) long, edge (P,): DraftedPositions' (tree_positions.py); div(p, q) -> (P,)
+    draft's there (with grad); parent (P,) long, edge (P,): DraftedPositions' (onpolicy/positions.py); div(p, q) -> (P,)
     per-position divergence. reach(u) = prod of edge along u's path (detached). The objective returns the same
     terms per position (StepOutput: loss (P,), weight (P,)) and the loop divides by the global count."""
     return (div(p_logits, q_logits) * tree_reach_weights(parent, edge)).sum() / max(p_logits.shape[0], 1)

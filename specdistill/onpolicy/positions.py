@@ -1,12 +1,28 @@
 """Drafted positions (Draft-OPD, arXiv 2605.29343): the containers a rollout fills, and their assembly from the
-RoundRecords of a recorded speculative rollout. Knows nothing of drafts or objectives; see onpolicy/rollout.py for
-the categories and the row layout."""
+RoundRecords of a recorded speculative rollout, chains or token trees. Knows nothing of drafts or objectives; see
+onpolicy/rollout.py for the categories and the row layout.
+
+A round has a context at the root (the pending token) and at every node with a child: the draft's distribution
+there chose those children, and the target scored it in the verify forward (its row of that node). A chain's are
+its root and drafts d_1..d_{K-1}, each proposing the next draft. Each context becomes one drafted position:
+  on the accepted path  the trajectory's own prefix (base + depth tokens); ACCEPTED when the path goes on below it,
+                        FIRST_REJECTED at the last accepted node (verification rejected its children)
+  off the path          after a rejection: AFTER_REJECTION, on a branch row (the trajectory up to the round's root,
+                        then the node's path), kept with branches=True when the round emitted its whole path
+A tree's positions also get parent (P,), the position of the context's parent node (-1 at the root), and edge (P,),
+the probability that verification moves from the parent to the node, the target's probability of its token there
+(0/1 at temperature 0: recursive rejection accepts a top-k child x with probability p(x)); the reach weight of a
+position is the product of edge along its path (onpolicy/weights.py: tree_reach_weights). index is the node's depth
+(an EAGLE-3 head's step). One branch row serves a chain of off-path contexts (each a prefix of the deepest one's row).
+Chains are built all positions at once (the fast path), trees row by row.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 
 ACCEPTED, FIRST_REJECTED, AFTER_REJECTION = 0, 1, 2
@@ -91,8 +107,8 @@ class DraftedPositions:
     stats: RolloutStats = field(default_factory=RolloutStats)
     source: Optional[list[int]] = None   # R: the trajectory each row comes from (a branch: its round's row)
     aux: Optional[torch.Tensor] = None   # EAGLE-3 heads: (R, L, n_aux * Ht) the target's aux hidden states per row
-    # token-tree rollouts (onpolicy/tree_positions.py): each position's parent position (-1 at a round's root) and
-    # the probability that verification moves from it to this context's node; None for chains
+    # token-tree rollouts (module docstring): each position's parent position (-1 at a round's root) and the
+    # probability that verification moves from it to this context's node; None for chains
     parent: Optional[torch.Tensor] = None  # (P,) long
     edge: Optional[torch.Tensor] = None    # (P,) float
 
@@ -124,58 +140,159 @@ def row_features(hidden: torch.Tensor, prompt_mask: torch.Tensor, rows: list[tor
 
 
 # ----------------------------------------------------------------------------------------------- assisted
+_KEYS = ("row", "ctx", "tok", "cat", "acc", "rid", "idx", "alpha")
+
+
+@dataclass
+class _Positions:
+    """What positions_from_rounds() fills round by round."""
+
+    trajs: list[torch.Tensor]      # B final trajectories (prompt + generated tokens)
+    rows: list[torch.Tensor]       # the trajectories, then one branch row per off-path chain of contexts
+    source: list[int]              # each row's trajectory
+    plen: torch.Tensor             # (B,) prompt lengths
+    stats: RolloutStats
+    parts: dict[str, list[torch.Tensor]] = field(default_factory=lambda: {k: [] for k in _KEYS + ("parent", "edge")})
+    targets: list[TargetLogits] = field(default_factory=list)
+    rid: int = 0                   # the next round's first round id (one per (round, row))
+    count: int = 0                 # positions so far
+
+    def add(self, cols: dict[str, torch.Tensor], target: TargetLogits) -> None:
+        for k, v in cols.items():
+            self.parts[k].append(v)
+        self.targets.append(target)
+        self.count += len(target)
+
+
 def positions_from_rounds(prompt_ids, prompt_mask, rollout, top_k: int, branches: bool) -> DraftedPositions:
-    """Turn the RoundRecords of a recorded speculative rollout into drafted positions."""
+    """Turn the RoundRecords of a recorded speculative rollout (chains or trees) into drafted positions."""
     B = prompt_ids.shape[0]
     device = prompt_ids.device
     trajs = trajectories(prompt_ids, prompt_mask, rollout.sequences.to(device), rollout.num_new_tokens.to(device))
-    rows, source = list(trajs), list(range(B))
     plen = prompt_mask.long().sum(1)                                         # (B,)
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("row", "ctx", "tok", "cat", "acc", "rid", "idx", "alpha")}
-    targets: list[TargetLogits] = []
     n_new = int(rollout.num_new_tokens.sum())
     stats = RolloutStats(rows=B, new_tokens=n_new, emitted=n_new, target_forwards=int(rollout.target_forwards.sum()),
                          target_tokens=int((plen - 1).sum()))                # the prefill feeds prompt[:-1]
-    rid = 0
+    acc = _Positions(trajs, list(trajs), list(range(B)), plen, stats)
+    trees = False
     for rnd in rollout.rounds:
-        K = rnd.gamma
-        active = rnd.active.to(device)
-        stats.target_tokens += int(active.sum()) * (K + 1)
-        if K == 0:
-            continue
-        n, count = rnd.num_accepted.to(device), rnd.num_emitted.to(device)   # (B,)
-        i = torch.arange(K, device=device).expand(B, K)                      # (B, K)
-        category = torch.where(i < n[:, None], ACCEPTED, torch.where(i == n[:, None], FIRST_REJECTED, AFTER_REJECTION))
-        # On the trajectory: contexts within what the round emitted (drafts past an EOS inside the accepted run are
-        # dropped). After a rejection: kept when the whole accepted run + correction was emitted.
-        on_traj = i < count[:, None]
-        off_traj = (i > n[:, None]) & (count == n + 1)[:, None]
-        keep = active[:, None] & (on_traj | (off_traj & branches))          # (B, K)
-        stats.drafted += int((active[:, None] & (i <= n[:, None])).sum())   # what the verifier decided on
-        stats.accepted += int((rnd.accepted.to(device) & active[:, None]).sum())
-        stats.alpha += float((rnd.alpha.to(device) * (active[:, None] & (i <= n[:, None]))).sum())
-        base = plen + rnd.offset.to(device)                                  # (B,) context length at draft 0
-        row = torch.arange(B, device=device)[:, None].expand(B, K).clone()  # (B, K)
-        drafts = rnd.draft_tokens.to(device)
-        for b in (keep & off_traj).any(1).nonzero().flatten().tolist():     # one branch row per such round
-            nb, start = int(n[b]), int(base[b])
-            row[b, nb + 1:] = len(rows)
-            rows.append(torch.cat([trajs[b][: start + nb], drafts[b, nb: K - 1]]))
-            source.append(b)
-        sel = keep.nonzero(as_tuple=True)                                    # row-major: rounds contiguous, by index
-        parts["row"].append(row[sel])
-        parts["ctx"].append((base[:, None] + i)[sel])
-        parts["tok"].append(drafts[sel])
-        parts["cat"].append(category[sel])
-        parts["acc"].append(rnd.accepted.to(device)[sel])
-        parts["rid"].append((rid + torch.arange(B, device=device)[:, None].expand(B, K))[sel])
-        parts["idx"].append(i[sel])
-        parts["alpha"].append(rnd.alpha.to(device).float()[sel])
-        targets.append(TargetLogits.from_logits(rnd.target_logits[:, :K].to(device)[sel], top_k))
-        rid += B
-    out = assemble_positions(rows, parts, targets, stats)
-    out.source = source
+        stats.target_tokens += int(rnd.active.sum()) * (rnd.proposal.num_nodes + 1)
+        if rnd.proposal.is_chain:
+            _chain_round(acc, rnd, top_k, branches)
+        else:
+            trees = True
+            _tree_round(acc, rnd, top_k, branches)
+        acc.rid += B
+    out = assemble_positions(acc.rows, {k: acc.parts[k] for k in _KEYS}, acc.targets, stats)
+    out.source = acc.source
+    if trees:
+        out.parent = torch.cat(acc.parts["parent"]) if acc.parts["parent"] else torch.zeros(0, dtype=torch.long,
+                                                                                                  device=device)
+        out.edge = torch.cat(acc.parts["edge"]) if acc.parts["edge"] else torch.zeros(0, device=device)
     return out
+
+
+def _chain_round(acc: _Positions, rnd, top_k: int, branches: bool) -> None:
+    """A chain's positions, all at once: draft position i's context is the root and d_1..d_i."""
+    K = rnd.gamma
+    if K == 0:
+        return
+    device = acc.plen.device
+    B = acc.plen.shape[0]
+    active = rnd.active.to(device)
+    n, count = rnd.num_accepted.to(device), rnd.num_emitted.to(device)   # (B,)
+    i = torch.arange(K, device=device).expand(B, K)                      # (B, K)
+    category = torch.where(i < n[:, None], ACCEPTED, torch.where(i == n[:, None], FIRST_REJECTED, AFTER_REJECTION))
+    # On the trajectory: contexts within what the round emitted (drafts past an EOS inside the accepted run are
+    # dropped). After a rejection: kept when the whole accepted run + correction was emitted.
+    on_traj = i < count[:, None]
+    off_traj = (i > n[:, None]) & (count == n + 1)[:, None]
+    keep = active[:, None] & (on_traj | (off_traj & branches))          # (B, K)
+    acc.stats.drafted += int((active[:, None] & (i <= n[:, None])).sum())   # what the verifier decided on
+    acc.stats.accepted += int((rnd.accepted.to(device) & active[:, None]).sum())
+    acc.stats.alpha += float((rnd.alpha.to(device) * (active[:, None] & (i <= n[:, None]))).sum())
+    base = acc.plen + rnd.offset.to(device)                              # (B,) context length at draft 0
+    row = torch.arange(B, device=device)[:, None].expand(B, K).clone()  # (B, K)
+    drafts = rnd.draft_tokens.to(device)
+    for b in (keep & off_traj).any(1).nonzero().flatten().tolist():     # one branch row per such round
+        nb, start = int(n[b]), int(base[b])
+        row[b, nb + 1:] = len(acc.rows)
+        acc.rows.append(torch.cat([acc.trajs[b][: start + nb], drafts[b, nb: K - 1]]))
+        acc.source.append(b)
+    sel = keep.nonzero(as_tuple=True)                                    # row-major: rounds contiguous, by index
+    acc.add({"row": row[sel], "ctx": (base[:, None] + i)[sel], "tok": drafts[sel], "cat": category[sel],
+             "acc": rnd.accepted.to(device)[sel], "rid": (acc.rid + torch.arange(B, device=device)[:, None]
+                                                          .expand(B, K))[sel],
+             "idx": i[sel], "alpha": rnd.alpha.to(device).float()[sel]},
+            TargetLogits.from_logits(rnd.target_logits[:, :K].to(device)[sel], top_k))
+
+
+def _tree_round(acc: _Positions, rnd, top_k: int, branches: bool) -> None:
+    """A tree's positions, row by row: its contexts (the root and every node with a child), with parent and edge."""
+    if rnd.contexts is None:
+        raise ValueError("tree positions need a recorded tree rollout: speculative_generate(record=True)")
+    device = acc.plen.device
+    tree = rnd.proposal
+    B, N = tree.tokens.shape
+    ancestors = tree.ancestors().cpu()                                   # (B, N+1, N+1)
+    depths = tree.depths().cpu()                                         # (B, N+1)
+    parents = F.pad(tree.parents, (1, 0), value=-1).cpu()                # (B, N+1), the root's: -1
+    node_tokens = F.pad(tree.tokens, (1, 0)).cpu()                       # (B, N+1)
+    first_child = tree.children()[..., 0].cpu()                          # (B, N+1)
+    edge_all = F.pad(rnd.node_prob.float(), (1, 0), value=1.0).cpu()     # (B, N+1)
+    child_mass = torch.zeros(B, N + 1).scatter_add_(1, tree.parents.cpu(), rnd.node_prob.float().cpu())
+    path, n_acc, active = rnd.path.cpu(), rnd.num_accepted.tolist(), rnd.active.tolist()
+    emitted, offset, plen = rnd.num_emitted.tolist(), rnd.offset.tolist(), acc.plen.tolist()
+    contexts = rnd.contexts.cpu()
+    for b in range(B):
+        if not active[b]:
+            continue
+        n = n_acc[b]
+        on_path = torch.zeros(N + 1, dtype=torch.bool)
+        on_path[path[b, : n + 1]] = True
+        base = plen[b] + offset[b]                                       # the trajectory up to the root
+        ctx = [(j, u) for j, u in enumerate(contexts[b].tolist()) if u >= 0]  # (column, node) in node order
+        whole = emitted[b] == n + 1
+        keep = [(j, u) for j, u in ctx if (on_path[u] and depths[b, u] < emitted[b]) or
+                (not on_path[u] and branches and whole)]
+        acc.stats.drafted += sum(1 for _, u in ctx if on_path[u])
+        acc.stats.accepted += n
+        acc.stats.alpha += float(sum(child_mass[b, u] for _, u in ctx if on_path[u]))
+        if not keep:
+            continue
+        local = {u: k for k, (_, u) in enumerate(keep)}
+        # Branch rows: deepest off-path contexts first, each parent off the path reuses its child's row.
+        row_of: dict[int, int] = {}
+        for _, u in reversed(keep):
+            if on_path[u]:
+                continue
+            if u not in row_of:
+                nodes = ancestors[b, u].nonzero().flatten()
+                nodes = nodes[nodes > 0][depths[b, nodes[nodes > 0]].argsort()]
+                row_of[u] = len(acc.rows)
+                acc.rows.append(torch.cat([acc.trajs[b][:base], node_tokens[b, nodes].to(device)]))
+                acc.source.append(b)
+            p = int(parents[b, u])
+            if p >= 0 and not on_path[p] and p not in row_of:
+                row_of[p] = row_of[u]
+        cols: dict[str, list] = {k: [] for k in _KEYS + ("parent", "edge")}
+        for _, u in keep:
+            d, on, p = int(depths[b, u]), bool(on_path[u]), int(parents[b, u])
+            child = path[b, d + 1] if on and d < n else first_child[b, u]  # the accepted child, else the best
+            cols["row"].append(b if on else row_of[u])
+            cols["ctx"].append(base + d)
+            cols["cat"].append(ACCEPTED if on and d < n else FIRST_REJECTED if on else AFTER_REJECTION)
+            cols["acc"].append(on and d < n)
+            cols["tok"].append(int(node_tokens[b, child]))
+            cols["rid"].append(acc.rid + b)
+            cols["idx"].append(d)
+            cols["alpha"].append(float(child_mass[b, u]))
+            cols["parent"].append(-1 if p < 0 else acc.count + local[p])
+            cols["edge"].append(float(edge_all[b, u]))
+        floats = ("alpha", "edge")
+        acc.add({k: torch.tensor(v, dtype=torch.float if k in floats else torch.long, device=device)
+                 for k, v in cols.items()},
+                TargetLogits.from_logits(rnd.target_logits[b, [j for j, _ in keep]].to(device), top_k))
 
 
 def assemble_positions(rows, parts, targets, stats) -> DraftedPositions:

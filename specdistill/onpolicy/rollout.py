@@ -25,15 +25,13 @@ from typing import Optional
 
 import torch
 
-from specdistill.decoding import (DEFAULT_DRAFT_POLICY, CacheMode, draft_temperature, probs_from_logits,
-                                  speculative_generate, target_generate, verify_greedy, verify_sampling)
+from specdistill.decoding import (DEFAULT_DRAFT_POLICY, CacheMode, Proposal, draft_temperature, probs_from_logits,
+                                  speculative_generate, target_generate, verify)
 from specdistill.decoding.tree import TreeShape
-from specdistill.decoding.tree_generate import tree_generate
 from specdistill.drafts import draft_adapter
 from specdistill.onpolicy.positions import (ACCEPTED, AFTER_REJECTION, FIRST_REJECTED, DraftedPositions,
                                            RolloutStats, TargetLogits, assemble_positions, positions_from_rounds,
                                            row_features, trajectories)
-from specdistill.onpolicy.tree_positions import positions_from_tree_rounds
 from specdistill.output_positions import output_position_buckets
 from specdistill.tensors import pad_rows, position_ids
 
@@ -111,11 +109,11 @@ def _free_rollout(target_model, draft_model, prompt_ids, prompt_mask, *, gamma, 
             drafts = trajs[b][ctx][None]                                      # (1, K) drafted = generated tokens
             tl = t_logits[b][ctx[0] - 1: ctx[-1] + 1][None]                  # (1, K+1, V) at [pending, d_1..d_K]
             if temperature == 0:
-                verdict = verify_greedy(drafts, tl)
+                verdict = verify(Proposal(drafts), tl)
             else:
                 p = probs_from_logits(tl, temperature)
                 q = None if d_logits is None else probs_from_logits(d_logits[b][ctx - 1][None], temperature)
-                verdict = verify_sampling(drafts, q, p, generator)  # q None: one-hot at the (greedy) drafts
+                verdict = verify(Proposal(drafts, q), tl, p, generator)  # q None: one-hot at the (greedy) drafts
             n = int(verdict.num_accepted)
             i = torch.arange(K, device=device)
             parts["row"].append(torch.full((K,), b, device=device))
@@ -154,8 +152,9 @@ def collect_rollout(target_model, draft_model, prompt_ids: torch.Tensor, prompt_
     temperature > 0 (decoding.DRAFT_POLICIES; greedy = argmax drafts verified one-hot, as the engines serve).
     Drafts that read target features per row (EAGLE-3) get them from the verify forwards (no second target pass).
     cache: the KV caches of the speculative decoding (decoding.CacheMode: static or compiled; None: growing).
-    tree: decode token trees of this shape instead of chains of gamma (decoding/tree_generate.py; draft_policy greedy,
-    assist only); the positions are the trees' contexts, with parent and edge for reach weights (tree_positions.py).
+    tree: decode token trees of this shape instead of chains of gamma (decoding.speculative_generate's strategy;
+    draft_policy greedy, assist only); the positions are the trees' contexts, with parent and edge for reach weights
+    (onpolicy/positions.py).
     """
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1 for on-policy rollouts, got {gamma}")
@@ -182,12 +181,9 @@ def collect_rollout(target_model, draft_model, prompt_ids: torch.Tensor, prompt_
     common = dict(max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos_token_id,
                   generator=generator, record=True, draft_policy=draft_policy, capture_layers=layers,
                   cache=cache or CacheMode())
-    if tree is not None:  # token trees: the contexts of every round's tree (onpolicy/tree_positions.py)
-        rollout = tree_generate(target_model, draft.drafter(), prompt_ids, prompt_mask, tree=tree, **common)
-        positions = positions_from_tree_rounds(prompt_ids, prompt_mask, rollout, top_k, branches)
-    else:
-        rollout = speculative_generate(target_model, draft.drafter(), prompt_ids, prompt_mask, gamma=gamma, **common)
-        positions = positions_from_rounds(prompt_ids, prompt_mask, rollout, top_k, branches)
+    rollout = speculative_generate(target_model, draft.drafter(), prompt_ids, prompt_mask,
+                                   strategy=gamma if tree is None else tree, **common)
+    positions = positions_from_rounds(prompt_ids, prompt_mask, rollout, top_k, branches)
     positions.stats.output_buckets = output_position_buckets(rollout.rounds)  # the evaluator's buckets
     if layers:
         positions.aux = row_features(rollout.hidden, prompt_mask, positions.rows, positions.source)

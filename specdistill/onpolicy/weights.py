@@ -5,7 +5,7 @@ reach: position i of a round weighs prod_{j<i} alpha_j, the probability that spe
        this is the weight a position's acceptance has in the speedup.
 decay: accepted positions and the first rejected one weigh 1; the k-th position after the first rejection weighs
        decay^k (Draft-OPD's rejected-draft stream, 0.9^(offset-1) with offset 1 = the first rejected).
-tree reach (token-tree rollouts, onpolicy/tree_positions.py): a context weighs the probability that verification
+tree reach (token-tree rollouts, onpolicy/positions.py): a context weighs the probability that verification
        reaches its node, the product of edge (the probability of moving from a node to its child) along its path;
        the chain's reach is the special case of a tree with one child per node.
 """

@@ -61,7 +61,7 @@ def tau_of(target_model, draft, prompt_ids: list[list[int]], *, gamma: int, max_
     for i, p in enumerate(prompt_ids):
         ids = torch.tensor([p], device=device)
         gen = torch.Generator(device=device).manual_seed(seed + i) if temperature > 0 else None
-        r = speculative_generate(target_model, drafter, ids, torch.ones_like(ids), gamma=gamma,
+        r = speculative_generate(target_model, drafter, ids, torch.ones_like(ids), strategy=gamma,
                                  max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos,
                                  generator=gen)
         reached, hit = r.position_proposed[:gamma].cpu().float(), r.position_accepted[:gamma].cpu().float()

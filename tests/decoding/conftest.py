@@ -98,10 +98,11 @@ class RecordsTrees:
         self.trees, self.paths = [], []
         super().start(*args, **kwargs)
 
-    def commit_path(self, path, num_accepted, next_token, active, target_hidden=None):
-        self.trees.append(self.tree)
-        self.paths.append((path, num_accepted, active))
-        super().commit_path(path, num_accepted, next_token, active, target_hidden)
+    def commit_begin(self, num_accepted, next_token, active, target_hidden=None, path=None):
+        if path is not None:
+            self.trees.append(self.tree)
+            self.paths.append((path, num_accepted, active))
+        return super().commit_begin(num_accepted, next_token, active, target_hidden, path)
 
 
 def branch_counts(drafter: RecordsTrees) -> tuple[int, int, int]:

@@ -49,7 +49,7 @@ def test_greedy_speculative_equals_target_only(arch, attn):
     reference = target_generate(target, ids, mask, max_new_tokens=MAX_NEW)
     accepted = rejected = 0
     for gamma in range(1, 6):
-        r = speculative_generate(target, drafter, ids, mask, gamma=gamma, max_new_tokens=MAX_NEW)
+        r = speculative_generate(target, drafter, ids, mask, strategy=gamma, max_new_tokens=MAX_NEW)
         assert torch.equal(r.sequences, reference.sequences), f"{arch} gamma={gamma}"
         for rnd in r.rounds:
             accepted += int(rnd.num_accepted.sum())
@@ -93,7 +93,7 @@ def test_sampling_with_a_sliding_window_follows_the_target(chi_square_pvalue, fi
     prompts = [[3, 9, 4, 9, 4], [7, 2, 5, 8], [5, 11, 6, 8, 13, 10]]
     K = len(prompts)
     ids, mask = interleaved_prompts(prompts, N)
-    out = speculative_generate(target, LMDrafter(draft), ids, mask, gamma=2, max_new_tokens=3, temperature=1.0,
+    out = speculative_generate(target, LMDrafter(draft), ids, mask, strategy=2, max_new_tokens=3, temperature=1.0,
                                generator=torch.Generator().manual_seed(0))
     assert 0.1 < out.acceptance_per_position[0] < 0.9
     for k, prompt in enumerate(prompts):

@@ -73,7 +73,7 @@ def test_speculative_decoding_compiles_each_graph_once_and_keeps_the_eager_token
     for seed, lengths in enumerate([[11, 6, 3], [4, 9, 7, 5]]):  # one bucket: fewer graphs to trace
         ids, mask = _batch(lengths, seed)
         reference = target_generate(target, ids, mask, max_new_tokens=MAX_NEW)
-        rollout = speculative_generate(target, drafter, ids, mask, gamma=3, max_new_tokens=MAX_NEW, cache=COMPILED)
+        rollout = speculative_generate(target, drafter, ids, mask, strategy=3, max_new_tokens=MAX_NEW, cache=COMPILED)
         assert torch.equal(rollout.sequences, reference.sequences), lengths
     for model in (target, drafter.model):
         stats = compile_stats(model)
@@ -172,8 +172,8 @@ def test_a_static_cache_hands_attention_the_columns_a_growing_cache_does(monkeyp
     drafter = LMDrafter(_perturbed(target, 0.1))
     ids, mask = _batch([11, 6, 3], 0)
     growing, static = _Widths(monkeypatch, DynamicLayer), _Widths(monkeypatch, ColumnLayer)
-    a = speculative_generate(target, drafter, ids, mask, gamma=3, max_new_tokens=16)
-    b = speculative_generate(target, drafter, ids, mask, gamma=3, max_new_tokens=16, cache=CacheMode(static=True))
+    a = speculative_generate(target, drafter, ids, mask, strategy=3, max_new_tokens=16)
+    b = speculative_generate(target, drafter, ids, mask, strategy=3, max_new_tokens=16, cache=CacheMode(static=True))
     assert torch.equal(a.sequences, b.sequences)
     assert len(static.widths) == len(growing.widths) > 20
     assert all(s <= g for s, g in zip(static.widths, growing.widths))
@@ -208,15 +208,15 @@ def test_compiled_steps_refuse_kwargs_outside_their_fixed_set():
 def test_compiled_token_trees_pad_to_width_buckets_and_keep_the_eager_tokens(no_recompiles):
     """Tree steps (target verification of N+1 nodes, the draft's beams per depth) run at power-of-two widths with
     padding slots dropped after the forward: greedy output stays the target's, every width is a power of two."""
-    from specdistill.decoding import TreeShape, tree_generate
+    from specdistill.decoding import TreeShape
 
     target = tiny_target("llama")
     drafter = LMDrafter(_perturbed(target, 0.1))
     ids, mask = _batch([9, 5, 3], 0)
     reference = target_generate(target, ids, mask, max_new_tokens=6)
     for _ in range(2):
-        rollout = tree_generate(target, drafter, ids, mask, tree=TreeShape(topk=2, depth=2, nodes=4),
-                                max_new_tokens=6, cache=COMPILED)
+        rollout = speculative_generate(target, drafter, ids, mask, strategy=TreeShape(topk=2, depth=2, nodes=4),
+                                       max_new_tokens=6, cache=COMPILED)
         assert torch.equal(rollout.sequences, reference.sequences)
     for model in (target, drafter.model):
         stats = compile_stats(model)
@@ -236,6 +236,6 @@ def test_compiled_sliding_window_layers_keep_the_eager_tokens(no_recompiles):
     ids, mask = _batch([11, 6, 3], 0)
     reference = target_generate(target, ids, mask, max_new_tokens=LONG)
     drafter = LMDrafter(_perturbed(target, NOISE["gemma3"]))
-    rollout = speculative_generate(target, drafter, ids, mask, gamma=3, max_new_tokens=LONG, cache=COMPILED)
+    rollout = speculative_generate(target, drafter, ids, mask, strategy=3, max_new_tokens=LONG, cache=COMPILED)
     assert torch.equal(rollout.sequences, reference.sequences)
     assert set(compile_stats(target).compiles.values()) == {1}

@@ -6,8 +6,7 @@ import os
 import pytest
 import torch
 
-from specdistill.decoding import (CacheMode, LMDrafter, compile_stats, speculative_generate, target_generate,
-                                  tree_generate, TreeShape)
+from specdistill.decoding import CacheMode, LMDrafter, TreeShape, compile_stats, speculative_generate, target_generate
 from specdistill.decoding.compiled import decoding_of
 from specdistill.drafts.eagle3 import Eagle3Drafter
 from tests.conftest import left_padded_prompts, make_tiny_lm, noisy_eagle3_head
@@ -35,9 +34,9 @@ def test_back_to_back_calls_reuse_slot_zero_and_compile_nothing(kind, no_gc):
         if kind == "target":
             return target_generate(target, ids, mask, max_new_tokens=8, cache=cache)
         if kind == "chain":
-            return speculative_generate(target, drafter, ids, mask, gamma=3, max_new_tokens=8, cache=cache)
-        return tree_generate(target, drafter, ids, mask, tree=TreeShape(topk=2, depth=2), max_new_tokens=8,
-                             cache=cache)
+            return speculative_generate(target, drafter, ids, mask, strategy=3, max_new_tokens=8, cache=cache)
+        return speculative_generate(target, drafter, ids, mask, strategy=TreeShape(topk=2, depth=2), max_new_tokens=8,
+                                    cache=cache)
 
     first = decode(COMPILED)
     held = drafter.kv if kind != "target" else None  # the first call's draft cache, still referenced
@@ -114,7 +113,7 @@ def test_a_speculative_round_syncs_the_host_once(drafter_kind, monkeypatch):
         drafter = Eagle3Drafter(noisy_eagle3_head(target, V, 0).eval())
         ids, mask = left_padded_prompts([7, 4, 3], seed=0, vocab=V)
     syncs = _HostSyncs(monkeypatch)
-    rollout = speculative_generate(target, drafter, ids, mask, gamma=3, max_new_tokens=12)
+    rollout = speculative_generate(target, drafter, ids, mask, strategy=3, max_new_tokens=12)
     in_rounds = {f: n for f, n in syncs.by_function.items()
                  if f not in ("_check_inputs", "start", "prefill")}  # once per call, before the first round
     assert len(rollout.rounds) >= 3

@@ -7,7 +7,8 @@ import torch
 from specdistill.decoding import (DRAFT_POLICIES, LMDrafter, Sampler, check_draft_policy, speculative_generate,
                                   target_generate)
 from specdistill.decoding.sampling import sample
-from specdistill.decoding.verify import verify_sampling
+from specdistill.decoding.tree import Proposal
+from specdistill.decoding.verify import verify
 
 N = 20000  # rows per verify call: one vectorized Monte-Carlo batch
 
@@ -26,7 +27,8 @@ DRAFTS = torch.tensor([7, 0, 2])
 
 def _verify(p=P, drafts=DRAFTS, seed=0):
     K, V = len(drafts), p.shape[-1]
-    return verify_sampling(drafts.expand(N, K), None, p.expand(N, K + 1, V), torch.Generator().manual_seed(seed))
+    return verify(Proposal(drafts.expand(N, K)), target_probs=p.expand(N, K + 1, V),
+                  generator=torch.Generator().manual_seed(seed))
 
 
 def _emitted(v, i):
@@ -102,7 +104,7 @@ def test_both_policies_are_token_identical_to_target_only_at_temperature_0(polic
     target, draft = tiny_lm(0), tiny_lm(1)
     ids, mask = ragged_prompts
     ref = target_generate(target, ids, mask, max_new_tokens=20)
-    r = speculative_generate(target, LMDrafter(draft), ids, mask, gamma=3, max_new_tokens=20, draft_policy=policy)
+    r = speculative_generate(target, LMDrafter(draft), ids, mask, strategy=3, max_new_tokens=20, draft_policy=policy)
     assert torch.equal(r.sequences, ref.sequences)
     assert 0 < int(r.position_accepted.sum()) < int(r.position_proposed.sum())  # accepted and rejected drafts
 
@@ -113,7 +115,7 @@ def test_greedy_policy_at_temperature_1_drafts_the_argmax(tiny_lm, ragged_prompt
     earlier drafts), while the target samples: the proposal verification treats as one-hot is the one made."""
     target, draft = tiny_lm(0), tiny_lm(1)
     ids, mask = ragged_prompts
-    r = speculative_generate(target, LMDrafter(draft), ids, mask, gamma=3, max_new_tokens=12, temperature=1.0,
+    r = speculative_generate(target, LMDrafter(draft), ids, mask, strategy=3, max_new_tokens=12, temperature=1.0,
                              generator=torch.Generator().manual_seed(0), record=True, draft_policy="greedy")
     checked = 0
     for rnd in r.rounds:

@@ -7,6 +7,7 @@ from specdistill.decoding import probs_from_logits, speculative_generate, target
 from specdistill.drafts.eagle3 import Eagle3Drafter
 from specdistill.decoding.kv import BatchKV
 from specdistill.decoding.sampling import Sampler
+from specdistill.decoding.tree import TreeShape
 from tests.conftest import left_padded_prompts, make_tiny_lm, noisy_eagle3_head
 
 V = 48
@@ -29,8 +30,8 @@ class Traced(Eagle3Drafter):
         super().__init__(head)
         self.trace, self.compacted_after = [], []
 
-    def propose(self, k, sampler):
-        proposal = super().propose(k, sampler)
+    def propose(self, shape, sampler):
+        proposal = super().propose(shape, sampler)
         self.trace.append(self.logits)
         return proposal
 
@@ -104,7 +105,7 @@ def test_greedy_is_token_identical_and_drafts_are_the_ttt_unroll(lengths, fitted
     deep = 0
     for gamma in range(1, 6):
         drafter = Traced(head)
-        r = speculative_generate(target, drafter, ids, mask, gamma=gamma, max_new_tokens=12)
+        r = speculative_generate(target, drafter, ids, mask, strategy=gamma, max_new_tokens=12)
         assert torch.equal(r.sequences, reference.sequences), f"gamma={gamma} B={len(ids)}"
         checked = _check_against_ttt(target, head, ids, mask, r, drafter.trace)  # (rounds, gamma)
         # step 0 checked in every round of every row (the one-token row skips its first round)
@@ -126,7 +127,7 @@ def test_deeper_steps_equal_ttt_when_drafts_were_accepted(vd):
     head.lm_head.weight.data.mul_(0.3)
     ids, mask = left_padded_prompts([14, 5, 1, 9], seed=1)
     drafter = Traced(head)
-    r = speculative_generate(target, drafter, ids, mask, gamma=5, max_new_tokens=120, temperature=1.0,
+    r = speculative_generate(target, drafter, ids, mask, strategy=5, max_new_tokens=120, temperature=1.0,
                              generator=torch.Generator().manual_seed(0), draft_policy="sample")
     checked = _check_against_ttt(target, head, ids, mask, r, drafter.trace)  # (rounds, 5)
     assert (checked.sum(0) >= 20).all(), checked.sum(0)  # every depth 0..4 compared often
@@ -146,7 +147,7 @@ def test_sampling_keeps_the_target_distribution_with_a_reduced_vocab(chi_square_
     both = torch.cat([prompt.expand(Vt, -1), torch.arange(Vt)[:, None]], 1)
     p2 = p1 @ probs_from_logits(target(both).logits[:, -1], 1.0)           # (V,) second-token marginal
     assert p1[~head.t2d].sum() > 0.05  # the target puts real mass where the draft cannot go
-    r = speculative_generate(target, Eagle3Drafter(head), prompt.expand(N, -1), gamma=2, max_new_tokens=3,
+    r = speculative_generate(target, Eagle3Drafter(head), prompt.expand(N, -1), strategy=2, max_new_tokens=3,
                              temperature=1.0, generator=torch.Generator().manual_seed(0), record=True)
     for i, p in enumerate((p1, p2)):
         counts = torch.bincount(r.sequences[:, i], minlength=Vt)
@@ -158,7 +159,7 @@ def test_sampling_keeps_the_target_distribution_with_a_reduced_vocab(chi_square_
     drafter, ones = Eagle3Drafter(head), torch.ones_like(prompt)
     prefill = BatchKV(target).prefill(prompt[:, :-1], ones[:, :-1], output_hidden_states=True)
     drafter.start(prompt, ones, target_hidden=prefill.hidden_states)
-    q = drafter.propose(2, Sampler(1.0, 1.0, torch.Generator().manual_seed(1))).probs    # (1, 2, Vt)
+    q = drafter.propose(TreeShape.chain(2), Sampler(1.0, 1.0, torch.Generator().manual_seed(1))).probs    # (1, 2, Vt)
     assert q.shape == (1, 2, Vt) and bool((q[..., ~head.t2d] == 0).all())
     torch.testing.assert_close(q.sum(-1), torch.ones(1, 2))
 
@@ -170,13 +171,13 @@ def test_a_reduced_vocab_never_proposes_outside_it(temperature, top_p):
     head = _head(target, vd=12)
     ids, mask = left_padded_prompts([7, 3, 5], seed=2)
     drafter = Eagle3Drafter(head)
-    r = speculative_generate(target, drafter, ids, mask, gamma=4, max_new_tokens=16, temperature=temperature,
+    r = speculative_generate(target, drafter, ids, mask, strategy=4, max_new_tokens=16, temperature=temperature,
                              top_p=top_p, generator=torch.Generator().manual_seed(0))
     for rnd in r.rounds:
         assert bool(head.t2d[rnd.draft_tokens].all())
     # the proposal is the head's draft-vocab argmax / sample mapped through d2t
     drafter.start(ids, mask, target(ids[:, :-1], attention_mask=mask[:, :-1], output_hidden_states=True).hidden_states)
-    proposal = drafter.propose(3, Sampler(0.0))
+    proposal = drafter.propose(TreeShape.chain(3), Sampler(0.0))
     assert torch.equal(proposal.tokens, head.draft_to_target(drafter.logits.argmax(-1)))
 
 
@@ -200,17 +201,18 @@ def test_confidence_stops_eagle3_drafting_early_and_stays_lossless(fitted):
     hidden = target(ids[:, :-1], attention_mask=mask[:, :-1], output_hidden_states=True).hidden_states
     full = Eagle3Drafter(head)
     full.start(ids, mask, hidden)
-    chain = full.propose(5, Sampler(0.0)).tokens                            # (B, 5)
+    chain = full.propose(TreeShape.chain(5), Sampler(0.0)).tokens                            # (B, 5)
     conf = full.logits.float().softmax(-1).max(-1).values                   # (B, 5) greedy draft's probability
     threshold = float(conf.max(0).values.median())
     expect = next((j + 1 for j in range(5) if bool((conf[:, j] < threshold).all())), 5)
     short = Eagle3Drafter(head, confidence=threshold)
     short.start(ids, mask, hidden)
-    got = short.propose(5, Sampler(0.0)).tokens
+    got = short.propose(TreeShape.chain(5), Sampler(0.0)).tokens
     assert got.shape[1] == expect < 5 and torch.equal(got, chain[:, :expect])
 
     reference = target_generate(target, ids, mask, max_new_tokens=12)
-    r = speculative_generate(target, Eagle3Drafter(head, confidence=threshold), ids, mask, gamma=5, max_new_tokens=12)
+    r = speculative_generate(target, Eagle3Drafter(head, confidence=threshold), ids, mask, strategy=5,
+                             max_new_tokens=12)
     assert torch.equal(r.sequences, reference.sequences)
     assert any(rnd.gamma < 5 for rnd in r.rounds)
     with pytest.raises(ValueError, match="confidence"):

@@ -5,6 +5,7 @@ import torch
 
 from specdistill.decoding.drafters import LMDrafter, NGramDrafter
 from specdistill.decoding.sampling import Sampler
+from specdistill.decoding.tree import TreeShape
 
 GREEDY = Sampler(0.0)
 
@@ -15,7 +16,7 @@ def _ngram(rows, k, **kwargs):
     ids = torch.tensor([[0] * (T - len(r)) + r for r in rows])
     drafter = NGramDrafter(**kwargs)
     drafter.start(ids, (ids > 0).long())
-    return drafter, drafter.propose(k, GREEDY)
+    return drafter, drafter.propose(TreeShape.chain(k), GREEDY)
 
 
 def test_ngram_proposes_the_continuation_with_its_period():
@@ -41,7 +42,7 @@ def test_ngram_with_no_match_in_any_row_proposes_nothing_and_commit_keeps_the_ne
     drafter, p = _ngram([[3, 4, 5], [6, 7, 8]], 4)
     assert p.tokens.shape == (2, 0)  # a 1-token target step instead of verifying filler
     drafter.commit(torch.zeros(2, dtype=torch.long), torch.tensor([9, 6]), torch.tensor([True, True]))
-    p2 = drafter.propose(2, Sampler(0.0))
+    p2 = drafter.propose(TreeShape.chain(2), Sampler(0.0))
     assert p2.tokens.tolist() == [[9, 9], [7, 8]]  # row 1 ends "6 7 8 6": "6" was followed by 7 8; row 0 repeats
 
 
@@ -65,7 +66,7 @@ def test_lm_drafter_greedy_proposal_is_the_models_argmax_chain(tiny_lm, ragged_p
     ids, mask = ragged_prompts
     drafter = LMDrafter(model)
     drafter.start(ids, mask)
-    proposal = drafter.propose(4, GREEDY)
+    proposal = drafter.propose(TreeShape.chain(4), GREEDY)
     assert proposal.tokens.shape == (4, 4) and proposal.probs is None
     for b in range(4):
         seq = ids[b][mask[b].bool()].tolist()
@@ -82,7 +83,7 @@ def test_lm_drafter_confidence_stops_once_every_row_is_unsure(tiny_lm, ragged_pr
     ids, mask = ragged_prompts
     full = LMDrafter(model)
     full.start(ids, mask)
-    chain = full.propose(6, GREEDY).tokens
+    chain = full.propose(TreeShape.chain(6), GREEDY).tokens
     # the greedy draft's own probability at each step, per row
     conf = []
     for b in range(len(ids)):
@@ -97,7 +98,7 @@ def test_lm_drafter_confidence_stops_once_every_row_is_unsure(tiny_lm, ragged_pr
     expect = next((k + 1 for k in range(6) if bool((conf[:, k] < threshold).all())), 6)
     d = LMDrafter(model, confidence=threshold)
     d.start(ids, mask)
-    got = d.propose(6, GREEDY).tokens
+    got = d.propose(TreeShape.chain(6), GREEDY).tokens
     assert got.shape[1] == expect and torch.equal(got, chain[:, :expect])
     with pytest.raises(ValueError, match="confidence"):
         LMDrafter(model, confidence=1.0)

@@ -31,7 +31,7 @@ def test_greedy_is_token_identical_to_target_only(kind, tiny_lm, ragged_prompts)
     for ids, mask in _prompt_sets(ragged_prompts):
         reference = target_generate(target, ids, mask, max_new_tokens=MAX_NEW)
         for gamma in range(1, 9):
-            r = speculative_generate(target, _drafter(kind, tiny_lm, target), ids, mask, gamma=gamma,
+            r = speculative_generate(target, _drafter(kind, tiny_lm, target), ids, mask, strategy=gamma,
                                      max_new_tokens=MAX_NEW)
             assert torch.equal(r.sequences, reference.sequences), f"{kind} gamma={gamma} B={len(ids)}"
             assert r.num_new_tokens.tolist() == [MAX_NEW] * len(ids)
@@ -50,7 +50,7 @@ def test_confidence_stopped_drafts_stay_lossless(tiny_lm, ragged_prompts, temper
     ids, mask = ragged_prompts
     reference = target_generate(target, ids, mask, max_new_tokens=MAX_NEW)
     g = torch.Generator().manual_seed(0)
-    r = speculative_generate(target, LMDrafter(tiny_lm(1), confidence=0.2), ids, mask, gamma=6,
+    r = speculative_generate(target, LMDrafter(tiny_lm(1), confidence=0.2), ids, mask, strategy=6,
                              max_new_tokens=MAX_NEW, temperature=temperature, generator=g)
     widths = {rnd.gamma for rnd in r.rounds}
     assert len(widths) > 1  # the stop really varied the width
@@ -68,7 +68,7 @@ def test_zero_width_rounds_are_plain_target_steps(tiny_lm):
     ids = torch.arange(1, 10)[None]
     mask = torch.ones_like(ids)
     reference = target_generate(target, ids, mask, max_new_tokens=MAX_NEW)
-    r = speculative_generate(target, NGramDrafter(max_ngram=3), ids, mask, gamma=4, max_new_tokens=MAX_NEW)
+    r = speculative_generate(target, NGramDrafter(max_ngram=3), ids, mask, strategy=4, max_new_tokens=MAX_NEW)
     assert torch.equal(r.sequences, reference.sequences)
     widths = [rnd.gamma for rnd in r.rounds]
     assert 0 in widths
@@ -97,7 +97,7 @@ def test_eos_stops_each_row_identically(tiny_lm, ragged_prompts):
     reference = target_generate(target, ids, mask, max_new_tokens=MAX_NEW, eos_token_id=[eos, 47])
     assert reference.num_new_tokens[1] == 4
     for kind in ("random", "self", "ngram"):
-        r = speculative_generate(target, _drafter(kind, tiny_lm, target), ids, mask, gamma=5,
+        r = speculative_generate(target, _drafter(kind, tiny_lm, target), ids, mask, strategy=5,
                                  max_new_tokens=MAX_NEW, eos_token_id=[eos, 47])
         assert torch.equal(r.num_new_tokens, reference.num_new_tokens)
         assert [r.tokens(b) for b in range(4)] == [reference.tokens(b) for b in range(4)]
@@ -107,7 +107,7 @@ def test_eos_stops_each_row_identically(tiny_lm, ragged_prompts):
 def test_counters_are_consistent_with_round_records(tiny_lm, ragged_prompts):
     target = tiny_lm(0)
     ids, mask = ragged_prompts
-    r = speculative_generate(target, LMDrafter(tiny_lm(1)), ids, mask, gamma=DynamicGamma(1, 6, 3),
+    r = speculative_generate(target, LMDrafter(tiny_lm(1)), ids, mask, strategy=DynamicGamma(1, 6, 3),
                              max_new_tokens=MAX_NEW, eos_token_id=5, temperature=1.0,
                              generator=torch.Generator().manual_seed(0))
     active = torch.stack([rnd.active for rnd in r.rounds])                  # (R, B)
@@ -134,7 +134,7 @@ def test_counters_are_consistent_with_round_records(tiny_lm, ragged_prompts):
 def test_recorded_probs_align_with_the_sequence(tiny_lm, ragged_prompts):
     target = tiny_lm(0)
     ids, mask = ragged_prompts
-    r = speculative_generate(target, LMDrafter(tiny_lm(1)), ids, mask, gamma=3, max_new_tokens=8,
+    r = speculative_generate(target, LMDrafter(tiny_lm(1)), ids, mask, strategy=3, max_new_tokens=8,
                              temperature=0.8, top_p=0.9, generator=torch.Generator().manual_seed(0), record=True)
     for b in range(4):
         prompt = ids[b][mask[b].bool()].tolist()
@@ -165,10 +165,10 @@ def test_sampled_tokens_follow_the_target(temperature, top_p, policy, tiny_lm, c
     ids = prompt.expand(N, -1)
     kwargs = dict(max_new_tokens=2, temperature=temperature, top_p=top_p)
     runs = {
-        "random": speculative_generate(target, LMDrafter(draft), ids, gamma=2,
+        "random": speculative_generate(target, LMDrafter(draft), ids, strategy=2,
                                        generator=torch.Generator().manual_seed(0), draft_policy=policy, **kwargs),
-        "ngram": speculative_generate(target, NGramDrafter(), ids, gamma=1, generator=torch.Generator().manual_seed(1),
-                                      **kwargs),
+        "ngram": speculative_generate(target, NGramDrafter(), ids, strategy=1,
+                                      generator=torch.Generator().manual_seed(1), **kwargs),
         "target": target_generate(target, ids, generator=torch.Generator().manual_seed(2), **kwargs),
     }
     for name, r in runs.items():
@@ -190,7 +190,7 @@ def test_sampled_tokens_follow_the_target_on_left_padded_prompts_of_different_le
     prompts = [[3, 9, 4, 9, 4], [7, 2], [5, 11, 6, 8]]
     K = len(prompts)
     ids, mask = interleaved_prompts(prompts, N)
-    out = speculative_generate(target, LMDrafter(draft), ids, mask, gamma=2, max_new_tokens=3, temperature=1.0,
+    out = speculative_generate(target, LMDrafter(draft), ids, mask, strategy=2, max_new_tokens=3, temperature=1.0,
                                generator=torch.Generator().manual_seed(0), draft_policy=policy)
     assert 0.02 < out.acceptance_per_position[0] < 0.98  # accepted and rejected drafts: rows advance unevenly
     for k, prompt in enumerate(prompts):
@@ -226,7 +226,7 @@ def test_dynamic_gamma_in_the_loop_stays_lossless(tiny_lm, ragged_prompts):
     reference = target_generate(target, ids, mask, max_new_tokens=24)
     for kind, end in (("self", 6), ("random", 1)):
         policy = DynamicGamma(min_gamma=1, max_gamma=6, init=3)
-        r = speculative_generate(target, _drafter(kind, tiny_lm, target), ids, mask, gamma=policy, max_new_tokens=24)
+        r = speculative_generate(target, _drafter(kind, tiny_lm, target), ids, mask, strategy=policy, max_new_tokens=24)
         assert torch.equal(r.sequences, reference.sequences)
         assert policy.gamma() == end and all(0 <= rnd.gamma <= 6 for rnd in r.rounds)
         assert r.accept_hist.shape == (7,)
@@ -238,7 +238,7 @@ def test_a_draft_with_a_shorter_context_stays_lossless(tiny_lm, ragged_prompts):
     ids, mask = ragged_prompts
     reference = target_generate(target, ids, mask, max_new_tokens=MAX_NEW)
     short = LMDrafter(tiny_lm(0, max_positions=12))  # the target's weights, but only 12 positions
-    r = speculative_generate(target, short, ids, mask, gamma=4, max_new_tokens=MAX_NEW)
+    r = speculative_generate(target, short, ids, mask, strategy=4, max_new_tokens=MAX_NEW)
     assert torch.equal(r.sequences, reference.sequences)
 
 

@@ -6,6 +6,7 @@ import torch
 from specdistill.decoding.drafters import LMDrafter
 from specdistill.decoding.kv import BatchKV, TokenBuffer
 from specdistill.decoding.sampling import Sampler
+from specdistill.decoding.tree import TreeShape
 from tests.tiny_archs import tiny_target
 
 
@@ -77,7 +78,7 @@ def test_lm_drafter_rollback_and_next_proposal_match_fresh_model(tiny_lm, ragged
     sampler = Sampler(temperature=1.0, generator=torch.Generator().manual_seed(0))
     rounds = [(3, [3, 1, 0, 2], [1, 1, 1, 1]), (4, [0, 4, 2, 4], [1, 1, 0, 1]), (2, [2, 2, 1, 0], [1, 1, 0, 1])]
     for k, n, active in rounds:
-        proposal = drafter.propose(k, sampler)
+        proposal = drafter.propose(TreeShape.chain(k), sampler)
         for b in range(4):  # each q_k is the draft's distribution after the row's sequence + earlier drafts
             if active[b]:
                 ctx = torch.tensor([seqs[b] + proposal.tokens[b, :2].tolist()])

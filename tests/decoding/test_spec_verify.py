@@ -1,11 +1,12 @@
-"""Verification: greedy matching rules, and speculative sampling preserves p (chi-square) with acceptance sum min(p,
-q)."""
+"""Verification of chains: greedy matching rules, and speculative sampling preserves p (chi-square) with acceptance
+sum min(p, q). Trees: test_tree_verify.py."""
 
 import pytest
 import torch
 
 from specdistill.decoding.sampling import probs_from_logits, sample
-from specdistill.decoding.verify import PAD, verify_greedy, verify_sampling
+from specdistill.decoding.tree import Proposal
+from specdistill.decoding.verify import PAD, verify
 
 N = 20000  # rows per verify call: one vectorized Monte-Carlo batch
 
@@ -24,7 +25,7 @@ def test_greedy_accepts_until_first_mismatch():
     target_top = [[1, 2, 3, 4], [1, 5, 3, 4], [0, 2, 3, 4]]  # argmax at [pending, d1, d2, d3]
     logits = torch.cat([_one_hot_logits(row) for row in target_top])  # (3, 4, 6)
     drafts = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3]])
-    v = verify_greedy(drafts, logits)
+    v = verify(Proposal(drafts), logits)
     assert v.num_accepted.tolist() == [3, 1, 0]
     assert v.next_token.tolist() == [4, 5, 0]  # bonus, correction, correction
     assert v.accepted.tolist() == [[True] * 3, [True, False, False], [False] * 3]
@@ -36,7 +37,7 @@ def test_greedy_accepts_until_first_mismatch():
 
 def test_greedy_with_zero_drafts_emits_the_target_argmax():
     logits = torch.randn(4, 1, 10, generator=torch.Generator().manual_seed(0))
-    v = verify_greedy(torch.zeros(4, 0, dtype=torch.long), logits)
+    v = verify(Proposal(torch.zeros(4, 0, dtype=torch.long)), logits)
     assert v.num_accepted.tolist() == [0] * 4 and torch.equal(v.next_token, logits[:, 0].argmax(-1))
 
 
@@ -45,15 +46,15 @@ def test_sampling_with_one_hot_distributions_equals_greedy():
     logits = torch.randn(64, 5, 12, generator=g)
     drafts = torch.where(torch.rand(64, 4, generator=g) < 0.7, logits[:, :4].argmax(-1),
                          torch.randint(0, 12, (64, 4), generator=g))
-    greedy = verify_greedy(drafts, logits)
-    sampled = verify_sampling(drafts, None, probs_from_logits(logits, 0.0), g)
+    greedy = verify(Proposal(drafts), logits)
+    sampled = verify(Proposal(drafts), target_probs=probs_from_logits(logits, 0.0), generator=g)
     assert torch.equal(greedy.accepted, sampled.accepted) and torch.equal(greedy.next_token, sampled.next_token)
     assert torch.equal(greedy.alpha, sampled.alpha)
 
 
 def test_shape_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match="K\\+1"):
-        verify_greedy(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, 8))
+        verify(Proposal(torch.zeros(2, 3, dtype=torch.long)), torch.zeros(2, 3, 8))
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -66,7 +67,7 @@ def _run(q, p=P, seed=0):
     g = torch.Generator().manual_seed(seed)
     K, V = q.shape
     drafts = sample(q.expand(N, K, V), g)          # d_k ~ q_k
-    return drafts, verify_sampling(drafts, q.expand(N, K, V), p.expand(N, K + 1, V), g)
+    return drafts, verify(Proposal(drafts, q.expand(N, K, V)), target_probs=p.expand(N, K + 1, V), generator=g)
 
 
 def _emitted(v, i):
@@ -116,7 +117,8 @@ def test_degenerate_residual_falls_back_to_p():
     # p <= q everywhere (q slightly unnormalized): max(0, p - q) is all zero at the rejection.
     p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]])[None].expand(16, 2, 3)
     q = torch.tensor([[0.01, 1.0, 0.0]])[None].expand(16, 1, 3)
-    v = verify_sampling(torch.zeros(16, 1, dtype=torch.long), q, p, torch.Generator().manual_seed(0))
+    v = verify(Proposal(torch.zeros(16, 1, dtype=torch.long), q), target_probs=p,
+               generator=torch.Generator().manual_seed(0))
     assert not v.accepted.any() and v.next_token.tolist() == [1] * 16
 
 
@@ -128,6 +130,6 @@ def test_a_wrong_sampler_fails_the_same_check(chi_square_pvalue):
     assert chi_square_pvalue(torch.bincount(wrong, minlength=8), P[0]) < 1e-6
     # And a deterministic draft (q one-hot, None) is still exact.
     g = torch.Generator().manual_seed(3)
-    v = verify_sampling(torch.full((N, 1), 2), None, P[:2].expand(N, 2, 8), g)
+    v = verify(Proposal(torch.full((N, 1), 2)), target_probs=P[:2].expand(N, 2, 8), generator=g)
     assert abs(v.accepted.float().mean() - P[0, 2]) < 0.015
     assert chi_square_pvalue(torch.bincount(v.tokens[:, 0], minlength=8), P[0]) > 1e-3

@@ -45,7 +45,7 @@ def test_static_cache_decodes_the_growing_caches_tokens(arch, attn, static_compa
     assert torch.equal(static.sequences, reference.sequences), arch
     rejected = 0
     for gamma in (2, 5):
-        r = speculative_generate(target, drafter, ids, mask, gamma=gamma, max_new_tokens=MAX_NEW, cache=STATIC)
+        r = speculative_generate(target, drafter, ids, mask, strategy=gamma, max_new_tokens=MAX_NEW, cache=STATIC)
         assert torch.equal(r.sequences, reference.sequences), f"{arch} gamma={gamma}"
         rejected += sum(int(((rnd.num_accepted < rnd.gamma) & rnd.active).sum()) for rnd in r.rounds)
     assert rejected > 5, f"{arch}: {rejected} rejections"
@@ -58,7 +58,7 @@ def test_static_target_cache_is_lossless_with_an_eagle3_head():
     head = _head(target, 30)
     ids, mask = _eagle_prompts([9, 4, 6])
     reference = target_generate(target, ids, mask, max_new_tokens=16)
-    r = speculative_generate(target, Eagle3Drafter(head), ids, mask, gamma=3, max_new_tokens=16, cache=STATIC)
+    r = speculative_generate(target, Eagle3Drafter(head), ids, mask, strategy=3, max_new_tokens=16, cache=STATIC)
     assert torch.equal(r.sequences, reference.sequences)
 
 
@@ -73,7 +73,8 @@ def test_compile_routes_decode_steps_through_the_models_graphs_and_the_prefill_s
     ids, mask = _prompts()
     reference = target_generate(target, ids, mask, max_new_tokens=MAX_NEW)
     for _ in range(2):  # the second call replays both models' graphs
-        r = speculative_generate(target, LMDrafter(draft), ids, mask, gamma=3, max_new_tokens=MAX_NEW, cache=COMPILED)
+        r = speculative_generate(target, LMDrafter(draft), ids, mask, strategy=3, max_new_tokens=MAX_NEW,
+                                 cache=COMPILED)
         assert torch.equal(r.sequences, reference.sequences)
     first = {m: dict(compile_stats(m).compiles) for m in (target, draft)}
     assert torch.equal(target_generate(target, ids, mask, max_new_tokens=MAX_NEW, cache=COMPILED).sequences,

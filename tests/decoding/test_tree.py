@@ -10,8 +10,7 @@ import torch
 
 from specdistill.decoding import CacheMode, LMDrafter, NGramDrafter, speculative_generate, target_generate
 from specdistill.decoding.kv import BatchKV
-from specdistill.decoding.tree import Tree, TreeShape, grow
-from specdistill.decoding.tree_generate import tree_generate
+from specdistill.decoding.tree import Proposal, TreeShape, grow
 from tests.decoding.conftest import RecordsTrees, branch_counts
 from tests.decoding.test_architectures import CASES, NOISE, _perturbed, _prompts
 from tests.tiny_archs import ARCHITECTURES, tiny_target
@@ -34,12 +33,12 @@ def test_bad_tree_shapes_are_refused_by_name(tiny_lm):
     target = tiny_lm(0)
     ids = torch.randint(3, 48, (1, 5))
     with pytest.raises(ValueError, match="NGramDrafter proposes one token per position"):
-        tree_generate(target, NGramDrafter(), ids, tree=TreeShape(2, 2), max_new_tokens=4)
+        speculative_generate(target, NGramDrafter(), ids, strategy=TreeShape(2, 2), max_new_tokens=4)
     with pytest.raises(ValueError, match="draft_policy='sample' with a token tree"):
-        tree_generate(target, LMDrafter(tiny_lm(1)), ids, tree=TreeShape(2, 2), max_new_tokens=4, temperature=1.0,
-                      draft_policy="sample")
+        speculative_generate(target, LMDrafter(tiny_lm(1)), ids, strategy=TreeShape(2, 2), max_new_tokens=4,
+                             temperature=1.0, draft_policy="sample")
     with pytest.raises(ValueError, match="topk=64 exceeds the draft's vocabulary of 48"):
-        tree_generate(target, LMDrafter(tiny_lm(1)), ids, tree=TreeShape(64, 1), max_new_tokens=4)
+        speculative_generate(target, LMDrafter(tiny_lm(1)), ids, strategy=TreeShape(64, 1), max_new_tokens=4)
 
 
 def test_sglang_flags_count_the_root():
@@ -89,8 +88,9 @@ def test_tree_helpers_on_a_hand_made_tree():
     #      1      2
     #    3   4    5
     #    6
-    tree = Tree(tokens=torch.tensor([[10, 11, 12, 13, 14, 15]]), parents=torch.tensor([[0, 0, 1, 1, 2, 3]]),
-                depth=torch.tensor([[1, 1, 2, 2, 2, 3]]), score=torch.zeros(1, 6), fed=torch.full((1, 6), -1), topk=2)
+    tree = Proposal(tokens=torch.tensor([[10, 11, 12, 13, 14, 15]]), parents=torch.tensor([[0, 0, 1, 1, 2, 3]]),
+                    depth=torch.tensor([[1, 1, 2, 2, 2, 3]]), score=torch.zeros(1, 6), fed=torch.full((1, 6), -1),
+                    topk=2)
     assert tree.children()[0].tolist() == [[1, 2], [3, 4], [5, -1], [6, -1], [-1, -1], [-1, -1], [-1, -1]]
     path, depth = tree.path(torch.tensor([6]))
     assert path.tolist() == [[0, 1, 3, 6]] and depth.tolist() == [3]
@@ -100,7 +100,7 @@ def test_tree_helpers_on_a_hand_made_tree():
 
 
 # ------------------------------------------------------------------------------------------------- attention, KV
-def _tree_step(target, ids, mask, tree: Tree, root: torch.Tensor):
+def _tree_step(target, ids, mask, tree: Proposal, root: torch.Tensor):
     kv = BatchKV(target)
     kv.prefill(ids, mask)
     depths = tree.depths()
@@ -109,7 +109,7 @@ def _tree_step(target, ids, mask, tree: Tree, root: torch.Tensor):
     return kv, out.logits
 
 
-def _random_tree(B: int, V: int, shape: TreeShape, seed: int) -> Tree:
+def _random_tree(B: int, V: int, shape: TreeShape, seed: int) -> Proposal:
     g = torch.Generator().manual_seed(seed)
     return grow(shape, torch.randn(B, V, generator=g),
                 lambda t, v, d, parent: torch.randn(B, t.shape[1], V, generator=g))
@@ -147,9 +147,9 @@ def test_committing_a_non_first_branch_keeps_exactly_its_path(arch, max_length):
     prompt and the path."""
     target = tiny_target(arch)
     ids, mask = _prompts()
-    tree = Tree(tokens=torch.tensor([[10, 11, 12, 13, 14]] * 3), parents=torch.tensor([[0, 0, 1, 2, 2]] * 3),
-                depth=torch.tensor([[1, 1, 2, 2, 2]] * 3), score=torch.zeros(3, 5), fed=torch.full((3, 5), -1),
-                topk=2)
+    tree = Proposal(tokens=torch.tensor([[10, 11, 12, 13, 14]] * 3), parents=torch.tensor([[0, 0, 1, 2, 2]] * 3),
+                    depth=torch.tensor([[1, 1, 2, 2, 2]] * 3), score=torch.zeros(3, 5), fed=torch.full((3, 5), -1),
+                    topk=2)
     #  root -> 1 -> 3;  root -> 2 -> {4, 5}: row 0 keeps root,2,5 (second children twice), row 1 root,2, row 2 root
     last = torch.tensor([5, 2, 0])
     path, n = tree.path(last)
@@ -178,7 +178,7 @@ def test_greedy_tree_decoding_is_token_identical_to_target_only(arch):
     reference = target_generate(target, ids, mask, max_new_tokens=MAX_NEW)
     accepted = later = rejected = 0
     for shape in SHAPES:
-        r = tree_generate(target, drafter, ids, mask, tree=shape, max_new_tokens=MAX_NEW)
+        r = speculative_generate(target, drafter, ids, mask, strategy=shape, max_new_tokens=MAX_NEW)
         assert torch.equal(r.sequences, reference.sequences), f"{arch} {shape.name}"
         counts = branch_counts(drafter)
         accepted, later, rejected = accepted + counts[0], later + counts[1], rejected + counts[2]
@@ -195,19 +195,29 @@ def test_static_caches_decode_the_same_trees(arch):
     ids, mask = _prompts()
     draft = _perturbed(target, NOISE.get(arch, 0.1))
     shape = TreeShape(3, 3, nodes=8)
-    growing = tree_generate(target, LMDrafter(draft), ids, mask, tree=shape, max_new_tokens=40)
-    static = tree_generate(target, LMDrafter(draft), ids, mask, tree=shape, max_new_tokens=40,
-                           cache=CacheMode(static=True))
+    growing = speculative_generate(target, LMDrafter(draft), ids, mask, strategy=shape, max_new_tokens=40)
+    static = speculative_generate(target, LMDrafter(draft), ids, mask, strategy=shape, max_new_tokens=40,
+                                  cache=CacheMode(static=True))
     assert torch.equal(static.sequences, growing.sequences)
     assert torch.equal(static.position_accepted, growing.position_accepted)
+
+
+class _GrownChains(LMDrafter):
+    """Proposes a chain as the token tree of width 1 it is: grown by tree.grow with tree attention, verified as a
+    tree, committed by its path."""
+
+    def propose(self, shape, sampler):
+        return self._tree(shape)
 
 
 @torch.no_grad()
 def test_a_topk_1_tree_is_the_chain(tiny_lm, ragged_prompts):
     target, draft = tiny_lm(0), tiny_lm(1)
     ids, mask = ragged_prompts
-    chain = speculative_generate(target, LMDrafter(draft), ids, mask, gamma=3, max_new_tokens=MAX_NEW)
-    tree = tree_generate(target, LMDrafter(draft), ids, mask, tree=TreeShape(1, 3), max_new_tokens=MAX_NEW)
+    chain = speculative_generate(target, LMDrafter(draft), ids, mask, strategy=3, max_new_tokens=MAX_NEW)
+    tree = speculative_generate(target, _GrownChains(draft), ids, mask, strategy=TreeShape(1, 3),
+                                max_new_tokens=MAX_NEW)
+    assert all(not r.proposal.is_chain for r in tree.rounds)
     assert torch.equal(tree.sequences, chain.sequences)
     assert torch.equal(tree.accept_hist, chain.accept_hist)
     assert torch.equal(tree.position_accepted, chain.position_accepted)
@@ -225,8 +235,8 @@ def test_tree_sampling_follows_the_target_on_a_left_padded_batch(chi_square_pval
     prompts = [[3, 9, 4, 9, 4], [7, 2, 5, 8], [5, 11, 6, 8, 13, 10]]
     K = len(prompts)
     ids, mask = interleaved_prompts(prompts, N)
-    out = tree_generate(target, drafter, ids, mask, tree=TreeShape(3, 2, nodes=5), max_new_tokens=3,
-                        temperature=1.0, generator=torch.Generator().manual_seed(0))
+    out = speculative_generate(target, drafter, ids, mask, strategy=TreeShape(3, 2, nodes=5), max_new_tokens=3,
+                               temperature=1.0, generator=torch.Generator().manual_seed(0))
     accepted, later, rejected = branch_counts(drafter)
     assert later > 0.1 * accepted and rejected > 0.1 * N * K
     for k, prompt in enumerate(prompts):
@@ -252,7 +262,7 @@ def test_long_tree_decoding_crosses_front_crops_and_compactions(monkeypatch):
     target = tiny_target("gemma3")
     ids, mask = _prompts()
     reference = target_generate(target, ids, mask, max_new_tokens=100, eos_token_id=2)
-    r = tree_generate(target, LMDrafter(_perturbed(target, 0.3)), ids, mask, tree=TreeShape(4, 4, nodes=12),
-                      max_new_tokens=100, eos_token_id=2)
+    r = speculative_generate(target, LMDrafter(_perturbed(target, 0.3)), ids, mask, strategy=TreeShape(4, 4, nodes=12),
+                             max_new_tokens=100, eos_token_id=2)
     assert torch.equal(r.sequences, reference.sequences)
     assert calls["_crop_front"] > 0 and calls["compact"] > 0

@@ -5,10 +5,9 @@ import pytest
 import torch
 
 import specdistill.drafts.eagle3.drafter as eagle3_drafter
-from specdistill.decoding import target_generate
+from specdistill.decoding import Sampler, speculative_generate, target_generate
 from specdistill.drafts.eagle3 import Eagle3Drafter
 from specdistill.decoding.tree import TreeShape, grow
-from specdistill.decoding.tree_generate import tree_generate
 from tests.conftest import left_padded_prompts as _prompts
 from tests.decoding.test_eagle3_drafter import _head, _target
 
@@ -55,12 +54,12 @@ def test_every_fed_tree_node_sees_what_the_chain_would(monkeypatch):
         return grow(shape, root_logits, wrapped, to_target)
 
     monkeypatch.setattr(eagle3_drafter, "grow", recording_grow)
-    _started(target, head, ids, mask).propose_tree(TreeShape(3, 3))
+    _started(target, head, ids, mask).propose(TreeShape(3, 3), Sampler(0.0))
     assert [d for d, _, _ in fed] == [1, 2]
     for d, path, logits in fed:
         for i in range(path.shape[1]):
             chain = _started(target, head, ids, mask)
-            chain.propose(d + 1, _Forced([path[:, i, j] for j in range(d)]))
+            chain.propose(TreeShape.chain(d + 1), _Forced([path[:, i, j] for j in range(d)]))
             torch.testing.assert_close(chain.logits[:, d], logits[:, i], atol=1e-5, rtol=0, msg=f"depth {d} beam {i}")
     assert bool((paths[1][:, 1:, 0] != paths[1][:, :1, 0]).all())  # the later beams do branch off the first
 
@@ -73,8 +72,8 @@ def test_eagle3_tree_decoding_is_lossless_on_a_left_padded_batch(temperature):
     ids, mask = _prompts([7, 4, 9])
     reference = target_generate(target, ids, mask, max_new_tokens=16)
     for shape in [TreeShape(3, 3), TreeShape(4, 3, nodes=6)]:
-        r = tree_generate(target, Eagle3Drafter(head), ids, mask, tree=shape, max_new_tokens=16,
-                          temperature=temperature, generator=torch.Generator().manual_seed(0))
+        r = speculative_generate(target, Eagle3Drafter(head), ids, mask, strategy=shape, max_new_tokens=16,
+                                 temperature=temperature, generator=torch.Generator().manual_seed(0))
         assert r.num_new_tokens.tolist() == [16, 16, 16]
         if temperature == 0:
             assert torch.equal(r.sequences, reference.sequences), shape.name

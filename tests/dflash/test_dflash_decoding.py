@@ -17,13 +17,13 @@ class Traced(DFlashDrafter):
         super().__init__(model)
         self.trace = []
 
-    def propose(self, k, sampler):
-        proposal = super().propose(k, sampler)
+    def propose(self, shape, sampler):
+        proposal = super().propose(shape, sampler)
         self.trace.append((self.anchor.clone(), self.anchor_pos.clone(), self.logits.clone()))
         return proposal
 
-    def commit(self, num_accepted, next_token, active, target_hidden=None):
-        super().commit(num_accepted, next_token, active, target_hidden)
+    def commit(self, num_accepted, next_token, active, target_hidden=None, path=None):
+        super().commit(num_accepted, next_token, active, target_hidden, path)
         real = self.cache.valid.sum(1)                                     # (B,) context slots kept per row
         W = self.model.config.sliding_window
         want = self.anchor_pos if W is None else self.anchor_pos.clamp(max=W)
@@ -57,7 +57,7 @@ def test_greedy_equals_target_for_every_block_size(block_size, vd):
     draft = tiny_dflash(target, block_size, vocab=None if vd is None else torch.arange(3, 3 + vd))
     ids, mask = left_padded_prompts([9, 5, 2, 7, 4, 8, 3, 6], seed=1)
     drafter = Traced(draft)
-    r = speculative_generate(target, drafter, ids, mask, gamma=block_size - 1, max_new_tokens=24, record=True)
+    r = speculative_generate(target, drafter, ids, mask, strategy=block_size - 1, max_new_tokens=24, record=True)
     ref = target_generate(target, ids, mask, max_new_tokens=24)
     assert torch.equal(r.sequences, ref.sequences)
     assert int(r.accept_hist[:-1].sum()) > 0, "some rounds rejected a draft"
@@ -72,7 +72,7 @@ def test_a_sliding_window_crops_the_context():
     draft = tiny_dflash(target, 4, sliding_window=5)
     ids, mask = left_padded_prompts([9, 5, 2, 7], seed=1)
     drafter = Traced(draft)
-    r = speculative_generate(target, drafter, ids, mask, gamma=3, max_new_tokens=30, record=True)
+    r = speculative_generate(target, drafter, ids, mask, strategy=3, max_new_tokens=30, record=True)
     assert torch.equal(r.sequences, target_generate(target, ids, mask, max_new_tokens=30).sequences)
     assert int(drafter.cache.valid.sum(1).max()) <= 5
     assert _check_rounds(target, draft, ids, mask, r, drafter.trace) >= len(r.rounds)
@@ -82,7 +82,7 @@ def test_a_block_wider_than_gamma_proposes_gamma():
     target = tiny_target()
     draft = tiny_dflash(target, 8)
     ids, mask = left_padded_prompts([6, 3], seed=2)
-    r = speculative_generate(target, DFlashDrafter(draft), ids, mask, gamma=3, max_new_tokens=12, record=True)
+    r = speculative_generate(target, DFlashDrafter(draft), ids, mask, strategy=3, max_new_tokens=12, record=True)
     assert max(rnd.gamma for rnd in r.rounds) == 3
     assert torch.equal(r.sequences, target_generate(target, ids, mask, max_new_tokens=12).sequences)
 
@@ -103,7 +103,7 @@ def test_sampled_verification_keeps_the_target_distribution(vd, chi_square_pvalu
     p1 = probs[0, n - 1]
     joint12 = p1[:, None] * probs[::V, n]                                              # (V, V)
     p3 = (joint12[..., None] * probs[:, n + 1].reshape(V, V, V)).sum((0, 1))
-    r = speculative_generate(target, DFlashDrafter(draft), prompt.expand(N, -1), gamma=3, max_new_tokens=3,
+    r = speculative_generate(target, DFlashDrafter(draft), prompt.expand(N, -1), strategy=3, max_new_tokens=3,
                              temperature=1.0, draft_policy="sample", generator=torch.Generator().manual_seed(0),
                              record=True)
     for i, p in enumerate((p1, joint12.sum(0), p3)):

@@ -8,7 +8,6 @@ import torch
 from specdistill.config import EvalConfig, TreeEvalConfig
 from specdistill.decoding import speculative_generate, target_generate
 from specdistill.decoding.tree import TreeShape
-from specdistill.decoding.tree_generate import tree_generate
 from specdistill.drafts.dflash import DFlashDrafter
 from tests.conftest import left_padded_prompts
 from tests.decoding.conftest import (RecordsTrees, _chi_square_pvalue, _first_three_marginals, _interleaved,
@@ -30,7 +29,7 @@ def test_greedy_tree_decoding_is_token_identical_to_target_only(vd):
     drafter = Recording(draft)
     accepted = later = rejected = 0
     for shape in [TreeShape(2, 3), TreeShape(3, 3, nodes=8), TreeShape(4, 2)]:
-        r = tree_generate(target, drafter, ids, mask, tree=shape, max_new_tokens=24)
+        r = speculative_generate(target, drafter, ids, mask, strategy=shape, max_new_tokens=24)
         assert torch.equal(r.sequences, reference.sequences), shape.name
         assert r.accept_hist.sum() == r.target_forwards.sum() == sum(int(rnd.active.sum()) for rnd in r.rounds)
         if vd is not None:
@@ -47,7 +46,7 @@ def test_every_node_of_a_depth_gets_the_block_positions_top_k():
     draft = tiny_dflash(target, 4)
     ids, mask = left_padded_prompts([6, 3], seed=2)
     drafter = Recording(draft)
-    tree_generate(target, drafter, ids, mask, tree=TreeShape(3, 3), max_new_tokens=8)
+    speculative_generate(target, drafter, ids, mask, strategy=TreeShape(3, 3), max_new_tokens=8)
     tree = drafter.trees[0]
     for b in range(2):
         for d in (2, 3):
@@ -58,13 +57,21 @@ def test_every_node_of_a_depth_gets_the_block_positions_top_k():
             assert all(s == sets[0] for s in sets), f"row {b} depth {d}: {sets}"
 
 
+class _GrownChains(DFlashDrafter):
+    """Proposes a chain as the token tree of width 1 it is (tree.grow), verified and committed as a tree."""
+
+    def propose(self, shape, sampler):
+        return self._tree(shape)
+
+
 @torch.no_grad()
 def test_a_topk_1_tree_is_the_chain():
     target = tiny_target()
     draft = tiny_dflash(target, 4)
     ids, mask = left_padded_prompts([9, 5, 2, 7], seed=1)
-    chain = speculative_generate(target, DFlashDrafter(draft), ids, mask, gamma=3, max_new_tokens=20)
-    tree = tree_generate(target, DFlashDrafter(draft), ids, mask, tree=TreeShape(1, 3), max_new_tokens=20)
+    chain = speculative_generate(target, DFlashDrafter(draft), ids, mask, strategy=3, max_new_tokens=20)
+    tree = speculative_generate(target, _GrownChains(draft), ids, mask, strategy=TreeShape(1, 3), max_new_tokens=20)
+    assert all(not r.proposal.is_chain for r in tree.rounds)
     assert torch.equal(tree.sequences, chain.sequences)
     assert torch.equal(tree.accept_hist, chain.accept_hist)
     assert torch.equal(tree.position_accepted, chain.position_accepted)
@@ -80,8 +87,8 @@ def test_tree_sampling_follows_the_target_on_a_left_padded_batch():
     prompts = [[3, 9, 4, 9, 4], [7, 2, 5, 8], [5, 11, 6, 8, 13, 10]]
     K = len(prompts)
     ids, mask = _interleaved(prompts, N)
-    out = tree_generate(target, drafter, ids, mask, tree=TreeShape(3, 2, nodes=5), max_new_tokens=3,
-                        temperature=1.0, generator=torch.Generator().manual_seed(0))
+    out = speculative_generate(target, drafter, ids, mask, strategy=TreeShape(3, 2, nodes=5), max_new_tokens=3,
+                               temperature=1.0, generator=torch.Generator().manual_seed(0))
     accepted, later, rejected = branch_counts(drafter)
     assert later > 0.05 * accepted and rejected > 0.1 * N * K, (accepted, later, rejected)
     for k, prompt in enumerate(prompts):
@@ -99,7 +106,7 @@ def test_a_tree_deeper_than_the_block_is_refused_by_name():
     draft = tiny_dflash(target, 4)
     ids, mask = left_padded_prompts([5, 3], seed=0)
     with pytest.raises(ValueError, match="tree depth=4 exceeds what a block of 4 drafts"):
-        tree_generate(target, DFlashDrafter(draft), ids, mask, tree=TreeShape(2, 4), max_new_tokens=8)
+        speculative_generate(target, DFlashDrafter(draft), ids, mask, strategy=TreeShape(2, 4), max_new_tokens=8)
     tok = make_tokenizer()
     target.resize_token_embeddings(len(tok))
     cfg = EvalConfig(max_new_tokens=8, warmup_prompts=0, tree=TreeEvalConfig(topk=2, depth=4))

@@ -31,11 +31,12 @@ class PromptReadingDrafter(Drafter):
     def start(self, input_ids, attention_mask, target_hidden=None, new_kv=None):
         self.fresh, self.B = True, input_ids.shape[0]
 
-    def propose(self, k, sampler):
+    def propose(self, shape, sampler):
+        k = shape.size
         self.clock.now += PREFILL_S if self.fresh else PER_DRAFT_S * k
         return Proposal(torch.full((self.B, k), 5, dtype=torch.long))
 
-    def commit(self, num_accepted, next_token, active, target_hidden=None):
+    def commit(self, num_accepted, next_token, active, target_hidden=None, path=None):
         assert int(num_accepted.sum()) == 0 and bool(active.all())
         self.fresh = False
         self.commits += 1

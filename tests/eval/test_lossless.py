@@ -124,7 +124,7 @@ def test_teacher_forcing_reproduces_the_decoders_logits(target, prompts):
 def test_fp32_growing_static_and_speculative_decodings_pass(target, prompts):
     ids, mask = prompts
     growing = decode(target, ids, mask)
-    r = speculative_generate(target, LMDrafter(target), ids, mask, gamma=3, max_new_tokens=12)
+    r = speculative_generate(target, LMDrafter(target), ids, mask, strategy=3, max_new_tokens=12)
     for other in (decode(target, ids, mask, CacheMode(static=True)), [r.tokens(i) for i in range(4)]):
         v = compare_decodings(target, target, ids, mask, growing, other, exact=True)
         assert v.ok and v.rows == 4 and v.judged == [], v.problems

@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdistill.config import EvalConfig
 from specdistill.decoding import speculative_generate, target_generate
 from specdistill.decoding.drafters import OracleDrafter, Proposal
+from specdistill.decoding.tree import TreeShape
 from specdistill.eval.evaluator import evaluate
 from specdistill.eval.report import write_report
 
@@ -30,10 +31,10 @@ def varied_target():
 class OffByOneOracle(OracleDrafter):
     """A broken oracle: replays the continuation one token ahead of the row's offset."""
 
-    def propose(self, k, sampler):
+    def propose(self, shape, sampler):
         self.offset = self.offset + 1
         try:
-            return super().propose(k, sampler)
+            return super().propose(shape, sampler)
         finally:
             self.offset = self.offset - 1
 
@@ -43,7 +44,7 @@ def replay_violations(target, drafter: OracleDrafter, ids, mask, gamma: int, max
     drafts, or an output differing from target-only greedy decoding."""
     ref = target_generate(target, ids, mask, max_new_tokens=max_new, eos_token_id=eos)
     drafter.prepare(ids, mask)
-    out = speculative_generate(target, drafter, ids, mask, gamma=gamma, max_new_tokens=max_new, eos_token_id=eos)
+    out = speculative_generate(target, drafter, ids, mask, strategy=gamma, max_new_tokens=max_new, eos_token_id=eos)
     bad = [f"round {i} row {b}: {int(r.num_accepted[b])} of {r.gamma} drafts accepted"
            for i, r in enumerate(out.rounds) for b in r.active.nonzero().flatten().tolist()
            if int(r.num_accepted[b]) != r.gamma]
@@ -60,14 +61,14 @@ def test_oracle_accepts_every_draft_and_matches_target_only(varied_target, gamma
     assert replay_violations(varied_target, OracleDrafter(varied_target, max_new), ids, mask, gamma, max_new) == []
     drafter = OracleDrafter(varied_target, max_new)
     drafter.prepare(ids, mask)
-    out = speculative_generate(varied_target, drafter, ids, mask, gamma=gamma, max_new_tokens=max_new)
+    out = speculative_generate(varied_target, drafter, ids, mask, strategy=gamma, max_new_tokens=max_new)
     rounds = math.ceil(max_new / (gamma + 1))
     assert out.target_forwards.tolist() == [rounds] * 4  # gamma+1 tokens per round until the budget's last round
     assert [r.gamma for r in out.rounds[:-1]] == [gamma] * (rounds - 1)
     assert out.mean_accept_len == pytest.approx(max_new / rounds)
     whole = OracleDrafter(varied_target, gamma + 1)
     whole.prepare(ids[:1], mask[:1])
-    one = speculative_generate(varied_target, whole, ids[:1], mask[:1], gamma=gamma, max_new_tokens=gamma + 1)
+    one = speculative_generate(varied_target, whole, ids[:1], mask[:1], strategy=gamma, max_new_tokens=gamma + 1)
     assert one.mean_accept_len == gamma + 1  # tau == gamma + 1 exactly when no round is cut
 
 
@@ -89,12 +90,13 @@ def test_oracle_refuses_unprepared_batches_and_trees(varied_target):
     ids, mask = left_padded_prompts([4, 6], seed=1)
     drafter = OracleDrafter(varied_target, 8)
     with pytest.raises(ValueError, match="not prepared"):
-        speculative_generate(varied_target, drafter, ids, mask, gamma=2, max_new_tokens=8)
+        speculative_generate(varied_target, drafter, ids, mask, strategy=2, max_new_tokens=8)
     drafter.prepare(ids, mask)
     with pytest.raises(ValueError, match="OracleDrafter proposes one token per position"):
-        drafter.propose_tree(None)
+        drafter.propose(TreeShape(2, 2), None)
     drafter.start(ids, mask)
-    assert isinstance(drafter.propose(0, None), Proposal) and drafter.propose(0, None).tokens.shape == (2, 0)
+    empty = TreeShape.chain(0)
+    assert isinstance(drafter.propose(empty, None), Proposal) and drafter.propose(empty, None).tokens.shape == (2, 0)
 
 
 def _cfg(**kw):

@@ -108,13 +108,14 @@ class RightForFirst(Drafter):
     def start(self, *args, **kwargs):
         self.oracle.start(*args, **kwargs)
 
-    def propose(self, k, sampler):
-        tokens = self.oracle.propose(k, sampler).tokens                               # (B, k)
+    def propose(self, shape, sampler):
+        k = shape.size
+        tokens = self.oracle.propose(shape, sampler).tokens                               # (B, k)
         at = self.oracle.offset[:, None] + torch.arange(k, device=tokens.device)     # (B, k) output positions
         return Proposal(torch.where(at < self.n, tokens, (tokens + 1) % self.vocab_size), None)
 
-    def commit(self, num_accepted, next_token, active, target_hidden=None):
-        self.oracle.commit(num_accepted, next_token, active, target_hidden)
+    def commit(self, num_accepted, next_token, active, target_hidden=None, path=None):
+        self.oracle.commit(num_accepted, next_token, active, target_hidden, path)
 
 
 def _expected(n: int, gamma: int, max_new: int, starts: list[int]) -> dict[str, list[int]]:

@@ -52,7 +52,8 @@ def test_a_replayed_candidate_is_the_candidate_grown_for_real(seed):
     probe_shape = TreeShape(4, D)
     probe = _grow(probe_shape, draft, root)
     _, prob = _reach(probe, target, root)
-    trees = probe_trees(probe_shape, [SimpleNamespace(tree=probe, node_prob=prob, active=torch.ones(B, dtype=bool))])
+    rounds = [SimpleNamespace(proposal=probe, node_prob=prob, active=torch.ones(B, dtype=bool))]
+    trees = probe_trees(probe_shape, rounds)
     assert trees.rounds == B
     checked = 0
     for k in (1, 2, 3, 4):
@@ -77,7 +78,7 @@ def test_tree_settings_pick_the_node_count_of_highest_predicted_speed():
     root = torch.arange(V).repeat(2)
     probe = _grow(TreeShape(4, 3), draft, root)
     _, prob = _reach(probe, target, root)
-    trees = probe_trees(TreeShape(4, 3), [SimpleNamespace(tree=probe, node_prob=prob,
+    trees = probe_trees(TreeShape(4, 3), [SimpleNamespace(proposal=probe, node_prob=prob,
                                                           active=torch.ones(len(root), dtype=bool))])
     curve = VerifyCurve(10.0, [10.0 + 0.5 * k for k in range(32)], 5)
     settings = tree_settings(trees, lambda k, d: 0.1 * d, curve, overhead=0.2, baseline=1.1)

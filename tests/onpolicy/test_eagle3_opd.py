@@ -40,7 +40,7 @@ def test_head_rollout_and_ttt_loss_forward_match_the_drafter(target, temperature
     head = _head(target, vd).eval()
     ids, mask = _prompts()
     gen = lambda: torch.Generator().manual_seed(0) if temperature else None  # noqa: E731
-    ref = speculative_generate(target, Eagle3Drafter(head), ids, mask, gamma=3, max_new_tokens=12,
+    ref = speculative_generate(target, Eagle3Drafter(head), ids, mask, strategy=3, max_new_tokens=12,
                                temperature=temperature, generator=gen(), draft_policy=policy)
     pos = collect_rollout(target, head, ids, mask, gamma=3, max_new_tokens=12, temperature=temperature,
                           generator=gen(), draft_policy=policy)

@@ -39,7 +39,7 @@ def test_captured_features_equal_a_fresh_target_forward(target, ragged_prompts, 
     ids, mask = ragged_prompts                                              # (3, 7): lengths 7, 3, 5
     draft = copy.deepcopy(target)
     perturb(draft, 0.1)                                                     # q near p: drafts accepted sometimes
-    r = speculative_generate(target, LMDrafter(draft), ids, mask, gamma=3, max_new_tokens=16,
+    r = speculative_generate(target, LMDrafter(draft), ids, mask, strategy=3, max_new_tokens=16,
                              temperature=1.0, generator=torch.Generator().manual_seed(0), draft_policy=policy,
                              capture_layers=LAYERS)
     assert 0 < int(r.position_accepted.sum()) < int(r.position_proposed.sum())  # rejections, ragged rows
@@ -98,7 +98,7 @@ def test_a_head_step_runs_the_target_only_for_the_rollout(target, ragged_prompts
     finally:
         counting.detach_counter()
     with torch.no_grad():  # the same rollout (same seed, prompts, policy) counts its rounds
-        ref = speculative_generate(target, Eagle3Drafter(head.eval()), ids, mask, gamma=3, max_new_tokens=10,
+        ref = speculative_generate(target, Eagle3Drafter(head.eval()), ids, mask, strategy=3, max_new_tokens=10,
                                    temperature=1.0, generator=torch.Generator().manual_seed(0))
     assert obj.state.fresh.stats.new_tokens == int(ref.num_new_tokens.sum())
     assert calls == 1 + len(ref.rounds)

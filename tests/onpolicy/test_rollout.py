@@ -5,7 +5,7 @@ import torch
 from specdistill.drafts.lm import draft_logits_at
 from specdistill.onpolicy.rollout import (ACCEPTED, AFTER_REJECTION, FIRST_REJECTED, TargetLogits, collect_rollout,
                                           prompts_from_batch)
-from specdistill.decoding import LMDrafter, speculative_generate, target_generate, verify_greedy
+from specdistill.decoding import LMDrafter, Proposal, speculative_generate, target_generate, verify
 
 GAMMA, NEW = 3, 12
 
@@ -23,7 +23,7 @@ def test_bookkeeping_agrees_with_the_evaluators_decisions(pair, ragged_prompts, 
     ids, mask = ragged_prompts
     g = torch.Generator().manual_seed(0) if temperature > 0 else None
     # What the evaluator runs (record=False), on the same seed.
-    ref = speculative_generate(target, LMDrafter(draft), ids, mask, gamma=GAMMA, max_new_tokens=NEW,
+    ref = speculative_generate(target, LMDrafter(draft), ids, mask, strategy=GAMMA, max_new_tokens=NEW,
                                temperature=temperature, generator=g)
     pos = _collect(pair, ids, mask, temperature)
     for b in range(3):
@@ -79,7 +79,7 @@ def test_contexts_are_the_ones_the_draft_and_target_saw(pair, ragged_prompts):
 def test_eos_inside_accepted_drafts_drops_what_follows(pair, ragged_prompts):
     target, draft = pair
     ids, mask = ragged_prompts
-    free = speculative_generate(target, LMDrafter(draft), ids, mask, gamma=GAMMA, max_new_tokens=NEW)
+    free = speculative_generate(target, LMDrafter(draft), ids, mask, strategy=GAMMA, max_new_tokens=NEW)
     eos = int(free.sequences[0, 4])
     pos = _collect(pair, ids, mask, 0.0, eos_token_id=eos)
     for p in range(len(pos)):
@@ -104,7 +104,7 @@ def test_draft_only_rollout_is_the_drafts_own_decoding(pair, ragged_prompts):
         ctx = pos.contexts(sel[-1:])[0]
         full = torch.cat([ctx, pos.token[sel[-1:]]])[None]
         logits = target(full).logits[:, len(ctx) - len(sel):]                 # (1, K+1, V)
-        v = verify_greedy(pos.token[sel][None], logits)
+        v = verify(Proposal(pos.token[sel][None]), logits)
         assert pos.accepted[sel].tolist() == v.accepted[0].tolist()
     assert pos.stats.target_tokens == sum(len(r) for r in pos.rows)
     # tau of the simulated rounds: accepted drafts + 1 per block, not the draft's own tokens per block

@@ -6,6 +6,7 @@ import torch
 
 from tests.conftest import left_padded_prompts
 
+from specdistill.decoding import speculative_generate
 from specdistill.decoding.tree import TreeShape
 from specdistill.losses import divergence
 from specdistill.objectives import Models
@@ -185,7 +186,6 @@ def test_a_heads_tree_contexts_score_the_trees_children(vd):
     """An EAGLE-3 head's tree rollout: at every context the TTT unroll on its own row (branch rows for the siblings'
     subtrees, the trajectory's features) ranks the tree's children first: the best child is its argmax, an accepted
     child within its top-k; the trajectories are tree decoding's output."""
-    from specdistill.decoding.tree_generate import tree_generate
     from specdistill.drafts.eagle3 import Eagle3Drafter
     from specdistill.drafts.eagle3.adapter import eagle3_logits_at
     from tests.conftest import make_tiny_lm, noisy_eagle3_head
@@ -195,7 +195,7 @@ def test_a_heads_tree_contexts_score_the_trees_children(vd):
     head = noisy_eagle3_head(target, vd, 0).eval()
     ids, mask = _prompts()
     shape = TreeShape(2, 3)
-    ref = tree_generate(target, Eagle3Drafter(head), ids, mask, tree=shape, max_new_tokens=12)
+    ref = speculative_generate(target, Eagle3Drafter(head), ids, mask, strategy=shape, max_new_tokens=12)
     pos = collect_rollout(target, head, ids, mask, gamma=3, max_new_tokens=12, temperature=0.0, tree=shape)
     for b in range(3):
         assert pos.rows[b].tolist() == ids[b][mask[b].bool()].tolist() + ref.tokens(b)

@@ -24,7 +24,7 @@ import torch
 
 from specdistill.decoding.drafters import Drafter, Proposal, aux_hidden_states, check_confidence, unsure
 from specdistill.decoding.sampling import Sampler
-from specdistill.decoding.tree import Tree, TreeShape, grow
+from specdistill.decoding.tree import TreeShape, grow
 
 from .model import ContextKV, DFlashDraft
 
@@ -36,6 +36,7 @@ class DFlashDrafter(Drafter):
     first position where every row's draft has probability below it (dynamic draft length; still one forward)."""
 
     needs_hidden_states = True
+    grows_trees = True
 
     def __init__(self, model: DFlashDraft, confidence: float = 0.0):
         self.model = model
@@ -95,7 +96,11 @@ class DFlashDrafter(Drafter):
             self._crop()
 
     @torch.no_grad()
-    def propose(self, k: int, sampler: Sampler) -> Proposal:
+    def propose(self, shape: TreeShape, sampler: Sampler) -> Proposal:
+        return self._chain(shape.size, sampler) if shape.is_chain else self._tree(shape)
+
+    def _chain(self, k: int, sampler: Sampler) -> Proposal:
+        """Up to k drafts from the block's positions 1 .. k, one forward."""
         B = self.anchor.shape[0]
         k = min(k, self.model.block_size - 1)
         hidden = self.model.blocks(self.cache, self.anchor[:, None], self.anchor_pos[:, None])  # (B, 1, Bs, H)
@@ -121,7 +126,9 @@ class DFlashDrafter(Drafter):
         return Proposal(self.tokens, q)
 
     @torch.no_grad()
-    def commit(self, num_accepted, next_token, active, target_hidden=None) -> None:
+    def commit(self, num_accepted, next_token, active, target_hidden=None, path=None) -> None:
+        """A tree's target_hidden holds the features of [root, path nodes]: the accepted ones join the cache as a
+        chain's, so the path itself is not needed."""
         device = self.anchor.device
         n, next_token, active = num_accepted.to(device), next_token.to(device), active.to(device)
         # The verify forward's features of [pending, d_1 .. d_n] join the context at the anchor's positions onward.
@@ -140,8 +147,7 @@ class DFlashDrafter(Drafter):
     def max_tree_depth(self) -> int:
         return self.model.block_size - 1
 
-    @torch.no_grad()
-    def propose_tree(self, shape: TreeShape) -> Tree:
+    def _tree(self, shape: TreeShape) -> Proposal:
         """One block forward; block position d's logits score the children of every depth-d node (module docstring)."""
         if shape.depth > self.max_tree_depth:
             raise ValueError(f"tree depth={shape.depth} exceeds what a block of {self.model.block_size} drafts "
@@ -155,8 +161,3 @@ class DFlashDrafter(Drafter):
 
         self.tree = grow(shape, logits[:, 0], feed, to_target=self.model.draft_to_target)
         return self.tree
-
-    @torch.no_grad()
-    def commit_path(self, path, num_accepted, next_token, active, target_hidden=None) -> None:
-        """target_hidden holds the features of [root, path nodes]: the accepted ones join the cache as a chain's."""
-        self.commit(num_accepted, next_token, active, target_hidden)

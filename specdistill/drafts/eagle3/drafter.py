@@ -24,7 +24,7 @@ from specdistill.decoding.drafters import (DraftCommit, Drafter, Proposal, aux_h
                                            unsure)
 from specdistill.decoding.kv import BatchKV
 from specdistill.decoding.sampling import Sampler
-from specdistill.decoding.tree import Tree, TreeShape, grow
+from specdistill.decoding.tree import TreeShape, grow
 
 from .model import Eagle3Head
 
@@ -39,6 +39,7 @@ class Eagle3Drafter(Drafter):
     """
 
     needs_hidden_states = True
+    grows_trees = True
 
     def __init__(self, head: Eagle3Head, confidence: float = 0.0):
         self.head = head
@@ -101,7 +102,11 @@ class Eagle3Drafter(Drafter):
         return out.logits[:, 0], h, positions[rows, self.pending_last], key_mask
 
     @torch.no_grad()
-    def propose(self, k: int, sampler: Sampler) -> Proposal:
+    def propose(self, shape: TreeShape, sampler: Sampler) -> Proposal:
+        return self._chain(shape.size, sampler) if shape.is_chain else self._tree(shape)
+
+    def _chain(self, k: int, sampler: Sampler) -> Proposal:
+        """k drafts: the pending block, then one TTT step per further draft."""
         head = self.head
         tokens_p = self.pending_tokens
         B = tokens_p.shape[0]
@@ -135,13 +140,16 @@ class Eagle3Drafter(Drafter):
         return Proposal(self.tokens, q)
 
     @torch.no_grad()
-    def commit(self, num_accepted, next_token, active, target_hidden=None) -> None:
-        plan = self.commit_begin(num_accepted, next_token, active, target_hidden)
+    def commit(self, num_accepted, next_token, active, target_hidden=None, path=None) -> None:
+        plan = self.commit_begin(num_accepted, next_token, active, target_hidden, path)
         self.commit_end(plan, plan.sizes.tolist())  # one host sync
 
     @torch.no_grad()
-    def commit_begin(self, num_accepted, next_token, active, target_hidden=None) -> DraftCommit:
-        """The crop widths as a device tensor (sizes: last kept pending column, widest row, new pending width)."""
+    def commit_begin(self, num_accepted, next_token, active, target_hidden=None, path=None) -> DraftCommit:
+        """The crop widths as a device tensor (sizes: last kept pending column, widest row, new pending width).
+        A tree's accepted path becomes the drafts: no draft-step slot is kept either way."""
+        if path is not None:
+            self.tokens = F.pad(self.tree.tokens, (1, 0)).gather(1, path.to(self.tree.tokens.device))[:, 1:]  # (B, D)
         device = self.length.device
         n, next_token, active = num_accepted.to(device), next_token.to(device), active.to(device)
         keep = self.pending_keep & active[:, None]                          # (B, P)
@@ -179,8 +187,7 @@ class Eagle3Drafter(Drafter):
         self._set_pending(emitted, g * new_keep[..., None], new_keep, torch.where(active, n, 0))
 
     # ------------------------------------------------------------------------------------------- token trees
-    @torch.no_grad()
-    def propose_tree(self, shape: TreeShape) -> Tree:
+    def _tree(self, shape: TreeShape) -> Proposal:
         """EAGLE-2 expansion (tree.grow) with the head: a depth-d node is fed as TTT step d, its parent's output as g
         at position (drafting slot's) + d, attending to the usable cache, its ancestors and itself (query_mask)."""
         logits, h, pos, key_mask = self._pending_step()
@@ -198,12 +205,6 @@ class Eagle3Drafter(Drafter):
 
         self.tree = grow(shape, logits, feed, to_target=self.head.draft_to_target)
         return self.tree
-
-    @torch.no_grad()
-    def commit_path(self, path, num_accepted, next_token, active, target_hidden=None) -> None:
-        """As commit() with the accepted path's tokens as the drafts: no draft-step slot is kept either way."""
-        self.tokens = F.pad(self.tree.tokens, (1, 0)).gather(1, path.to(self.tree.tokens.device))[:, 1:]  # (B, D)
-        self.commit(num_accepted, next_token, active, target_hidden)
 
     def _compact(self, widest: int) -> None:
         """Right-align every row's real cached slots (order kept) and drop the columns that are holes in all rows."""
