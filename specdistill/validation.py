@@ -1,9 +1,9 @@
 """Config checks in one place, run by every entry point before any model or data is loaded (checked_config, which
 entry.load_config completes with the objectives).
 
-Knows nothing about models or tensors: it reads the config (and, for the few checks that need them, a draft folder's
-config.json, the draft kinds' specs and whether torch sees CUDA). Hydra already refuses wrong types, unknown keys
-given without `+` (and, since `recipe` is not optional in conf/config.yaml, an unknown recipe, listing the known
+Knows nothing about models or tensors: it reads the config (and, for the few checks that need them, a draft or target
+folder's config.json, the draft kinds' specs and whether torch sees CUDA). Hydra already refuses wrong types, unknown
+keys given without `+` (and, since `recipe` is not optional in conf/config.yaml, an unknown recipe, listing the known
 ones); what is left is checked here, first on the composed tree (what only it shows), then on the typed Config:
   - keys the schema does not have, appended with `+` (the schema is closed), with the nearest known key;
   - required values (`???` in a group YAML: data=jsonl needs data.path, target=local needs target.path);
