@@ -1,9 +1,9 @@
 """Config checks in one place, run by every entry point before any model or data is loaded (checked_config, which
 entry.load_config completes with the objectives).
 
-Knows nothing about models or tensors: it reads the config (and, for the few checks that need them, a draft folder's
-config.json, the draft kinds' specs and whether torch sees CUDA). Hydra already refuses wrong types, unknown keys
-given without `+` (and, since `recipe` is not optional in conf/config.yaml, an unknown recipe, listing the known
+Knows nothing about models or tensors: it reads the config (and, for the few checks that need them, a draft or target
+folder's config.json, the draft kinds' specs and whether torch sees CUDA). Hydra already refuses wrong types, unknown
+keys given without `+` (and, since `recipe` is not optional in conf/config.yaml, an unknown recipe, listing the known
 ones); what is left is checked here, first on the composed tree (what only it shows), then on the typed Config:
   - keys the schema does not have, appended with `+` (the schema is closed), with the nearest known key;
   - required values (`???` in a group YAML: data=jsonl needs data.path, target=local needs target.path);
@@ -15,7 +15,9 @@ ones); what is left is checked here, first on the composed tree (what only it sh
   - draft sizes the chosen draft.init would ignore (draft.num_layers=2 for an EAGLE-3 head) are refused (the sizes
     each draft kind honours are on its spec, drafts/registry.py);
   - a data or prompt setting naming a folder where one file is read;
-  - an eval.gamma (eval.max_gamma, eval.tree.depth) above what a DFlash block drafts (block_size - 1);
+  - target.path naming a draft's folder (a checkpoint or an export its draft kind claims) is refused by name;
+  - an eval.gamma (eval.max_gamma, eval.tree.depth) above what one proposal of the evaluated draft holds (its kind
+    says: a DFlash block drafts block_size - 1);
   - eval.device=cuda on a machine or torch build without CUDA;
   - hub.push without hub.repo_id;
   - settings that another setting makes useless (eval.draft_path with eval.drafter=ngram) give a warning.
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import os
 import typing
 from pathlib import Path
@@ -213,43 +214,37 @@ def nearest_key(key: str, known: Iterable[str]) -> str:
     return f"see {where} in specdistill/config.py"
 
 
-def block_size_of(cfg: Config) -> Optional[int]:
-    """The block size B of the block drafter eval.gamma drives, or None when the evaluated draft has none: the trained
-    folder at eval.draft_path (its config.json's block_size), else the draft group's draft.dflash.block_size."""
-    if cfg.eval.drafter != "draft":
-        return None
-    draft_path = cfg.eval.draft_path
-    if draft_path:
-        config = Path(str(draft_path)).expanduser() / "config.json"
-        try:
-            saved = json.loads(config.read_text())
-            archs = [str(a).lower() for a in saved.get("architectures") or []]
-        except (OSError, ValueError, AttributeError, TypeError):
-            return None  # the draft loader names a missing or unreadable folder
-        block = saved.get("block_size") if "dflash_config" in saved or any("dflash" in a for a in archs) else None
-        return block if isinstance(block, int) else None
-    return cfg.draft.dflash.block_size if cfg.draft.init == "dflash" else None
+def draft_length_errors(cfg: Config) -> list[str]:
+    """A draft whose proposals hold at most N tokens (its kind says: a DFlash block drafts block_size - 1): an
+    eval.gamma (or eval.max_gamma with dynamic_gamma, or a tree deeper) above N would be cut silently, and the reports
+    would show acceptance at positions never drafted. The draft is the one evaluated: the folder at eval.draft_path,
+    else the one draft.init builds. Refused whenever real speculative decoding runs it (eval.spec_eval in training, or
+    an evaluation of eval.draft_path); a sweep over eval.block_sizes sets gamma per block size itself."""
+    from specdistill.drafts.registry import draft_length
 
-
-def block_gamma_errors(cfg: Config) -> list[str]:
-    """A block drafter proposes at most B - 1 tokens a round: an eval.gamma (or eval.max_gamma with dynamic_gamma,
-    or a tree deeper) above that would be cut silently, and the reports would show acceptance at positions never
-    drafted. Refused whenever real speculative decoding runs it (eval.spec_eval in training, or an evaluation of
-    eval.draft_path); a sweep over eval.block_sizes sets gamma = B - 1 per block size itself."""
-    block, e = block_size_of(cfg), cfg.eval
-    if block is None or not (e.spec_eval or e.draft_path):
+    e = cfg.eval
+    if e.drafter != "draft" or not (e.spec_eval or e.draft_path):
         return []
-    most = block - 1
-    source = (f"the drafter at eval.draft_path has block_size={block}" if e.draft_path
-              else f"draft.dflash.block_size={block}")
+    length = draft_length(cfg.draft, Path(str(e.draft_path)).expanduser() if e.draft_path else None)
+    if length is None:
+        return []
     asked = [("eval.gamma", e.gamma)]
     if e.dynamic_gamma:
         asked.append(("eval.max_gamma", e.max_gamma))
     if e.tree.topk > 0:
         asked.append(("eval.tree.depth", e.tree.depth))
-    return [f"{key}={value} exceeds what a DFlash block drafts ({source}: one forward proposes block_size - 1 = "
-            f"{most} tokens): set {key}={most}, or draft.dflash.block_size={value + 1} (and train at it)"
-            for key, value in asked if value > most]
+    return [f"{key}={value} exceeds {length.limit}: set {key}={length.most}, or {length.fix(value)}"
+            for key, value in asked if value > length.most]
+
+
+def target_errors(cfg: Config) -> list[str]:
+    """target.path naming the folder of a draft (a checkpoint or an export that a registered draft kind claims):
+    refused naming the kind, from its config.json alone."""
+    from specdistill.drafts.registry import draft_in_folder
+    from specdistill.models.target import refusal
+
+    what = draft_in_folder(cfg.target.path)
+    return [refusal(cfg.target.path, f"{what}: it drafts for a target and cannot be one")] if what else []
 
 
 def device_errors(cfg: Config) -> list[str]:
@@ -335,8 +330,8 @@ def hub_errors(cfg: Config) -> list[str]:
 
 
 COMPOSITION_CHECKS = (unknown_key_errors, required_errors, run_name_errors)  # on the composed tree, before conversion
-CONFIG_CHECKS = (range_errors, path_errors, folder_errors, draft_shape_errors, block_gamma_errors, device_errors,
-                 hub_errors)
+CONFIG_CHECKS = (range_errors, path_errors, folder_errors, target_errors, draft_shape_errors, draft_length_errors,
+                 device_errors, hub_errors)
 
 
 def checked_config(composed: DictConfig, log: Optional[Callable[[str], None]] = print) -> Config:

@@ -8,8 +8,8 @@ A kind registers itself where it is written:
 
 The registry is filled by importing the kinds' modules: drafts/__init__.py imports the built-in ones (lm.py, eagle3/,
 dflash/); a test or an extension imports its own before it composes a config naming it. Lookups (kind_for_init,
-draft_adapter, saved_kind, exported_kind) try the specific kinds in registration order and the catch-all kind (any
-causal LM) last. Knows nothing of objectives, the evaluator or the pipeline.
+draft_adapter, saved_kind, exported_kind, draft_in_folder) try the specific kinds in registration order and the
+catch-all kind (any causal LM) last. Knows nothing of objectives, the evaluator or the pipeline.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import torch
 from specdistill.tensors import unwrap
 
 if TYPE_CHECKING:
+    from specdistill.config import DraftConfig
     from specdistill.drafts.base import DraftAdapter
     from specdistill.export import ExportResult
 
@@ -40,6 +41,14 @@ class Card:
     title: str = "A draft model"      # how the card names it
     library: str = "transformers"     # the card's library_name: who loads the folder
     tags: tuple[str, ...] = ()        # the card's extra hub tags
+
+
+@dataclass(frozen=True)
+class DraftLength:
+    """The most tokens one proposal of a draft holds, in the words of a refusal of a longer one."""
+    most: int                   # tokens one proposal holds at most
+    limit: str                  # what bounds it, after "eval.gamma=6 exceeds ": "what a DFlash block drafts (...)"
+    fix: Callable[[int], str]   # tokens asked -> the kind's setting that would hold them ("draft.dflash.block_size=7")
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,13 @@ class DraftKind:
     validator: Optional[Callable[..., ExportResult]] = None  # (path, target_path=None) -> ExportResult, or raises
     fits: Optional[Callable[..., None]] = None  # (draft, path, target_model, target_name, log): checks of a saved draft
                                               # beyond its vocabulary (widths, layers, missing embeddings)
+    max_draft_length: Optional[Callable[[DraftConfig, Optional[Path]], Optional[DraftLength]]] = None
+                                              # (draft_cfg, the folder at eval.draft_path or None): the most tokens one
+                                              # proposal holds, of the draft saved in that folder (its config.json)
+                                              # when given, else of the one draft_cfg builds; None: no bound
+    describe_folder: Optional[Callable[[dict], Optional[str]]] = None  # config.json -> what a folder of its drafts is,
+                                              # in words ("a DFlash block drafter (architectures [...])"), or None;
+                                              # no hook: the folders its saved_in or export_architectures claim
     catch_all: bool = False                   # takes any model and folder no other kind claims (tried last; one kind)
 
     def __post_init__(self):
@@ -109,6 +125,18 @@ class DraftKind:
             raise unfit(path, target_name, str(e)) from None
         if self.fits is not None:
             self.fits(unwrap(draft), path, target_model, target_name, log)
+
+    def holds(self, path, config: dict) -> Optional[str]:
+        """What the folder `path` (its config.json read as `config`) is, in words, when it holds a draft of this kind
+        (its checkpoint, its export); None otherwise. The catch-all kind holds none: its drafts are causal LMs."""
+        if self.catch_all:
+            return None
+        if self.describe_folder is not None:
+            return self.describe_folder(config)
+        archs = list(config.get("architectures") or [])
+        if self.adapter.saved_in(path) or set(archs) & set(self.export_architectures):
+            return f"a {self.name} draft (architectures {archs})"
+        return None
 
 
 _KINDS: dict[str, DraftKind] = {}
@@ -189,6 +217,34 @@ def saved_kind(path) -> type[DraftAdapter]:
         if kind.adapter.saved_in(path):
             return kind.adapter
     raise ValueError(f"{path}: no draft kind reads this folder; the registered kinds are {sorted(_KINDS)}")
+
+
+def draft_length(draft_cfg: DraftConfig, saved: Optional[Path] = None) -> Optional[DraftLength]:
+    """The most tokens one proposal of the evaluated draft holds: the one saved in the folder `saved` (eval.draft_path)
+    when given, by its kind, else the one draft_cfg builds; None when its kind has no bound, or no kind reads the
+    folder (the draft loader names that folder)."""
+    try:
+        kind = (saved_kind(saved) if saved is not None else kind_for_init(draft_cfg.init)).spec
+    except (OSError, ValueError):
+        return None
+    return kind.max_draft_length(draft_cfg, saved) if kind.max_draft_length is not None else None
+
+
+def draft_in_folder(path) -> Optional[str]:
+    """What the local folder `path` holds, in words, when a registered draft kind claims it (its checkpoint, its
+    export; the first kind to claim it); None for any other folder, a hub id or an embedded model."""
+    config_file = Path(str(path)).expanduser() / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None  # no folder, or not one: the loader names it
+    if not isinstance(config, dict):
+        return None
+    for kind in registered():
+        what = kind.holds(config_file.parent, config)
+        if what:
+            return what
+    return None
 
 
 def load_trained_draft(path) -> torch.nn.Module:

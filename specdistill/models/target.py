@@ -44,19 +44,11 @@ DRAFT_FOLDERS = "a draft is evaluated with eval.draft_path, warm-started with dr
 
 def not_a_causal_lm(config: dict) -> Optional[str]:
     """Why a model whose config.json is `config` is not a causal LM checkpoint transformers can load whole, or None.
-    EAGLE-3 heads (ours, vLLM's or speculators' format) and DFlash drafters declare a Llama or Qwen3 model_type, so
-    AutoModelForCausalLM would load them as that LM with random decoder layers: they are named here instead."""
+    A draft's folder (an EAGLE-3 head, a DFlash drafter) given as target.path is refused before this, naming its kind
+    (validation asks the draft kinds, which this package knows nothing of); here its architectures name no causal LM."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     archs = [str(a) for a in config.get("architectures") or []]
-    if any("dflash" in a.lower() for a in archs) or "dflash_config" in config:
-        return f"a DFlash block drafter (architectures {archs}): it drafts for a target and cannot be one"
-    if any("eagle" in a.lower() for a in archs) or "eagle_config" in config or config.get(
-            "speculators_model_type") or "draft_vocab_size" in config:
-        vocab, draft_vocab = config.get("vocab_size"), config.get("draft_vocab_size")
-        reduced = (f" with a reduced vocabulary ({draft_vocab} of {vocab} tokens)"
-                   if draft_vocab and vocab and draft_vocab != vocab else "")
-        return f"an EAGLE-3 head{reduced} (architectures {archs}): it drafts for a target and cannot be one"
     known = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     if archs and not any(a in known or a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
                          for a in archs):
@@ -64,12 +56,17 @@ def not_a_causal_lm(config: dict) -> Optional[str]:
     return None
 
 
+def refusal(path, why: str, setting: str = "target.path") -> str:
+    """The message refusing the model at `path`, given as `setting`, that is `why` and not a causal LM checkpoint."""
+    return (f"{setting}={str(path)!r} is {why}. Point {setting} at the causal LM checkpoint (an HF folder or hub id "
+            f"with its decoder weights); {DRAFT_FOLDERS}")
+
+
 def check_causal_lm(path: str, config: dict, setting: str = "target.path") -> None:
     """Raise NotACausalLM naming `setting` when the model at `path` (its config.json as `config`) is not one."""
     why = not_a_causal_lm(config)
     if why:
-        raise NotACausalLM(f"{setting}={str(path)!r} is {why}. Point {setting} at the causal LM checkpoint (an HF "
-                           f"folder or hub id with its decoder weights); {DRAFT_FOLDERS}")
+        raise NotACausalLM(refusal(path, why, setting))
 
 
 def _config_dict(where: str) -> dict:

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from specdistill.drafts import registered
-from specdistill.drafts.registry import (DraftKind, draft_adapter, export_formats, exported_kind, inits_honouring,
-                                         kind_for_init, kind_named, register_kind, unregister_kind)
-from tests.conftest import compose_tiny
+from omegaconf import OmegaConf
+
+from specdistill.drafts.registry import (DraftKind, draft_adapter, draft_in_folder, export_formats, exported_kind,
+                                         inits_honouring, kind_for_init, kind_named, register_kind, unregister_kind)
+from tests.conftest import compose_tiny, make_tiny_lm, make_tokenizer
 
 BUILT_IN = ("dflash", "eagle3", "draft")
 
@@ -79,6 +81,61 @@ def test_the_toy_kind_is_asked_not_tabled(toy, tiny_target_dir, tiny_data_file, 
     target.config.model_type = "mistral"  # what the toy's own check (its spec's fits) refuses
     with pytest.raises(ValueError, match="does not fit the target t: a toy draft of model_type llama"):
         toy.ToyDraft.spec.check_against_target(draft, "d", target, "t", log=lambda s: None)
+
+
+def _toy_folder(toy, where):
+    """A saved (untrained) toy draft: what training writes to checkpoint/draft."""
+    toy.ToyDraftForCausalLM(make_tiny_lm(len(make_tokenizer()), layers=1).config).save_pretrained(where)
+    return where
+
+
+def test_the_toy_kind_bounds_the_draft_length_of_the_draft_evaluated(toy, tiny_target_dir, tiny_data_file, tmp_path):
+    """The toy's own limit (its spec's max_draft_length) refuses a longer eval.gamma, eval.max_gamma or tree depth
+    whenever speculative decoding runs the draft, and the kind asked is the evaluated draft's: the folder at
+    eval.draft_path when set (a toy folder is bounded, an LM folder is not, whatever draft.init says), else the one
+    draft.init builds."""
+    from specdistill.validation import ConfigError, draft_length_errors, validate_config
+
+    most, saved = toy.MAX_DRAFT, _toy_folder(toy, tmp_path / "toy_draft")
+
+    def refused(extra: list[str]) -> list[str]:
+        return draft_length_errors(OmegaConf.to_object(compose_tiny(tiny_target_dir, tiny_data_file, tmp_path, extra)))
+
+    built = ["draft.init=toy", "eval.spec_eval=true"]
+    assert refused(built + [f"eval.gamma={most}"]) == []
+    assert refused(built + [f"eval.gamma={most + 1}"]) == [
+        f"eval.gamma={most + 1} exceeds what a toy draft proposes ({most} tokens a round): set eval.gamma={most}, or "
+        "draft.init=pretrained (an LM draft proposes any number)"]
+    deeper = refused(built + ["eval.dynamic_gamma=true", f"eval.max_gamma={most + 2}", "eval.tree.topk=2",
+                              f"eval.tree.depth={most + 3}"])
+    assert [e.split(" ")[0] for e in deeper] == [f"eval.max_gamma={most + 2}", f"eval.tree.depth={most + 3}"]
+    assert refused(["draft.init=toy", "eval.spec_eval=false", f"eval.gamma={most + 1}"]) == []  # no decoding runs it
+    assert len(refused([f"eval.draft_path={saved}", f"eval.gamma={most + 1}"])) == 1  # the saved folder's kind
+    assert refused(built + [f"eval.draft_path={tiny_target_dir}", f"eval.gamma={most + 1}"]) == []  # an LM folder
+    with pytest.raises(ConfigError, match=rf"eval.gamma={most + 1} exceeds what a toy draft proposes"):
+        validate_config(compose_tiny(tiny_target_dir, tiny_data_file, tmp_path, built + [f"eval.gamma={most + 1}"]),
+                        log=None)
+
+
+def test_a_toy_folder_given_as_the_target_is_refused_naming_the_toy_kind(toy, tiny_data_file, tmp_path):
+    """The folders the toy kind claims (its checkpoint by its adapter's saved_in, its export by its export
+    architectures) are refused as target.path by the kind's name, from config.json alone; once the kind is
+    unregistered, nothing claims them (the refusal is the kind's, not a table's)."""
+    from specdistill.validation import ConfigError, validate_config
+
+    saved = _toy_folder(toy, tmp_path / "toy_draft")
+    toy.export_toy(saved, tmp_path / "toy_export")
+    for folder, arch in ((saved, "ToyDraftForCausalLM"), (tmp_path / "toy_export", toy.EXPORT_ARCH)):
+        with pytest.raises(ConfigError) as e:
+            validate_config(compose_tiny(folder, tiny_data_file, tmp_path), log=None)
+        assert (f"target.path='{folder}' is a toy draft (architectures ['{arch}']): it drafts for a target and cannot "
+                "be one. Point target.path at the causal LM checkpoint") in str(e.value)
+        assert "eval.draft_path" in str(e.value)
+    unregister_kind("toy")
+    try:
+        assert draft_in_folder(saved) is None and draft_in_folder(tmp_path / "toy_export") is None
+    finally:
+        importlib.reload(toy)  # registered again, for the fixture to unregister
 
 
 # ------------------------------------------------------------------------------------------- the registry's rules

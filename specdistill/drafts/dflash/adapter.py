@@ -22,7 +22,7 @@ from specdistill.decoding import Drafter
 from specdistill.decoding.kv import logits_dim
 from specdistill.drafts.base import DraftAdapter, min_sum, min_sum_on_draft_vocab
 from specdistill.drafts.readback import unfit
-from specdistill.drafts.registry import Card, register_kind
+from specdistill.drafts.registry import Card, DraftLength, register_kind
 from specdistill.models.vocab import frequent_token_vocab, restrict_to_draft_vocab
 from specdistill.tensors import unwrap
 from specdistill.tokens import check_vocab_compatible
@@ -39,6 +39,33 @@ def fits_target(draft, path, target_model, target_name: str, log) -> None:
         raise unfit(path, target_name, "; ".join(problems))
 
 
+def block_length(draft_cfg, saved: Optional[Path]) -> Optional[DraftLength]:
+    """A block drafter proposes at most block_size - 1 tokens a round: the block size of the drafter saved at
+    eval.draft_path (its config.json) when given, else draft.dflash.block_size."""
+    if saved is not None:
+        try:
+            block = json.loads((Path(saved) / "config.json").read_text()).get("block_size")
+        except (OSError, ValueError, AttributeError):
+            return None  # the draft loader names a missing or unreadable folder
+        source = f"the drafter at eval.draft_path has block_size={block}"
+    else:
+        block = draft_cfg.dflash.block_size
+        source = f"draft.dflash.block_size={block}"
+    if not isinstance(block, int):
+        return None
+    return DraftLength(block - 1, f"what a DFlash block drafts ({source}: one forward proposes block_size - 1 = "
+                                  f"{block - 1} tokens)",
+                       lambda asked: f"draft.dflash.block_size={asked + 1} (and train at it)")
+
+
+def describe_folder(config: dict) -> Optional[str]:
+    """A DFlash drafter's folder (ours, or vLLM's layout by another tool), from its config.json."""
+    archs = [str(a) for a in config.get("architectures") or []]
+    if any("dflash" in a.lower() for a in archs) or "dflash_config" in config:
+        return f"a DFlash block drafter (architectures {archs})"
+    return None
+
+
 @register_kind(name="dflash", inits={"dflash": ("intermediate_size",)},  # any layer count, the target's width
                path_inits=("dflash",),     # draft.path: a warm start
                decodes_alone=False,        # every block reads the target's hidden states
@@ -48,7 +75,7 @@ def fits_target(draft, path, target_model, target_name: str, log) -> None:
                warmup_objective={"name": "dflash"},  # Draft-OPD warms it up as recipe dflash_serve trains it
                card=Card("A DFlash block drafter", library="specdistill", tags=("dflash",)),
                exporters={"vllm": export_dflash}, validator=validate_export, export_architectures=(ARCHITECTURE,),
-               fits=fits_target)
+               fits=fits_target, max_draft_length=block_length, describe_folder=describe_folder)
 class DFlashDraftKind(DraftAdapter):
     """A DFlashDraft on the target's multi-layer hidden states: q over the target's vocabulary."""
 

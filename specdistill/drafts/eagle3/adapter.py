@@ -39,6 +39,19 @@ from .model import ChainQuery, Eagle3Head, build_eagle3, default_aux_layer_ids
 from .readback import check_eagle3_head
 
 
+def describe_folder(config: dict) -> Optional[str]:
+    """An EAGLE-3 head's folder (ours, vLLM's or speculators' format, or another tool's), from its config.json: they
+    declare a Llama or Qwen3 model_type, so AutoModelForCausalLM would load them as that LM with random layers."""
+    archs = [str(a) for a in config.get("architectures") or []]
+    if not (any("eagle" in a.lower() for a in archs) or "eagle_config" in config
+            or config.get("speculators_model_type") or "draft_vocab_size" in config):
+        return None
+    vocab, draft_vocab = config.get("vocab_size"), config.get("draft_vocab_size")
+    reduced = (f" with a reduced vocabulary ({draft_vocab} of {vocab} tokens)"
+               if draft_vocab and vocab and draft_vocab != vocab else "")
+    return f"an EAGLE-3 head{reduced} (architectures {archs})"
+
+
 @register_kind(name="eagle3", inits={"eagle3": ("intermediate_size",)}, path_inits=("eagle3",),  # path: a warm start
                num_layers=1,               # the one-layer layout vLLM and SGLang load
                decodes_alone=False,        # every token it conditions on needs the target's hidden states
@@ -46,7 +59,8 @@ from .readback import check_eagle3_head
                data_objective="eagle3",    # its data loss is the training-time-test unroll, not a token-level KD
                card=Card("An EAGLE-3 head", library="specdistill", tags=("eagle3",)),
                exporters={fmt: export_eagle3 for fmt in FORMATS}, validator=validate_export,
-               export_architectures=(MIDLAYER_ARCH, SPECULATORS_ARCH), fits=check_eagle3_head)
+               export_architectures=(MIDLAYER_ARCH, SPECULATORS_ARCH), fits=check_eagle3_head,
+               describe_folder=describe_folder)
 class Eagle3Draft(DraftAdapter):
     """An Eagle3Head on the target's aux hidden states: q over its draft vocabulary (Vd), mapped to target ids."""
 

@@ -4,7 +4,9 @@ trains, evaluates and exports through the ordinary entry points (tests/drafts/te
 The draft is a one-layer causal LM of the target's (Llama) architecture at its own width (draft.hidden_size, the one
 size it honours), saved under its own architecture name. It drafts and trains as an LM draft does (its adapter takes
 LMDraft's decoding and losses) and exports to one format of its own, "toy": its weights and a config.json naming
-ToyDraftExport, checked tensor by tensor when written and when read back.
+ToyDraftExport, checked tensor by tensor when written and when read back. It proposes at most MAX_DRAFT tokens a
+round (validation refuses a longer eval.gamma), and its folders are refused as a target by its name (the registry's
+default: the folders its saved_in and export architectures claim).
 """
 from __future__ import annotations
 
@@ -18,11 +20,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdistill.drafts import LMDraft
 from specdistill.drafts.readback import unfit
-from specdistill.drafts.registry import Card, register_kind
+from specdistill.drafts.registry import Card, DraftLength, register_kind
 from specdistill.export import WEIGHTS_FILE, ExportResult, read_target_config, write_weights
 from specdistill.files import replace_folder
 
 EXPORT_ARCH = "ToyDraftExport"
+MAX_DRAFT = 6  # tokens one toy proposal holds at most
 
 
 class ToyDraftForCausalLM(LlamaForCausalLM):
@@ -84,9 +87,15 @@ def export_toy(draft_dir, out_dir, fmt: str = "toy", target_path: Optional[str] 
     return check_toy_export(out_dir)
 
 
+def toy_length(draft_cfg, saved: Optional[Path]) -> DraftLength:
+    """Every toy draft, built or saved, proposes at most MAX_DRAFT tokens a round."""
+    return DraftLength(MAX_DRAFT, f"what a toy draft proposes ({MAX_DRAFT} tokens a round)",
+                       lambda asked: "draft.init=pretrained (an LM draft proposes any number)")
+
+
 @register_kind(name="toy", inits={"toy": ("hidden_size",)}, card=Card("A toy draft", tags=("toy",)),
                exporters={"toy": export_toy}, validator=check_toy_export, export_architectures=(EXPORT_ARCH,),
-               fits=fits_target)
+               fits=fits_target, max_draft_length=toy_length)
 class ToyDraft(LMDraft):
     """The toy's adapter: LMDraft's drafting and losses on a ToyDraftForCausalLM."""
 
