@@ -191,7 +191,7 @@ def data_target_tokens(c, steps: int) -> tuple[int, int]:
     micro-batch over its real tokens; the same micro-batches the loop reads."""
     from specdistill.data.loader import StepBatches
 
-    t = c.cfg.trainer
+    t = c.trainer
     sb = StepBatches(c.data.train, t.micro_batch_size, t.grad_accum, c.models.tokenizer.pad_token_id, t.seed)
     fwd = loss = 0
     for s in range(steps):
@@ -206,7 +206,7 @@ def steps_for_target_tokens(c, budgets: list[int], cap: int) -> list[int]:
     target over that many tokens (its own micro-batches, in the loop's order), at most `cap`."""
     from specdistill.data.loader import StepBatches
 
-    t = c.cfg.trainer
+    t = c.trainer
     sb = StepBatches(c.data.train, t.micro_batch_size, t.grad_accum, c.models.tokenizer.pad_token_id, t.seed)
     used, s, out = 0, 0, []
     for budget in budgets:

@@ -37,7 +37,10 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
+
+if TYPE_CHECKING:  # annotations only: specdistill is imported once main has found it installed
+    from specdistill.config import Config
 
 REPO = Path(__file__).resolve().parent.parent
 # What the checked paths import; torch is checked apart (its CUDA build matters).
@@ -506,13 +509,14 @@ class Models:
     target: object
     target32: object
     tokenizer: object
-    cfg: object      # the composed config (eval settings, draft)
+    cfg: Config      # the checked config (eval settings, draft)
     head: object
     overrides: list  # what composed cfg
 
 
 def load_models(target_dir: Path, head_dir: Optional[Path], data: Path, sizes: Sizes, device: str,
                 dtype: str = "bfloat16") -> Models:
+    from specdistill.entry import load_config
     from specdistill.eval.run import load_draft
     from specdistill.models.target import load_causal_lm, load_tokenizer
 
@@ -520,7 +524,7 @@ def load_models(target_dir: Path, head_dir: Optional[Path], data: Path, sizes: S
             f"eval.draft_path={head_dir or ''}", f"eval.prompts={data}", f"eval.max_new_tokens={sizes.eval_new_tokens}",
             "eval.batch_size=1", "eval.batch_sizes=[1]", "eval.warmup_prompts=1", "eval.ignore_eos=true",
             "eval.measure_cost=true", "eval.gamma=4", f"eval.device={device}"]
-    cfg = compose(base + [f"eval.num_prompts={sizes.eval_prompts}"])
+    cfg = load_config(compose(base + [f"eval.num_prompts={sizes.eval_prompts}"]), log=None)
     tokenizer = load_tokenizer(str(target_dir))
     target = load_causal_lm(str(target_dir), dtype).to(device).eval().requires_grad_(False)
     target32 = (target if dtype == "float32" else
@@ -541,15 +545,15 @@ def evaluate_head(target_dir: Path, head_dir: Path, data: Path, sizes: Sizes, de
     """The evaluator in bf16 (speedup, tau); speculative against target-only decoding of the same prompts judged
     lossless (eval/lossless.py); then both compiled, which must compile once and decode losslessly too."""
     import torch
-    from omegaconf import OmegaConf
 
     from specdistill.decoding import CacheMode
+    from specdistill.entry import load_config
     from specdistill.eval.evaluator import evaluate, make_drafter
     from specdistill.eval.lossless import DecodePath, compare_decodings
     from specdistill.tokens import pad_id
 
     m = load_models(target_dir, head_dir, data, sizes, device)
-    ecfg = OmegaConf.to_object(m.cfg.eval)
+    ecfg = m.cfg.eval
     ps = prompts_of(m, data, sizes.eval_prompts, sizes)
     r = evaluate(m.target, m.tokenizer, m.head, ps, ecfg, progress=False, log=lambda *_: None)
     out = {"speedup": r.speedup, "mean_accept_len": r.mean_accept_len, "tokens_per_s": r.tokens_per_s,
@@ -576,8 +580,8 @@ def evaluate_head(target_dir: Path, head_dir: Path, data: Path, sizes: Sizes, de
     # Compiled: the evaluator (batch 1, no cost model: its verify-width sweep would compile a graph per width) warms
     # the graphs up on its prompts; decoding each prompt again, alone, must compile nothing.
     reset_compiled()
-    ccfg = OmegaConf.to_object(compose(m.overrides + [f"eval.num_prompts={sizes.compile_prompts}",
-                                                      "eval.compile=true", "eval.measure_cost=false"]).eval)
+    ccfg = load_config(compose(m.overrides + [f"eval.num_prompts={sizes.compile_prompts}", "eval.compile=true",
+                                              "eval.measure_cost=false"]), log=None).eval
     cps = prompts_of(m, data, sizes.compile_prompts, sizes)
     models = (m.target, m.head)
     t0 = time.perf_counter()
@@ -611,15 +615,13 @@ def exact_decoding(target_dir: Path, head_dir: Optional[Path], data: Path, sizes
                    compile_ok: Callable[[], bool]) -> dict:
     """The target (and head) in fp32 with TF32 off: static and compiled caches and speculative decoding must give
     the growing cache's target-only tokens exactly."""
-    from omegaconf import OmegaConf
-
     from specdistill.decoding import CacheMode
     from specdistill.eval.evaluator import make_drafter
     from specdistill.eval.lossless import compare_decodings, tf32_off, tf32_state
     from specdistill.tokens import pad_id
 
     m = load_models(target_dir, head_dir, data, sizes, device, dtype="float32")  # loading turns TF32 on: off below
-    ecfg = OmegaConf.to_object(m.cfg.eval)
+    ecfg = m.cfg.eval
     ps = prompts_of(m, data, sizes.eval_prompts, sizes)
     ids, mask = prompt_batch(ps.ids, pad_id(m.tokenizer), device)
     n, gamma = sizes.eval_new_tokens, ecfg.gamma

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 from omegaconf import DictConfig
 
-from specdistill.config import Config, TargetConfig
+from specdistill.config import Config, EvalConfig, TargetConfig, TrainerConfig
 from specdistill.objectives import Models
 from specdistill.objectives.base import Objective
 from specdistill.phases import PhasePlan, plan_phases
@@ -25,7 +25,12 @@ if TYPE_CHECKING:  # annotations only: accelerate and the data package load when
 
 @dataclass
 class Components:
-    cfg: Config  # typed once at the entry (entry.load_config); `objective` and `warmup.objective` as dataclasses
+    """A built run: its objects, and only the parts of the config that the loop and its evaluations read (the stages
+    after training, export and hub pushes, take the whole Config from the pipeline, which passes it to them)."""
+    trainer: TrainerConfig  # the loop's settings
+    eval: EvalConfig  # the held-out scoring (gamma, max_batches) and the speculative evaluations during training
+    run_name: str  # the progress bar's and the tracker's name
+    target_shard: str  # target.shard: a target split over the processes (fsdp) decodes every evaluation in step
     accelerator: Accelerator
     models: Models
     objective: Objective  # the main (last) phase's objective; a step trains phases.at(step).objective
@@ -37,10 +42,9 @@ class Components:
     config_yaml: str  # the composed config, resolved: what <output_dir>/config.yaml and every checkpoint hold
 
 
-def make_accelerator(cfg: Config) -> Accelerator:
+def make_accelerator(t: TrainerConfig) -> Accelerator:
     from accelerate import Accelerator
 
-    t = cfg.trainer
     mp = t.mixed_precision
     if mp == "auto":
         mp = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
@@ -157,7 +161,7 @@ def assemble(cfg: Config, config_yaml: str, accelerator: Optional[Accelerator] =
 
         check_draft_folder(cfg.draft.path, what="draft.path draft")
     objective = cfg.objective
-    accelerator = accelerator or make_accelerator(cfg)
+    accelerator = accelerator or make_accelerator(cfg.trainer)
     torch.manual_seed(cfg.trainer.seed)
     log = accelerator.print
     check_target_shard(cfg.target, [objective, cfg.warmup.objective], accelerator.num_processes)
@@ -221,5 +225,6 @@ def assemble(cfg: Config, config_yaml: str, accelerator: Optional[Accelerator] =
     # Not prepared: accelerate's scheduler wrapper steps num_processes times per step; we step once per update.
     accelerator.register_for_checkpointing(scheduler)
     decoding = CacheMode(static=cfg.eval.static_cache, compile=cfg.eval.compile)  # rollouts decode as the evaluator
-    return Components(cfg, accelerator, Models(draft, target, tokenizer, decoding), objective, data, optimizer,
-                      scheduler, Path(t.output_dir), plan, config_yaml)
+    return Components(t, cfg.eval, cfg.run_name, cfg.target.shard, accelerator,
+                      Models(draft, target, tokenizer, decoding), objective, data, optimizer, scheduler,
+                      Path(t.output_dir), plan, config_yaml)

@@ -353,6 +353,7 @@ def test_wandb_refusing_an_online_run_logs_offline_with_a_warning(error, tiny_ta
     import wandb
 
     from specdistill.build import make_accelerator
+    from specdistill.entry import load_config
     from specdistill.train.loop import _open_run
 
     modes = []
@@ -365,9 +366,10 @@ def test_wandb_refusing_an_online_run_logs_offline_with_a_warning(error, tiny_ta
     monkeypatch.setattr(wandb, "init", init)
     monkeypatch.setattr(wandb, "config", SimpleNamespace(update=lambda *_, **__: None))
     monkeypatch.setenv("WANDB_MODE", "online")
-    cfg = compose_tiny(tiny_target_dir, tiny_data_file, tmp_path, ["trainer.wandb=true", "trainer.wandb_mode=online"])
-    c = SimpleNamespace(accelerator=make_accelerator(cfg), cfg=cfg, output_dir=tmp_path / "o",
-                        data=SimpleNamespace(report={}))
+    cfg = load_config(compose_tiny(tiny_target_dir, tiny_data_file, tmp_path,
+                                   ["trainer.wandb=true", "trainer.wandb_mode=online"]))
+    c = SimpleNamespace(accelerator=make_accelerator(cfg.trainer), trainer=cfg.trainer, run_name=cfg.run_name,
+                        output_dir=tmp_path / "o", data=SimpleNamespace(report={}))
     _open_run(c, "run: config\n")
     said = capsys.readouterr().out
     assert modes == ["online", "offline"] and os.environ["WANDB_MODE"] == "offline"

@@ -99,8 +99,9 @@ def test_the_accelerator_carries_the_process_group_timeout(tiny_target_dir, tiny
     from datetime import timedelta
 
     from specdistill.build import make_accelerator
+    from specdistill.entry import load_config
     from tests.conftest import tiny_overrides
 
     over = tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path, tmp_path) + ["trainer.process_group_timeout_s=99"]
-    acc = make_accelerator(compose("kd", over))
+    acc = make_accelerator(load_config(compose("kd", over)).trainer)
     assert acc.init_handler.to_kwargs()["timeout"] == timedelta(seconds=99)

@@ -58,7 +58,7 @@ def run(composed: DictConfig) -> FitResult:
     cfg, yaml_text = load_config(composed, log=None), config_yaml(composed)
     check_hub_config(cfg.hub)  # the serving formats a push stages, before any model is loaded
     check_export_config(cfg)
-    acc = make_launch_accelerator(cfg)
+    acc = make_launch_accelerator(cfg.trainer)
     log_warnings(cfg, acc.print)
     configure_threads(cfg.trainer.threads, "trainer.threads", log=acc.print)  # deliberate, printed (threads.py)
     out_dir = Path(cfg.trainer.output_dir)

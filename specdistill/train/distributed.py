@@ -14,7 +14,7 @@ import os
 import torch
 from accelerate import Accelerator
 
-from specdistill.config import Config, TrainerConfig
+from specdistill.config import TrainerConfig
 
 
 def launched_world_size() -> int:
@@ -22,7 +22,7 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def make_launch_accelerator(cfg: Config) -> Accelerator:
+def make_launch_accelerator(t: TrainerConfig) -> Accelerator:
     """build.make_accelerator, after initialising the process group the way this machine needs, then configured for
     DeepSpeed (batch sizes and clipping from trainer.*) and checked against WORLD_SIZE."""
     from accelerate import PartialState
@@ -42,12 +42,12 @@ def make_launch_accelerator(cfg: Config) -> Accelerator:
         # The shared state every Accelerator created after this reuses: DDP over gloo (accelerate's MULTI_CPU), or
         # DeepSpeed over gloo. Without cpu=True accelerate would see 2 ranks and run them as DistributedType.NO.
         PartialState(cpu=not _env_true("ACCELERATE_USE_DEEPSPEED"), backend="gloo",
-                     timeout=process_group_timeout(cfg.trainer.process_group_timeout_s))
-    acc = make_accelerator(cfg)
+                     timeout=process_group_timeout(t.process_group_timeout_s))
+    acc = make_accelerator(t)
     if cpu_fsdp2:
         acc.__class__ = CpuFsdp2Accelerator  # keeps make_accelerator's settings; changes how the draft is prepared
     check_world(acc)
-    configure_deepspeed(acc, cfg.trainer)
+    configure_deepspeed(acc, t)
     kind = "FSDP2 (fully_shard over gloo)" if cpu_fsdp2 else acc.distributed_type
     acc.print(f"[train] {acc.num_processes} process(es), {kind}, device {acc.device}")
     return acc

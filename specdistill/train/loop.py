@@ -109,13 +109,13 @@ def peak_memory_mb(device) -> float:
 def heldout_batches(c: Components) -> list[dict]:
     ds = c.data.heldout
     acc = c.accelerator
-    n = c.cfg.trainer.micro_batch_size
+    n = c.trainer.micro_batch_size
     # Each rank scores its share once, and every rank gets the same number of batches: a sharded draft (FSDP,
     # ZeRO-3) runs collectives in its forward, and the acceptance counts are all-reduced after the last batch.
     usable = len(ds) // acc.num_processes * acc.num_processes
     idx = list(range(acc.process_index, usable, acc.num_processes))
     pad = c.models.tokenizer.pad_token_id
-    chunks = [idx[i:i + n] for i in range(0, len(idx), n)][: c.cfg.eval.max_batches]
+    chunks = [idx[i:i + n] for i in range(0, len(idx), n)][: c.eval.max_batches]
     return [collate([ds[i] for i in ch], pad) for ch in chunks]
 
 
@@ -123,7 +123,7 @@ def evaluate_heldout(c: Components) -> dict:
     acc = c.accelerator
     batches = [_to_device(b, acc.device) for b in heldout_batches(c)]
     with acc.autocast():
-        sim = simulated_acceptance(c.models.draft, c.models.target, batches, c.cfg.eval.gamma,
+        sim = simulated_acceptance(c.models.draft, c.models.target, batches, c.eval.gamma,
                                    reduce=lambda t: acc.reduce(t.to(acc.device), "sum"))
     out = {f"heldout/{k}": v for k, v in sim.to_dict().items()}
     out.update({f"heldout/accept_rate_pos{k + 1}": a for k, a in enumerate(sim.accept_rate_per_pos)})
@@ -210,7 +210,7 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
 def _resume_point(c: Components, config_yaml: str) -> Optional[Path]:
     """The verified checkpoint to resume from (None: a fresh run); a resume that would not be exact, or a fresh run
     into a folder holding checkpoints, is refused before anything else happens."""
-    acc, t, out_dir = c.accelerator, c.cfg.trainer, c.output_dir
+    acc, t, out_dir = c.accelerator, c.trainer, c.output_dir
     resume_from = select_resume(t.resume, out_dir, acc, log=acc.print)  # verified; corrupt ones moved aside
     if resume_from is None and list_checkpoints(out_dir):
         raise FileExistsError(f"{out_dir} already holds checkpoints of an earlier run "
@@ -226,7 +226,7 @@ def _resume_point(c: Components, config_yaml: str) -> Optional[Path]:
 def _open_run(c: Components, config_yaml: str) -> None:
     """The trackers, then the output folder's config and data report. trainer.wandb_mode=online that W&B refuses (no
     API key, a bad one) logs offline with a warning, as an unreachable server does (cli/train.py)."""
-    acc, cfg, t, out_dir = c.accelerator, c.cfg, c.cfg.trainer, c.output_dir
+    acc, t, out_dir = c.accelerator, c.trainer, c.output_dir
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
     if t.wandb:
@@ -234,7 +234,7 @@ def _open_run(c: Components, config_yaml: str) -> None:
 
         def init(mode: str) -> None:
             acc.init_trackers(t.wandb_project, config=yaml.safe_load(config_yaml),
-                              init_kwargs={"wandb": {"name": cfg.run_name, "dir": str(out_dir), "mode": mode}})
+                              init_kwargs={"wandb": {"name": c.run_name, "dir": str(out_dir), "mode": mode}})
         started = len(acc.trackers)
         try:
             init(t.wandb_mode)
@@ -255,7 +255,7 @@ def _open_run(c: Components, config_yaml: str) -> None:
 
 def _start_state(c: Components, resume_from: Optional[Path], config_yaml: str) -> RunState:
     """The state at the first step: restored from the checkpoint, or fresh with the held-out metrics before training."""
-    acc, t = c.accelerator, c.cfg.trainer
+    acc, t = c.accelerator, c.trainer
     s = RunState(FitResult(0, None), config_yaml, c.output_dir / "metrics.jsonl")
     if resume_from is not None:
         state = load_checkpoint(acc, resume_from, c.phases)  # every phase's objective state
@@ -288,7 +288,7 @@ def _prefetcher(c: Components, start: int) -> Prefetcher:
         phase = plan.at(step)
         return phase.batches.micro_batches(phase.local(step))
 
-    return Prefetcher(load, start, plan.total_steps, depth=c.cfg.trainer.prefetch_steps,
+    return Prefetcher(load, start, plan.total_steps, depth=c.trainer.prefetch_steps,
                       pin=c.accelerator.device.type == "cuda")
 
 
@@ -306,7 +306,7 @@ def _enter_phase(c: Components, s: RunState) -> None:
 def _stopped(c: Components, s: RunState, stop: StopSignal) -> bool:
     """Before any work of a step (an on-policy step starts with rollouts): a signal on any rank or the wall-clock
     budget ends the run here, with a resumable checkpoint."""
-    acc, t = c.accelerator, c.cfg.trainer
+    acc, t = c.accelerator, c.trainer
     if stop.agreed(acc):
         if s.step > s.last_saved:
             s.result.final_checkpoint = _save(c, s)
@@ -324,7 +324,7 @@ def _stopped(c: Components, s: RunState, stop: StopSignal) -> bool:
 
 def _train_step(c: Components, s: RunState, batches: Prefetcher) -> StepTaken:
     """One optimizer step: the step's micro-batches forward and backward (accumulate), clip, step, schedule."""
-    acc, t, draft = c.accelerator, c.cfg.trainer, c.models.draft
+    acc, t, draft = c.accelerator, c.trainer, c.models.draft
     objective = s.phase.objective
     wait_before = batches.wait_s
     micro = [_to_device(b, acc.device) for b in batches.get(s.step)]
@@ -358,7 +358,7 @@ def _after_step(c: Components, s: RunState, taken: StepTaken, epoch_end_hooks: t
                 checkpoint_hooks: tuple) -> None:
     """Log, evaluate, run the epoch-end hooks and checkpoint, each at its cadence; their time is kept out of the
     log window (tokens/s and s/step measure training alone)."""
-    t, phase = c.cfg.trainer, s.phase
+    t, phase = c.trainer, s.phase
     epoch_done = phase.epoch_done(s.step)  # an epoch of the phase's data, or the phase itself, is done
     phase_done = s.step == phase.end  # a hand-over (or the end): log, evaluate and checkpoint here
     if s.step % t.log_every == 0 or phase_done:
@@ -430,7 +430,7 @@ def _epoch_end(c: Components, s: RunState, hooks: tuple) -> Optional[Exception]:
 
 def _save(c: Components, s: RunState) -> Path:
     """A checkpoint of the run at s.step: weights, optimizer, every phase's objective state and trainer_state."""
-    plan, t = c.phases, c.cfg.trainer
+    plan, t = c.phases, c.trainer
     now = plan.at(max(s.step - 1, 0))  # the phase of the last step taken (at a hand-over: the one that ended)
     state = {"step": s.step, "epoch": plan.epoch_of(max(s.step - 1, 0)), "tokens_seen": s.tokens_seen,
              "phase": now.name, "phase_step": now.local(s.step), "phases": plan.describe(),
@@ -453,7 +453,7 @@ def _finish(c: Components, s: RunState) -> FitResult:
                    "wall_s": s.wall_s(), "device_peak": s.peak.as_dict() if s.peak is not None else None,
                    "last_train_metrics": {k: v for k, v in s.latest.items() if k.startswith("train/")}}
         (c.output_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    if c.cfg.trainer.wandb:
+    if c.trainer.wandb:
         acc.end_training()
     return result
 
@@ -539,8 +539,8 @@ def accumulate(c: Components, micro: list[dict], sums: dict, objective=None) -> 
 
 def _phase_bar(c: Components, phase: Phase, step: int, many: bool):
     """The progress bar (with its ETA) of one phase: its own steps, from where a resume starts."""
-    cfg, acc = c.cfg, c.accelerator
-    name = f"train {cfg.run_name}" + (f" [{phase.name}: {phase.objective.name}]" if many else "")
+    acc = c.accelerator
+    name = f"train {c.run_name}" + (f" [{phase.name}: {phase.objective.name}]" if many else "")
     if many:
         source = c.data.report.get("source", "the training set")
         b = phase.batches

@@ -24,8 +24,8 @@ def _sharded(acc) -> bool:
 
 def spec_eval_hook(c, epoch: int, step: int) -> dict:
     """Speculative eval of the current draft against the target; returns spec/* metrics (rank 0) and writes
-    c.output_dir/eval/epoch-{epoch}/results.json. Returns {} at once when cfg.eval.spec_eval is false."""
-    ecfg = c.cfg.eval
+    c.output_dir/eval/epoch-{epoch}/results.json. Returns {} at once when eval.spec_eval is false."""
+    ecfg = c.eval
     if not ecfg.spec_eval or ecfg.spec_eval_at == "end":
         return {}
     return run_spec_eval(c, epoch, step)
@@ -33,7 +33,7 @@ def spec_eval_hook(c, epoch: int, step: int) -> dict:
 
 def final_spec_eval(c, epoch: int, step: int) -> dict:
     """eval.spec_eval_at=end: the one speculative evaluation after the last step (pipeline/run.py calls it)."""
-    if not c.cfg.eval.spec_eval or c.cfg.eval.spec_eval_at != "end":
+    if not c.eval.spec_eval or c.eval.spec_eval_at != "end":
         return {}
     return run_spec_eval(c, epoch, step, name="final")
 
@@ -49,7 +49,7 @@ def run_spec_eval(c, epoch: int, step: int, name: str | None = None) -> dict:
     name = name or f"epoch-{epoch}"
     # A target sharded over the processes (target.shard=fsdp) runs collective forwards: then every process decodes
     # every prompt in step, and rank 0 reports its own result.
-    sharing = 1 if c.cfg.target.shard == "fsdp" else acc.num_processes
+    sharing = 1 if c.target_shard == "fsdp" else acc.num_processes
     mine = _evaluate_share(c, step, name, sharing)  # (result or None, the prompts' indices in the whole set)
     every = [mine]
     if sharing > 1:
@@ -76,7 +76,7 @@ def _evaluate_share(c, step: int, name: str, sharing: int):
     from specdistill.eval.merge import shares
 
     acc = c.accelerator
-    cfg = for_training(c.cfg.eval)
+    cfg = for_training(c.eval)
     target = unwrap_target(c.models.target)
     tokenizer = c.models.tokenizer
     draft = acc.unwrap_model(c.models.draft)

@@ -7,8 +7,6 @@ from types import SimpleNamespace
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from specdistill.config import Config
-
 from specdistill.train.spec_eval import spec_eval_hook
 from specdistill.models.target import Target
 from specdistill.objectives import Models
@@ -18,13 +16,14 @@ from tests.conftest import compose, make_tiny_lm
 def _components(tok, tmp_path, overrides, heldout=None):
     composed = compose(None, ["eval.num_prompts=2", "eval.max_new_tokens=6", "eval.gamma=3", "eval.batch_sizes=[1,2]",
                               "eval.compare_hf=true"] + overrides)  # sweep and HF comparison are dropped in training
-    cfg = Config(eval=OmegaConf.to_object(composed.eval))  # the parts the hook reads, typed as the entry makes them
+    ecfg = OmegaConf.to_object(composed.eval)  # the part the hook reads, typed as the entry makes it
     acc = Accelerator(cpu=True)
     draft = acc.prepare(make_tiny_lm(len(tok), layers=1, hidden=64, seed=1))
     draft.train()
     target = Target(make_tiny_lm(len(tok), layers=2, hidden=64, seed=0))
     data = SimpleNamespace(heldout_messages=heldout)
-    return SimpleNamespace(cfg=cfg, accelerator=acc, models=Models(draft, target, tok), data=data, output_dir=tmp_path)
+    return SimpleNamespace(eval=ecfg, target_shard="none", accelerator=acc, models=Models(draft, target, tok),
+                           data=data, output_dir=tmp_path)
 
 
 def test_hook_returns_spec_metrics_and_writes_results(tok, tmp_path):

@@ -43,7 +43,7 @@ def main() -> None:
 
     composed = compose("kd", over)
     cfg = load_config(composed)
-    acc = make_launch_accelerator(cfg)
+    acc = make_launch_accelerator(cfg.trainer)
     assert seen.get("timeout") == timedelta(seconds=1234), f"process group initialised with {seen}"
     rank = acc.process_index
 
@@ -131,11 +131,11 @@ def check_spec_eval(acc, c) -> None:
     from specdistill.eval.evaluator import evaluate, for_training
     from specdistill.train.spec_eval import run_spec_eval
 
-    c.cfg.eval.spec_eval_at = "end"
+    c.eval.spec_eval_at = "end"
     run_spec_eval(c, epoch=-1, step=0, name="final")
     if acc.is_main_process:
         merged = json.loads((c.output_dir / "eval" / "final" / "results.json").read_text())
-        cfg = for_training(c.cfg.eval)
+        cfg = for_training(c.eval)
         prompts = load_prompts(cfg.prompts, c.models.tokenizer, num_prompts=cfg.num_prompts,
                                max_new_tokens=cfg.max_new_tokens, context=max_positions(c.models.target.model),
                                max_prompt_tokens=cfg.max_prompt_tokens)
