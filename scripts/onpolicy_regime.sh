@@ -12,6 +12,7 @@
 # Every stage is skipped when its output exists, so the same command resumes. One job on the machine: the arms' wall
 # time is their budget. Sizes come from the environment:
 #   PROMPTS=32 LONG=1024 MINUTES=10 FRESH_PROMPTS=96 THREADS=2 EVAL_BATCH=8 OUT=outputs/onpolicy_regime
+#   ARM_TEMPS="0 1": the temperatures the arms are scored and compared at (each costs one long evaluation per arm)
 #   HEAD_RUN=outputs/eagle3_serve (an existing main-command run is reused)
 #   DFLASH=1 DFLASH_MINUTES=25 DFLASH_RUN=outputs/dflash_serve
 #   UNTIL=5: stop after this stage (UNTIL=2 measures the mismatch alone; its figures need no quiet machine, the arms'
@@ -24,7 +25,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 PROMPTS=${PROMPTS:-32}; LONG=${LONG:-1024}; MINUTES=${MINUTES:-10}; FRESH_PROMPTS=${FRESH_PROMPTS:-96}
-THREADS=${THREADS:-2}; EVAL_BATCH=${EVAL_BATCH:-8}; OUT=${OUT:-outputs/onpolicy_regime}
+ARM_TEMPS=${ARM_TEMPS:-0 1}; THREADS=${THREADS:-2}; EVAL_BATCH=${EVAL_BATCH:-8}; OUT=${OUT:-outputs/onpolicy_regime}
 HEAD_RUN=${HEAD_RUN:-outputs/eagle3_serve}; UNTIL=${UNTIL:-5}
 DFLASH=${DFLASH:-1}; DFLASH_MINUTES=${DFLASH_MINUTES:-25}; DFLASH_RUN=${DFLASH_RUN:-outputs/dflash_serve}
 read -r -a TRAIN_EXTRA <<< "${TRAIN_EXTRA:-}"; read -r -a EVAL_EXTRA <<< "${EVAL_EXTRA:-}"
@@ -56,17 +57,21 @@ say "2. the head along long outputs: $PROMPTS prompts x $LONG tokens at T=0 and 
 long_eval "$HEAD" "$OUT/head"
 [ "$UNTIL" -le 2 ] && { say "stopped after stage 2 (UNTIL=$UNTIL)"; exit 0; }
 
+# the arms read the head's own store (eagle3_regen trains on it, Draft-OPD's rollouts start from its prompts): as many
+# prompts as the head was trained on, so the cached store is reused rather than extended
+head_prompts() { $PY -c "import sys; from omegaconf import OmegaConf as O; print(O.load(sys.argv[1]).data.regenerate.max_prompts)" "$1/config.yaml"; }
 say "3. three arms from the head, $MINUTES training minutes each, scored on the same long evaluation"
 if [ ! -e "$OUT/arms/results.json" ]; then
   $PY -m benchmarks.recipes --variants eagle3_regen eagle3_fresh draft_opd_eagle3 --budget wall_time \
     --minutes "$MINUTES" --steps 100000 --lr 2e-4 --rollout-tokens "$LONG" --rollout-temperature 1 \
     --fresh-tokens "$LONG" --fresh-temperature 1 --fresh-prompts "$FRESH_PROMPTS" --num-prompts "$PROMPTS" \
     --max-new-tokens "$LONG" --gamma 4 --eval-batch-size "$EVAL_BATCH" --threads "$THREADS" --no-cost \
-    --temperatures 0 1 --out "$OUT/arms" "${BENCH_ARGS[@]}" --override draft.path="$HEAD" trainer.min_lr_ratio=1.0 "${BENCH_EXTRA[@]}"
+    --temperatures $ARM_TEMPS --out "$OUT/arms" "${BENCH_ARGS[@]}" --override draft.path="$HEAD" trainer.min_lr_ratio=1.0 \
+    data.regenerate.max_prompts="$(head_prompts "$HEAD_RUN")" "${BENCH_EXTRA[@]}"
 fi
 
 say "4. paired ratios over prompts, overall and per bucket of output position"
-for T in 0 1; do
+for T in $ARM_TEMPS; do
   for base in eagle3_regen eagle3_fresh; do
     others=()
     for v in eagle3_regen eagle3_fresh draft_opd_eagle3; do [ "$v" != "$base" ] && others+=("$OUT/arms#$v"); done
