@@ -1,0 +1,102 @@
+"""Acceptance along the output, several evaluations on one plot: tau per bucket of output position with its 95%
+bootstrap interval over prompts (the evaluator's accept_by_output_position, eval.position_buckets), one line per
+labelled results.json. Writes <out>.png, <out>.md (the table, with the command) and <out>.json.
+
+    python -m benchmarks.position_curves "T=0=outputs/onpolicy_regime/head_t0/results.json" \
+        "T=1=outputs/onpolicy_regime/head_t1/results.json" --out docs/figures/onpolicy_head
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+
+def parse_run(text: str) -> tuple[str, Path]:
+    """"label=path/results.json" -> (label, path); the label is everything before the last '=' that precedes a path."""
+    label, sep, path = text.rpartition("=")
+    if not sep or not label:
+        raise argparse.ArgumentTypeError(f"{text!r}: give each run as LABEL=path/to/results.json")
+    p = Path(path)
+    if p.is_dir():
+        p = p / "results.json"
+    if not p.is_file():
+        raise argparse.ArgumentTypeError(f"{p} does not exist: point LABEL= at an evaluation's results.json or folder")
+    return label, p
+
+
+def load_curve(path: Path) -> dict:
+    """One evaluation's curve: its temperature, overall tau and the per-bucket rows it reported."""
+    r = json.loads(path.read_text())
+    rows = r.get("accept_by_output_position") or []
+    if not rows:
+        raise ValueError(f"{path} has no accept_by_output_position: evaluate with a specdistill that reports it")
+    return {"path": str(path), "temperature": r.get("temperature"), "tau": r.get("mean_accept_len"),
+            "num_prompts": r.get("num_prompts"), "max_new_tokens": r.get("max_new_tokens"), "buckets": rows}
+
+
+def markdown(curves: dict[str, dict], command: str) -> str:
+    labels = sorted({b["label"] for c in curves.values() for b in c["buckets"]},
+                    key=lambda s: int(s.split("-")[0].rstrip("+")))
+    head = "| run | overall tau | " + " | ".join(f"tau {x} [95% CI] (prompts)" for x in labels) + " |"
+    lines = [f"Command: `{command}`", "", head, "|" + "---|" * (len(labels) + 2)]
+    for name, c in curves.items():
+        by = {b["label"]: b for b in c["buckets"]}
+        cells = []
+        for x in labels:
+            b = by.get(x)
+            ci = b.get("tau_ci95") if b else None
+            cells.append("-" if b is None else f"{b['tau']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+                         + f" ({b['prompts']})")
+        lines.append(f"| {name} | {c['tau']:.3f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(curves: dict[str, dict], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for name, c in curves.items():
+        xs, ys, lo, hi = [], [], [], []
+        for b in c["buckets"]:
+            end = b["end"] if b["end"] is not None else b["start"] * 2
+            xs.append((b["start"] + end - 1) / 2)
+            ys.append(b["tau"])
+            ci = b.get("tau_ci95") or [b["tau"], b["tau"]]
+            lo.append(b["tau"] - ci[0])
+            hi.append(ci[1] - b["tau"])
+        ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=name)
+    ax.set_xlabel("output position where a round starts (bucket middle, tokens)")
+    ax.set_ylabel("tau (tokens per target forward)")
+    ax.set_title("acceptance along the output, 95% bootstrap over prompts")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", type=parse_run, help="LABEL=path/to/results.json (or its folder)")
+    ap.add_argument("--out", required=True, help="output stem: writes STEM.png, STEM.md, STEM.json")
+    args = ap.parse_args(argv)
+    curves = {label: load_curve(path) for label, path in args.runs}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = "python -m benchmarks.position_curves " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    out.with_suffix(".json").write_text(json.dumps({"command": command, "curves": curves}, indent=1))
+    out.with_suffix(".md").write_text(markdown(curves, command))
+    plot(curves, out.with_suffix(".png"))
+    print(out.with_suffix(".md").read_text())
+    return curves
+
+
+if __name__ == "__main__":
+    main()

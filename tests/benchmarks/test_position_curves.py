@@ -1,0 +1,42 @@
+"""benchmarks.position_curves: evaluations' acceptance-by-output-position rows -> one table, plot and JSON."""
+import argparse
+import json
+
+import pytest
+
+from benchmarks import position_curves as pc
+
+
+def _results(path, taus, temperature=0.0):
+    rows = [{"start": s, "end": e, "label": f"{s}-{e - 1}" if e else f"{s}+", "prompts": 3, "rounds": 10, "tau": t,
+             "tau_ci95": [t - 0.1, t + 0.1]} for (s, e), t in zip([(0, 128), (128, 256), (256, None)], taus)]
+    path.mkdir(parents=True)
+    (path / "results.json").write_text(json.dumps(
+        {"temperature": temperature, "mean_accept_len": sum(taus) / len(taus), "num_prompts": 3,
+         "max_new_tokens": 512, "accept_by_output_position": rows}))
+    return path
+
+
+def test_every_run_and_bucket_lands_in_the_table_plot_and_json(tmp_path):
+    a = _results(tmp_path / "a", [1.5, 1.4, 1.3])
+    b = _results(tmp_path / "b", [1.2, 1.25], temperature=1.0)  # b never reached the last bucket
+    curves = pc.main([f"A=T=0={a}", f"B={b}/results.json", "--out", str(tmp_path / "out" / "curve")])
+    assert list(curves) == ["A=T=0", "B"]  # a label may itself hold '='
+    md = (tmp_path / "out" / "curve.md").read_text()
+    assert "| A=T=0 | 1.400 | 1.500 [1.400, 1.600] (3) | 1.400" in md
+    assert md.splitlines()[-1].endswith("| - |")  # B's missing bucket
+    saved = json.loads((tmp_path / "out" / "curve.json").read_text())
+    assert saved["command"].startswith("python -m benchmarks.position_curves")
+    assert saved["curves"]["B"]["temperature"] == 1.0
+    assert (tmp_path / "out" / "curve.png").stat().st_size > 0
+
+
+def test_bad_runs_are_refused_naming_the_fix(tmp_path):
+    with pytest.raises(argparse.ArgumentTypeError, match="LABEL=path"):
+        pc.parse_run("no-label-here")
+    with pytest.raises(argparse.ArgumentTypeError, match="does not exist"):
+        pc.parse_run(f"x={tmp_path / 'missing'}")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "results.json").write_text(json.dumps({"mean_accept_len": 1.0}))
+    with pytest.raises(ValueError, match="no accept_by_output_position"):
+        pc.load_curve(tmp_path / "old" / "results.json")
