@@ -1,9 +1,13 @@
 """Acceptance along the output, several evaluations on one plot: tau per bucket of output position with its 95%
 bootstrap interval over prompts (the evaluator's accept_by_output_position, eval.position_buckets), one line per
-labelled results.json. Writes <out>.png, <out>.md (the table, with the command) and <out>.json.
+labelled run. A run is an evaluator's results.json (or its folder), or one variant of a benchmarks.recipes output as
+BENCH_DIR#VARIANT[@FRACTION] scored at --temperature (the same spec scripts/compare_evals.py reads; its curve comes
+from the per-prompt samples). Writes <out>.png, <out>.md (the table, with the command) and <out>.json.
 
     python -m benchmarks.position_curves "T=0=outputs/onpolicy_regime/head_t0/results.json" \
         "T=1=outputs/onpolicy_regime/head_t1/results.json" --out docs/figures/onpolicy_head
+    python -m benchmarks.position_curves "OPD=outputs/onpolicy_regime/arms#draft_opd_eagle3" \
+        "fresh=outputs/onpolicy_regime/arms#eagle3_fresh" --temperature 1 --out docs/figures/onpolicy_arms_t1
 """
 
 from __future__ import annotations
@@ -15,11 +19,19 @@ import sys
 from pathlib import Path
 
 
-def parse_run(text: str) -> tuple[str, Path]:
-    """"label=path/results.json" -> (label, path); the label is everything before the last '=' that precedes a path."""
+def parse_run(text: str) -> tuple[str, Path | str]:
+    """"label=path/results.json" -> (label, path); the label is everything before the last '=' that precedes a path.
+    A BENCH_DIR#VARIANT[@FRACTION] spec stays a string (its folder must hold a benchmarks.recipes results.json)."""
     label, sep, path = text.rpartition("=")
     if not sep or not label:
-        raise argparse.ArgumentTypeError(f"{text!r}: give each run as LABEL=path/to/results.json")
+        raise argparse.ArgumentTypeError(f"{text!r}: give each run as LABEL=path/to/results.json "
+                                         "or LABEL=BENCH_DIR#VARIANT")
+    if "#" in path:
+        res = Path(path.partition("#")[0]) / "results.json"
+        if not res.is_file():
+            raise argparse.ArgumentTypeError(f"{res} does not exist: point LABEL=BENCH_DIR#VARIANT at a "
+                                             "benchmarks.recipes output folder")
+        return label, path
     p = Path(path)
     if p.is_dir():
         p = p / "results.json"
@@ -36,6 +48,25 @@ def load_curve(path: Path) -> dict:
         raise ValueError(f"{path} has no accept_by_output_position: evaluate with a specdistill that reports it")
     return {"path": str(path), "temperature": r.get("temperature"), "tau": r.get("mean_accept_len"),
             "num_prompts": r.get("num_prompts"), "max_new_tokens": r.get("max_new_tokens"), "buckets": rows}
+
+
+def load_bench_curve(spec: str, temperature: float) -> dict:
+    """One benchmarks.recipes variant's scoring at `temperature` -> the same curve, its per-bucket tau and 95%
+    interval computed from the per-prompt samples (the run paired with itself: its own per-bucket figures)."""
+    from specdistill.cli.compare_evals import load_bench_run
+    from specdistill.eval.metrics import paired_output_positions
+
+    run = load_bench_run(spec, temperature)
+    table = paired_output_positions({spec: run.samples}, spec)
+    if not table:
+        raise ValueError(f"{spec!r}: its samples carry no output_buckets: score it with a specdistill that records "
+                         "acceptance by output position (python -m benchmarks.recipes --append --reeval)")
+    buckets = [{"start": b["start"], "end": b["end"], "label": b["label"],
+                **{k: b["runs"][spec][k] for k in ("prompts", "tau", "tau_ci95")}} for b in table.values()]
+    tokens, forwards = (sum(c[i] for c in run.counts.counts) for i in (0, 1))
+    s = run.counts.settings
+    return {"path": spec, "temperature": s.get("temperature"), "tau": tokens / max(forwards, 1),
+            "num_prompts": len(run.samples), "max_new_tokens": s.get("max_new_tokens"), "buckets": buckets}
 
 
 def markdown(curves: dict[str, dict], command: str) -> str:
@@ -84,10 +115,14 @@ def plot(curves: dict[str, dict], png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", type=parse_run, help="LABEL=path/to/results.json (or its folder)")
+    ap.add_argument("runs", nargs="+", type=parse_run,
+                    help="LABEL=path/to/results.json (or its folder), or LABEL=BENCH_DIR#VARIANT[@FRACTION]")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="which scoring of a BENCH_DIR#VARIANT run (T=0 or T=1); an evaluator's results.json holds one")
     ap.add_argument("--out", required=True, help="output stem: writes STEM.png, STEM.md, STEM.json")
     args = ap.parse_args(argv)
-    curves = {label: load_curve(path) for label, path in args.runs}
+    curves = {label: load_bench_curve(path, args.temperature) if isinstance(path, str) else load_curve(path)
+              for label, path in args.runs}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "python -m benchmarks.position_curves " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))

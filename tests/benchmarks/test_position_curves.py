@@ -40,3 +40,37 @@ def test_bad_runs_are_refused_naming_the_fix(tmp_path):
     (tmp_path / "old" / "results.json").write_text(json.dumps({"mean_accept_len": 1.0}))
     with pytest.raises(ValueError, match="no accept_by_output_position"):
         pc.load_curve(tmp_path / "old" / "results.json")
+
+
+def _bench(path, buckets_per_prompt):
+    """A benchmarks.recipes results.json with one variant scored at T=1, per-prompt output buckets as given."""
+    samples = []
+    for i, cells in enumerate(buckets_per_prompt):
+        tokens = sum(c["tokens"] for c in cells.values())
+        rounds = sum(c["rounds"] for c in cells.values())
+        samples.append({"prompt": i, "new_tokens": tokens, "target_forwards": rounds, "output_buckets": cells})
+    settings = {"prompts": "embedded:mt_bench", "num_prompts": len(samples), "max_new_tokens": 512,
+                "temperature": 1.0, "gamma": 4, "draft_policy": "greedy"}
+    path.mkdir(parents=True)
+    (path / "results.json").write_text(json.dumps({"variants": {"arm": {"points": [
+        {"fraction": 1.0, "steps": 5, "eval": {"T=1": {"eval_settings": settings, "samples": samples}}}]}}}))
+    return path
+
+
+def test_a_bench_variant_curve_comes_from_its_per_prompt_buckets(tmp_path):
+    cell = lambda rounds, tokens: {"rounds": rounds, "tokens": tokens, "proposed": 4 * rounds,  # noqa: E731
+                                   "accepted": tokens - rounds}
+    # prompt 0 reaches both buckets (tau 2.0 then 1.0), prompt 1 only the first (tau 1.5)
+    bench = _bench(tmp_path / "bench", [{"0_127": cell(10, 20), "128_255": cell(8, 8)}, {"0_127": cell(10, 15)}])
+    curves = pc.main([f"arm={bench}#arm", "--temperature", "1", "--out", str(tmp_path / "c")])
+    c = curves["arm"]
+    assert c["temperature"] == 1.0 and c["num_prompts"] == 2
+    assert c["tau"] == pytest.approx(43 / 28)
+    first, second = c["buckets"]
+    assert (first["label"], first["prompts"], first["tau"]) == ("0-127", 2, pytest.approx(35 / 20))
+    assert (second["label"], second["prompts"], second["tau"]) == ("128-255", 1, pytest.approx(1.0))
+    assert first["tau_ci95"][0] <= first["tau"] <= first["tau_ci95"][1]
+    with pytest.raises(ValueError, match="not T=0"):
+        pc.main([f"arm={bench}#arm", "--out", str(tmp_path / "d")])  # scored at T=1 only
+    with pytest.raises(argparse.ArgumentTypeError, match="benchmarks.recipes output folder"):
+        pc.parse_run(f"x={tmp_path / 'nowhere'}#arm")
