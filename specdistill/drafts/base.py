@@ -127,11 +127,13 @@ class DraftAdapter:
 
     # ------------------------------------------------------------------------------------------- training
     def logits_at(self, rows: list[torch.Tensor], row: torch.Tensor, context_len: torch.Tensor, index: torch.Tensor,
-                  features: Optional[torch.Tensor], pad_id: int,
-                  shares: Optional[list[int]] = None) -> torch.Tensor:
+                  features: Optional[torch.Tensor], pad_id: int, shares: Optional[list[int]] = None,
+                  feature_row: Optional[list[int]] = None) -> torch.Tensor:
         """(P, Vd) the draft's next-token logits after rows[row[p]][:context_len[p]] WITH grad, one forward.
         rows: R x (L_r,) long; row, context_len, index (0-based draft position in its round): (P,) long;
-        features: (R, L, D) per-row target features (row_feature_layers) or None;
+        features: (S, L, D) target features (row_feature_layers) or None; row r reads features[feature_row[r]]
+        (feature_row None: S = R, row r reads its own; a rollout's branch rows read their trajectory's,
+        DraftedPositions.source, so S is the number of trajectories, not of rows);
         shares: None, or (R,) row r agrees with row shares[r] (tokens and features) up to where its positions' round
         began (a branch row and its trajectory, DraftedPositions.source): a draft may reuse that row's work."""
         raise NotImplementedError

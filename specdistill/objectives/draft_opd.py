@@ -352,7 +352,7 @@ class DraftOPDObjective(Objective):
         draft = draft_adapter(models.draft)
         device, pad = fresh.row.device, pad_id(models.tokenizer)
         p_full = TargetLogits.cat([fresh.target.to(device)] + [it.target.to(device) for it in replay]).dense()
-        features = fresh.aux is not None  # rows carry the target's features (EAGLE-3): one trajectory's per row
+        features = fresh.aux is not None  # the target's features (EAGLE-3, DFlash): one tensor per trajectory
         keys = [id(it.aux) for it in replay] if features else None
         replay_rows, row_of = pack_prefixes([it.context.to(device) for it in replay], keys)  # shared prefixes: one row
         rows = fresh.rows + replay_rows
@@ -360,15 +360,17 @@ class DraftOPDObjective(Objective):
         ctx = torch.cat([fresh.context_len,
                          torch.tensor([len(it.context) for it in replay], dtype=torch.long, device=device)])
         index = torch.cat([fresh.index, torch.tensor([it.index for it in replay], dtype=torch.long, device=device)])
-        aux = None
+        # a branch row agrees with its trajectory up to its round's start (positions.py); a replayed row is its own
+        source = list(fresh.source) if fresh.source is not None else list(range(len(fresh.rows)))
+        shares = source + list(range(len(fresh.rows), len(rows)))
+        aux, feature_row = None, None
         if features:
             row_aux = {r: replay[k].aux for k, r in enumerate(row_of)}  # a replayed row's trajectory features
             aux = _stack_aux(fresh.aux.to(device), [row_aux[r] for r in range(len(replay_rows))],
-                             max(len(r) for r in rows))                                          # (R, L, D)
-        # a branch row agrees with its trajectory up to its round's start (positions.py); a replayed row is its own
-        shares = (list(fresh.source) if fresh.source is not None else list(range(len(fresh.rows)))) + \
-            list(range(len(fresh.rows), len(rows)))
-        q_logits = draft.logits_at(rows, row, ctx, index, aux, pad, shares)                      # (P + Q, Vd)
+                             max(len(r) for r in rows))                                          # (B + Rq, L, D)
+            B = fresh.aux.shape[0]
+            feature_row = source + list(range(B, B + len(replay_rows)))                           # (R + Rq,)
+        q_logits = draft.logits_at(rows, row, ctx, index, aux, pad, shares, feature_row)         # (P + Q, Vd)
         p_logits, in_vocab = draft.restrict(p_full)                                     # (P + Q, Vd), (P + Q,) | None
         loss = self._divergence(p_logits, q_logits)
         if in_vocab is not None:  # target argmax outside the draft vocabulary: masked, as the eagle3 objective does
@@ -514,8 +516,10 @@ def _positions_to(p: DraftedPositions, device) -> DraftedPositions:
 
 
 def _stack_aux(fresh: torch.Tensor, replayed: list[torch.Tensor], length: int) -> torch.Tensor:
-    """(R + Rq, length, D) zero-padded: the rollout rows' features, then each replayed row's trajectory features
-    (slots past a trajectory's end are never read: a position reads slots <= its round's start - 1)."""
+    """(B + Rq, length, D) zero-padded: the rollout's B trajectories' features, then each replayed row's trajectory
+    features (slots past a trajectory's end are never read: a position reads slots <= its round's start - 1)."""
+    if not replayed and fresh.shape[1] >= length:
+        return fresh
     R, Lf, D = fresh.shape
     out = fresh.new_zeros(R + len(replayed), max(length, Lf), D)
     out[:R, :Lf] = fresh

@@ -106,7 +106,8 @@ class DraftedPositions:
     alpha: torch.Tensor          # (P,) sum_x min(p, q) at the rollout's temperature (0/1 at temperature 0)
     stats: RolloutStats = field(default_factory=RolloutStats)
     source: Optional[list[int]] = None   # R: the trajectory each row comes from (a branch: its round's row)
-    aux: Optional[torch.Tensor] = None   # EAGLE-3 heads: (R, L, n_aux * Ht) the target's aux hidden states per row
+    # drafts that read the target's features (EAGLE-3, DFlash): (B, L, D) per trajectory; row r reads aux[source[r]]
+    aux: Optional[torch.Tensor] = None
     # token-tree rollouts (module docstring): each position's parent position (-1 at a round's root) and the
     # probability that verification moves from it to this context's node; None for chains
     parent: Optional[torch.Tensor] = None  # (P,) long
@@ -125,18 +126,16 @@ def trajectories(prompt_ids, prompt_mask, sequences, num_new) -> list[torch.Tens
             for b in range(prompt_ids.shape[0])]
 
 
-def row_features(hidden: torch.Tensor, prompt_mask: torch.Tensor, rows: list[torch.Tensor],
-                 source: list[int]) -> torch.Tensor:
-    """Rollout.hidden (B, T-1+N, D), column c = token c of [left-padded prompt (B, T), generated tokens], -> (R, L, D)
-    per context row, right-aligned to the unpadded rows: trajectory b's token t at slot t; a branch row gets its
-    source trajectory's features (it shares that trajectory's tokens up to its round's accepted drafts, the only
-    slots read there). Slots without a feature (a trajectory's last token, past its end) are zero."""
+def trajectory_features(hidden: torch.Tensor, prompt_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """Rollout.hidden (B, T-1+N, D), column c = token c of [left-padded prompt (B, T), generated tokens], -> (B, L, D)
+    per trajectory, right-aligned to the unpadded rows: trajectory b's token t at slot t, L = length. A branch row
+    reads its source trajectory's features (it shares that trajectory's tokens up to its round's accepted drafts, the
+    only slots read there), so branches get no copy of their own. Slots without a feature (a trajectory's last
+    token, past its end) are zero."""
     B, C, D = hidden.shape
-    L = max(len(r) for r in rows)
     pad = prompt_mask.shape[1] - prompt_mask.long().sum(1)                  # (B,) left padding of each prompt
-    col = pad.to(hidden.device)[:, None] + torch.arange(L, device=hidden.device)  # (B, L) column of token t
-    feats = hidden.gather(1, col.clamp(max=C - 1)[..., None].expand(B, L, D)) * (col < C)[..., None]  # (B, L, D)
-    return feats[torch.tensor(source, device=hidden.device)]                # (R, L, D)
+    col = pad.to(hidden.device)[:, None] + torch.arange(length, device=hidden.device)  # (B, L) column of token t
+    return hidden.gather(1, col.clamp(max=C - 1)[..., None].expand(B, length, D)) * (col < C)[..., None]  # (B, L, D)
 
 
 # ----------------------------------------------------------------------------------------------- assisted

@@ -31,7 +31,7 @@ from specdistill.decoding.tree import TreeShape
 from specdistill.drafts import draft_adapter
 from specdistill.onpolicy.positions import (ACCEPTED, AFTER_REJECTION, FIRST_REJECTED, DraftedPositions,
                                            RolloutStats, TargetLogits, assemble_positions, positions_from_rounds,
-                                           row_features, trajectories)
+                                           trajectories, trajectory_features)
 from specdistill.output_positions import output_position_buckets
 from specdistill.tensors import pad_rows, position_ids
 
@@ -186,5 +186,5 @@ def collect_rollout(target_model, draft_model, prompt_ids: torch.Tensor, prompt_
     positions = positions_from_rounds(prompt_ids, prompt_mask, rollout, top_k, branches)
     positions.stats.output_buckets = output_position_buckets(rollout.rounds)  # the evaluator's buckets
     if layers:
-        positions.aux = row_features(rollout.hidden, prompt_mask, positions.rows, positions.source)
+        positions.aux = trajectory_features(rollout.hidden, prompt_mask, max(len(r) for r in positions.rows))
     return positions

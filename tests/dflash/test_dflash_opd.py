@@ -32,7 +32,8 @@ def test_loss_forward_is_the_drafters_block_at_every_position(temperature, vd):
                           generator=gen, draft_policy="greedy")
     assert bool((pos.category == AFTER_REJECTION).any()) and pos.source is not None
     with torch.no_grad():
-        q = dflash_logits_at(draft, pos.rows, pos.aux, pos.row, pos.context_len, pos.index, pos.source)  # (P, V)
+        q = dflash_logits_at(draft, pos.rows, pos.aux, pos.row, pos.context_len, pos.index, pos.source,
+                             pos.source)                                                         # (P, V)
     # greedy drafting: every drafted token, after a rejection too, is the block's argmax at its position
     assert torch.equal(draft.draft_to_target(q.argmax(-1)), pos.token)
     alpha = draft_adapter(draft).alpha(pos.target.dense(), q, temperature, 0.0)

@@ -49,7 +49,8 @@ def test_head_rollout_and_ttt_loss_forward_match_the_drafter(target, temperature
     assert pos.stats.accepted == int(ref.position_accepted.sum())
     assert bool((pos.category == AFTER_REJECTION).any())
     with torch.no_grad():
-        q = eagle3_logits_at(head, pos.rows, pos.aux, pos.row, pos.context_len, pos.index, pad_id=0)  # (P, Vd)
+        q = eagle3_logits_at(head, pos.rows, pos.aux, pos.row, pos.context_len, pos.index, pad_id=0,
+                             feature_row=pos.source)                                             # (P, Vd)
     p_full = pos.target.dense()
     # alpha of the TTT distribution against the recorded target == the verifier's alpha from the drafter's q
     q_temperature = 0.0 if policy == "greedy" else temperature  # greedy drafts: q one-hot at its argmax
@@ -169,7 +170,8 @@ def _dense_logits_at(head, rows, aux, row, context_len, index):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sparse_unroll_equals_the_dense_unroll_values_and_grads(target, seed):
     """The sparse unroll (step 0 over rows, later steps only along chains; branch rows reuse their trajectory's step
-    0 through `shares`) gives the dense unroll's logits and parameter gradients at every drafted position."""
+    0 through `shares`; every row reads its trajectory's features through `feature_row`, or a copy of its own) gives
+    the dense unroll's logits and parameter gradients at every drafted position."""
     head = _head(target, 40, seed=seed).eval()
     ids, mask = _prompts()
     pos = collect_rollout(target, head, ids, mask, gamma=4, max_new_tokens=14, temperature=1.0,
@@ -178,10 +180,13 @@ def test_sparse_unroll_equals_the_dense_unroll_values_and_grads(target, seed):
     head.train()
     w = torch.randn(len(pos), 40, generator=torch.Generator().manual_seed(7))
     grads = []
-    for fn in (lambda: _dense_logits_at(head, pos.rows, pos.aux, pos.row, pos.context_len, pos.index),
-               lambda: eagle3_logits_at(head, pos.rows, pos.aux, pos.row, pos.context_len, pos.index, 0, None),
+    per_row = pos.aux[torch.tensor(pos.source)]                                  # (R, L, D) a copy per row
+    for fn in (lambda: _dense_logits_at(head, pos.rows, per_row, pos.row, pos.context_len, pos.index),
+               lambda: eagle3_logits_at(head, pos.rows, per_row, pos.row, pos.context_len, pos.index, 0, None),
+               lambda: eagle3_logits_at(head, pos.rows, pos.aux, pos.row, pos.context_len, pos.index, 0, None,
+                                        pos.source),
                lambda: eagle3_logits_at(head, pos.rows, pos.aux, pos.row, pos.context_len, pos.index, 0,
-                                        pos.source)):
+                                        pos.source, pos.source)):
         head.zero_grad()
         q = fn()
         (q * w).sum().backward()
@@ -199,4 +204,4 @@ def test_sparse_unroll_refuses_rows_that_do_not_share_their_prefix(target):
                           generator=torch.Generator().manual_seed(0), draft_policy="sample")
     wrong = [(s + 1) % 3 if s != r else s for r, s in enumerate(pos.source)]  # branches pointed at another row
     with pytest.raises(ValueError, match="tokens differ"):
-        eagle3_logits_at(head, pos.rows, pos.aux, pos.row, pos.context_len, pos.index, 0, wrong)
+        eagle3_logits_at(head, pos.rows, pos.aux, pos.row, pos.context_len, pos.index, 0, wrong, pos.source)

@@ -69,15 +69,18 @@ def test_rollout_logits_and_row_features_equal_a_fresh_target_forward(target, ra
     if kind == "lm":
         assert pos.aux is None
         return
-    # features: every trajectory token's (all but its last) == the fresh forward's; the slots a branch row's
-    # positions read (<= its round's drafting slot) == the fresh forward over the branch
+    # features: one tensor per trajectory, whatever the number of branch rows; every trajectory token's (all but its
+    # last) == the fresh forward's; the slots a branch row's positions read (<= its round's drafting slot), through
+    # its source trajectory's features == the fresh forward over the branch
+    B = ids.shape[0]
+    assert len(pos.rows) > B and pos.aux.shape[:2] == (B, max(len(r) for r in pos.rows))
     for r, row in enumerate(pos.rows):
         if pos.source[r] == r:
             n = len(row) - 1
             assert torch.allclose(pos.aux[r, :n], feats[r][:n], atol=1e-5), f"trajectory {r}"
         else:
             read = int((ctx[pos.row == r] - pos.index[pos.row == r] - 2).max()) + 1
-            assert torch.allclose(pos.aux[r, :read], feats[r][:read], atol=1e-5), f"branch {r}"
+            assert torch.allclose(pos.aux[pos.source[r], :read], feats[r][:read], atol=1e-5), f"branch {r}"
 
 
 def test_a_head_step_runs_the_target_only_for_the_rollout(target, ragged_prompts):

@@ -201,7 +201,8 @@ def test_a_heads_tree_contexts_score_the_trees_children(vd):
         assert pos.rows[b].tolist() == ids[b][mask[b].bool()].tolist() + ref.tokens(b)
     assert bool((pos.category == AFTER_REJECTION).any())
     with torch.no_grad():
-        q = eagle3_logits_at(head, pos.rows, pos.aux, pos.row, pos.context_len, pos.index, pad_id=0)  # (P, Vd)
+        q = eagle3_logits_at(head, pos.rows, pos.aux, pos.row, pos.context_len, pos.index, pad_id=0,
+                             feature_row=pos.source)                                             # (P, Vd)
     best = head.draft_to_target(q.argmax(-1))
     top = head.draft_to_target(q.topk(2, dim=-1).indices)                                       # (P, 2)
     accepted = pos.category == ACCEPTED

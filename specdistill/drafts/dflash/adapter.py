@@ -155,8 +155,9 @@ class DFlashDraftKind(DraftAdapter):
         return list(self.module.config.aux_layer_ids)
 
     # ------------------------------------------------------------------------------------------- training
-    def logits_at(self, rows, row, context_len, index, features, pad_id: int, shares=None) -> torch.Tensor:
-        return dflash_logits_at(self.model, rows, features, row, context_len, index, shares)
+    def logits_at(self, rows, row, context_len, index, features, pad_id: int, shares=None,
+                  feature_row=None) -> torch.Tensor:
+        return dflash_logits_at(self.model, rows, features, row, context_len, index, shares, feature_row)
 
     def restrict(self, p_logits: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         t2d = self.module.t2d
@@ -203,10 +204,12 @@ def draft_vocab(draft_cfg, target, data) -> Optional[torch.Tensor]:
 
 def dflash_logits_at(model, rows: list[torch.Tensor], features: torch.Tensor, row: torch.Tensor,
                      context_len: torch.Tensor, index: torch.Tensor,
-                     shares: Optional[list[int]] = None) -> torch.Tensor:
+                     shares: Optional[list[int]] = None,
+                     feature_row: Optional[list[int]] = None) -> torch.Tensor:
     """(P, Vd) the draft's logits at each drafted position, WITH grad: block position index[p] + 1 of the block
     anchored at context_len - index - 1 of its row (module docstring). One block per (base row, anchor), where the
-    base row is shares[row] (a branch row's trajectory, whose tokens agree up to the anchor: checked)."""
+    base row is shares[row] (a branch row's trajectory, whose tokens agree up to the anchor: checked). feature_row (R,):
+    the row of features that row r reads (None: its own)."""
     device = features.device
     inner = unwrap(model)
     anchor = context_len - index - 1                                           # (P,)
@@ -229,7 +232,8 @@ def dflash_logits_at(model, rows: list[torch.Tensor], features: torch.Tensor, ro
         for j, a in enumerate(per_base[b]):
             anchors[i, j], anchor_pos[i, j] = rows[b][a], a
             where[block_of[(b, a)]] = (i, j)
-    base_idx = torch.tensor(bases, dtype=torch.long, device=device)
+    base_idx = torch.tensor(bases if feature_row is None else [feature_row[b] for b in bases], dtype=torch.long,
+                            device=device)
     feats = features[base_idx, :L]                                             # (Rb, L, D)
     if feats.shape[1] < L:
         feats = torch.cat([feats, feats.new_zeros(len(bases), L - feats.shape[1], feats.shape[2])], dim=1)

@@ -122,8 +122,9 @@ class Eagle3Draft(DraftAdapter):
     def row_feature_layers(self) -> Optional[list[int]]:
         return list(self.module.config.aux_layer_ids)
 
-    def logits_at(self, rows, row, context_len, index, features, pad_id: int, shares=None) -> torch.Tensor:
-        return eagle3_logits_at(self.model, rows, features, row, context_len, index, pad_id, shares)
+    def logits_at(self, rows, row, context_len, index, features, pad_id: int, shares=None,
+                  feature_row=None) -> torch.Tensor:
+        return eagle3_logits_at(self.model, rows, features, row, context_len, index, pad_id, shares, feature_row)
 
     def restrict(self, p_logits: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         return restrict_to_draft_vocab(p_logits, self.module.t2d)
@@ -182,7 +183,8 @@ def build_eagle3_draft(draft_cfg, target, data):
 
 
 def eagle3_logits_at(head, rows: list[torch.Tensor], aux: torch.Tensor, row: torch.Tensor, context_len: torch.Tensor,
-                     index: torch.Tensor, pad_id: int, shares: Optional[list[int]] = None) -> torch.Tensor:
+                     index: torch.Tensor, pad_id: int, shares: Optional[list[int]] = None,
+                     feature_row: Optional[list[int]] = None) -> torch.Tensor:
     """(P, Vd) the head's draft-vocabulary logits at each drafted position, WITH grad: drafted position p is step
     index[p] of the TTT unroll at slot context_len - index - 2 of its row (module docstring). head: the Eagle3Head,
     bare or inside a DDP / DeepSpeed wrapper (called through its forward).
@@ -191,7 +193,8 @@ def eagle3_logits_at(head, rows: list[torch.Tensor], aux: torch.Tensor, row: tor
     what the drafting steps attend to); the later steps only along chains, one per (row, drafting slot) read.
     shares (R,): row r's tokens and features equal row shares[r]'s up to each of its drafting slots + 1 (a branch row
     and its trajectory), so its chains run on that row's step 0 with their own tokens: a branch costs its chain's
-    steps, not a forward over its whole length. Checked on the tokens. The lm_head runs on the P read states only."""
+    steps, not a forward over its whole length. Checked on the tokens. The lm_head runs on the P read states only.
+    feature_row (R,): the row of aux that row r reads (None: its own); only the base rows' features are read."""
     device = aux.device
     steps = int(index.max()) + 1
     slot = context_len - index - 2                                             # (P,) drafting slot of each one
@@ -215,7 +218,7 @@ def eagle3_logits_at(head, rows: list[torch.Tensor], aux: torch.Tensor, row: tor
             raise ValueError(f"eagle3_logits_at: shares[{r}] = {b}, but the rows' tokens differ before slot {s + 2}")
     ids, mask = pad_rows([rows[b][: need[b]] for b in bases], pad_id, side="right", device=device)  # (Rb, Lb)
     Lb = ids.shape[1]
-    feats = aux[torch.tensor(bases, device=device), :Lb]                       # (Rb, Lb, D)
+    feats = aux[_feature_index(bases, feature_row, device), :Lb]               # (Rb, Lb, D)
     if feats.shape[1] < Lb:
         feats = torch.cat([feats, feats.new_zeros(len(bases), Lb - feats.shape[1], feats.shape[2])], dim=1)
     C = max(len(cs) for cs in per_base)
@@ -233,6 +236,12 @@ def eagle3_logits_at(head, rows: list[torch.Tensor], aux: torch.Tensor, row: tor
     read = torch.cat([index[:, None].to(device), at], dim=1)                  # (P, 3): step, base row, column
     # through the (possibly DDP / DeepSpeed-wrapped) module's forward, so its gradients are synced across ranks
     return head(feats, ids, mask, chains=ChainQuery(chain_slot, chain_tok, read))  # (P, Vd)
+
+
+def _feature_index(bases: list[int], feature_row: Optional[list[int]], device) -> torch.Tensor:
+    """(Rb,) the feature rows of the base rows."""
+    return torch.tensor(bases if feature_row is None else [feature_row[b] for b in bases], dtype=torch.long,
+                        device=device)
 
 
 def eagle3_chain_counts(head, target_out, batch: dict, gamma: int) -> torch.Tensor:
