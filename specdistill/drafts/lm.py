@@ -67,7 +67,8 @@ python -m sglang.launch_server --model-path {target} --speculative-algorithm STA
     def max_positions(self) -> Optional[int]:
         return max_positions(self.module)
 
-    def logits_at(self, rows, row, context_len, index, features, pad_id: int, shares=None, feature_row=None) -> torch.Tensor:
+    def logits_at(self, rows, row, context_len, index, features, pad_id: int, shares=None,
+                  feature_row=None) -> torch.Tensor:
         return draft_logits_at(self.model, rows, row, context_len, pad_id)
 
     def alpha(self, p_logits, q_logits, temperature: float, q_temperature=None) -> torch.Tensor:
