@@ -377,8 +377,10 @@ class DraftOPDObjective(Objective):
             loss = loss * in_vocab
         q_det = q_logits.detach()
         q_temperature = draft_temperature(self.draft_policy, self.temperature)  # greedy drafts: q one-hot at its argmax
-        return (loss, draft.alpha(p_full, q_det, self.temperature, q_temperature),
-                1 - draft.soft_alpha(p_full, q_det, self.loss_temperature))
+        # detached, a block of rows at a time: each takes softmaxes of the full (P + Q, V) target logits, which at
+        # 1024-token rollouts and a large vocabulary would otherwise hold several more copies of them at once
+        return (loss, by_row_blocks(lambda p, q: draft.alpha(p, q, self.temperature, q_temperature), p_full, q_det),
+                1 - by_row_blocks(lambda p, q: draft.soft_alpha(p, q, self.loss_temperature), p_full, q_det))
 
     def _divergence(self, p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
         return sum(w * divergence(name, p_logits, q_logits, beta=self.beta, temperature=self.loss_temperature)
@@ -513,6 +515,16 @@ def _positions_to(p: DraftedPositions, device) -> DraftedPositions:
         elif isinstance(v, list) and v and isinstance(v[0], torch.Tensor):
             moved[f.name] = [t.to(device) for t in v]
     return replace(p, **moved)
+
+
+def by_row_blocks(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], p: torch.Tensor, q: torch.Tensor,
+                  max_elements: int = 1 << 25) -> torch.Tensor:
+    """fn(p, q) -> (N,) of row-wise p (N, V), q (N, Vd), evaluated on blocks of rows of at most max_elements p values
+    each (128 MiB of fp32 by default), so its temporaries never span all N rows."""
+    rows = max(1, max_elements // max(p.shape[-1], 1))
+    if len(p) <= rows:
+        return fn(p, q)
+    return torch.cat([fn(p[s: s + rows], q[s: s + rows]) for s in range(0, len(p), rows)])
 
 
 def _stack_aux(fresh: torch.Tensor, replayed: list[torch.Tensor], length: int) -> torch.Tensor:

@@ -281,3 +281,19 @@ def test_the_state_round_trips_through_state_dict():
     assert (back.state.calls, back.state.refreshes) == (obj.state.calls, obj.state.refreshes)
     assert sorted(back.state.buffer.items) == sorted(obj.state.buffer.items)
     assert torch.equal(back.state.generator_state, obj.state.generator.get_state())
+
+
+@pytest.mark.parametrize("max_elements", [1, 7 * 40, 3 * 7 * 40 + 5, 10 ** 9])
+def test_row_blocks_give_the_whole_batchs_alphas(max_elements):
+    """The detached alphas computed a block of rows at a time equal one call over every row, whatever the block."""
+    from specdistill.drafts.base import min_sum_on_draft_vocab
+    from specdistill.objectives.draft_opd import by_row_blocks
+
+    g = torch.Generator().manual_seed(0)
+    p, q = torch.randn(23, 40, generator=g) * 3, torch.randn(23, 30, generator=g) * 3
+    t2d = torch.zeros(40, dtype=torch.bool)
+    t2d[torch.randperm(40, generator=g)[:30]] = True
+    fn = lambda a, b: min_sum_on_draft_vocab(a, b, t2d, 1.0, 0.0)  # noqa: E731
+    got = by_row_blocks(fn, p, q, max_elements)
+    assert got.shape == (23,) and torch.equal(got, fn(p, q))
+    assert by_row_blocks(fn, p[:0], q[:0], max_elements).shape == (0,)
