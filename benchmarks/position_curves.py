@@ -2,7 +2,9 @@
 bootstrap interval over prompts (the evaluator's accept_by_output_position, eval.position_buckets), one line per
 labelled run. A run is an evaluator's results.json (or its folder), or one variant of a benchmarks.recipes output as
 BENCH_DIR#VARIANT[@FRACTION] scored at --temperature (the same spec scripts/compare_evals.py reads; its curve comes
-from the per-prompt samples). Writes <out>.png, <out>.md (the table, with the command) and <out>.json.
+from the per-prompt samples). Where per-prompt samples exist (an evaluation's outputs.jsonl, a variant's samples), the
+table also gives tau in the last bucket over the same prompts' first, a paired bootstrap: the fall along the output
+without the change in which prompts are left. Writes <out>.png, <out>.md (the table, with the command) and <out>.json.
 
     python -m benchmarks.position_curves "T=0=outputs/onpolicy_regime/head_t0/results.json" \
         "T=1=outputs/onpolicy_regime/head_t1/results.json" --out docs/figures/onpolicy_head
@@ -41,20 +43,27 @@ def parse_run(text: str) -> tuple[str, Path | str]:
 
 
 def load_curve(path: Path) -> dict:
-    """One evaluation's curve: its temperature, overall tau and the per-bucket rows it reported."""
+    """One evaluation's curve: its temperature, overall tau and the per-bucket rows it reported; the last bucket over
+    the first on the same prompts from the per-prompt samples beside it (outputs.jsonl), where they are."""
+    from specdistill.eval.metrics import last_over_first
+
     r = json.loads(path.read_text())
     rows = r.get("accept_by_output_position") or []
     if not rows:
         raise ValueError(f"{path} has no accept_by_output_position: evaluate with a specdistill that reports it")
+    per_prompt = path.parent / "outputs.jsonl"
+    samples = [json.loads(line) for line in per_prompt.read_text().splitlines() if line.strip()] \
+        if per_prompt.is_file() else []
     return {"path": str(path), "temperature": r.get("temperature"), "tau": r.get("mean_accept_len"),
-            "num_prompts": r.get("num_prompts"), "max_new_tokens": r.get("max_new_tokens"), "buckets": rows}
+            "num_prompts": r.get("num_prompts"), "max_new_tokens": r.get("max_new_tokens"), "buckets": rows,
+            "last_over_first": last_over_first(samples)}
 
 
 def load_bench_curve(spec: str, temperature: float) -> dict:
     """One benchmarks.recipes variant's scoring at `temperature` -> the same curve, its per-bucket tau and 95%
     interval computed from the per-prompt samples (the run paired with itself: its own per-bucket figures)."""
     from specdistill.cli.compare_evals import load_bench_run
-    from specdistill.eval.metrics import paired_output_positions
+    from specdistill.eval.metrics import last_over_first, paired_output_positions
 
     run = load_bench_run(spec, temperature)
     table = paired_output_positions({spec: run.samples}, spec)
@@ -66,14 +75,16 @@ def load_bench_curve(spec: str, temperature: float) -> dict:
     tokens, forwards = (sum(c[i] for c in run.counts.counts) for i in (0, 1))
     s = run.counts.settings
     return {"path": spec, "temperature": s.get("temperature"), "tau": tokens / max(forwards, 1),
-            "num_prompts": len(run.samples), "max_new_tokens": s.get("max_new_tokens"), "buckets": buckets}
+            "num_prompts": len(run.samples), "max_new_tokens": s.get("max_new_tokens"), "buckets": buckets,
+            "last_over_first": last_over_first(run.samples)}
 
 
 def markdown(curves: dict[str, dict], command: str) -> str:
     labels = sorted({b["label"] for c in curves.values() for b in c["buckets"]},
                     key=lambda s: int(s.split("-")[0].rstrip("+")))
-    head = "| run | overall tau | " + " | ".join(f"tau {x} [95% CI] (prompts)" for x in labels) + " |"
-    lines = [f"Command: `{command}`", "", head, "|" + "---|" * (len(labels) + 2)]
+    head = "| run | overall tau | " + " | ".join(f"tau {x} [95% CI] (prompts)" for x in labels) + \
+        " | last / first bucket, same prompts [paired 95% CI] (prompts) |"
+    lines = [f"Command: `{command}`", "", head, "|" + "---|" * (len(labels) + 3)]
     for name, c in curves.items():
         by = {b["label"]: b for b in c["buckets"]}
         cells = []
@@ -82,6 +93,13 @@ def markdown(curves: dict[str, dict], command: str) -> str:
             ci = b.get("tau_ci95") if b else None
             cells.append("-" if b is None else f"{b['tau']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
                          + f" ({b['prompts']})")
+        d = c.get("last_over_first")
+        if d and d["tau_ratio"] is not None:
+            ci = d["tau_ratio_ci95"]
+            cells.append(f"{d['tau_ratio']:.3f}x" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+                         + f" ({d['last']} / {d['first']}, {d['prompts']})")
+        else:
+            cells.append("-")
         lines.append(f"| {name} | {c['tau']:.3f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

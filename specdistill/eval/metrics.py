@@ -150,6 +150,29 @@ def paired_output_positions(samples: dict[str, list[dict]], baseline: str, seed:
     return out
 
 
+def last_over_first(samples: list[dict], seed: int = 0) -> Optional[dict]:
+    """Acceptance along the output within the same prompts: per-prompt samples (each with "output_buckets") -> tau
+    and acceptance rate in the last bucket at least 2 prompts reached over the SAME prompts' first bucket, with
+    paired bootstrap intervals over those prompts: {first, last (labels), prompts, tau_ratio, tau_ratio_ci95,
+    accept_rate_ratio, accept_rate_ratio_ci95}. Pairing removes what a pooled curve mixes in: which prompts are left
+    in the later buckets. None without per-prompt buckets or a later bucket 2 prompts reached."""
+    cells = [s["output_buckets"] for s in samples if s.get("output_buckets")]
+    names = sorted({n for c in cells for n in c}, key=lambda n: _bucket_of(n)[0])
+    later = [n for n in names[1:] if sum(n in c for c in cells) >= 2]
+    if not later:
+        return None
+    first, last = names[0], later[-1]
+    both = [c for c in cells if first in c and last in c]
+    out = {"first": bucket_label(*_bucket_of(first)), "last": bucket_label(*_bucket_of(last)), "prompts": len(both)}
+    for key, num, den in (("tau", "tokens", "rounds"), ("accept_rate", "accepted", "proposed")):
+        pa, pb = [[c[last][num], c[last][den]] for c in both], [[c[first][num], c[first][den]] for c in both]
+        ra = sum(x for x, _ in pa) / max(sum(y for _, y in pa), 1)
+        rb = sum(x for x, _ in pb) / max(sum(y for _, y in pb), 1)
+        out |= {f"{key}_ratio": ra / rb if rb > 0 else None,
+                f"{key}_ratio_ci95": _finite(ratio_interval(pa, pb, seed)) if rb > 0 else None}
+    return out
+
+
 def row_bucket_counts(buckets: list[BucketCounts], row: int) -> dict[str, dict]:
     """One row's non-empty buckets as {name: {rounds, tokens, proposed, accepted}} (the evaluator's per-prompt
     samples, outputs.jsonl)."""

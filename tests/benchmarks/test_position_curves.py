@@ -74,3 +74,23 @@ def test_a_bench_variant_curve_comes_from_its_per_prompt_buckets(tmp_path):
         pc.main([f"arm={bench}#arm", "--out", str(tmp_path / "d")])  # scored at T=1 only
     with pytest.raises(argparse.ArgumentTypeError, match="benchmarks.recipes output folder"):
         pc.parse_run(f"x={tmp_path / 'nowhere'}#arm")
+
+
+def test_the_last_bucket_over_the_first_pairs_the_same_prompts(tmp_path):
+    """Two prompts halve their tau from the first bucket to the last; a third, short prompt with a low tau in the
+    first bucket only would make a pooled curve fall less: the paired ratio is exactly 0.5, interval included."""
+    run = _results(tmp_path / "run", [1.5, 1.4, 1.3])
+    cell = lambda rounds, tokens: {"rounds": rounds, "tokens": tokens, "proposed": 4 * rounds,  # noqa: E731
+                                   "accepted": tokens - rounds}
+    samples = [{"prompt": 0, "output_buckets": {"0_127": cell(10, 20), "128_255": cell(9, 10), "256_plus": cell(8, 8)}},
+               {"prompt": 1, "output_buckets": {"0_127": cell(20, 40), "256_plus": cell(16, 16)}},
+               {"prompt": 2, "output_buckets": {"0_127": cell(50, 50)}}]
+    (run / "outputs.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    d = pc.main([f"run={run}", "--out", str(tmp_path / "c")])["run"]["last_over_first"]
+    assert (d["first"], d["last"], d["prompts"]) == ("0-127", "256+", 2)
+    assert d["tau_ratio"] == pytest.approx(0.5) and d["tau_ratio_ci95"] == pytest.approx([0.5, 0.5])
+    assert "0.500x [0.500, 0.500] (256+ / 0-127, 2)" in (tmp_path / "c.md").read_text()
+    # without per-prompt samples, or with no later bucket two prompts reached: no ratio, a '-' in the table
+    (run / "outputs.jsonl").write_text(json.dumps(samples[0]) + "\n")
+    assert pc.main([f"run={run}", "--out", str(tmp_path / "d")])["run"]["last_over_first"] is None
+    assert (tmp_path / "d.md").read_text().splitlines()[-1].endswith("| - |")
