@@ -74,40 +74,6 @@ class TargetLogits:
 
 
 @dataclass
-class _PendingRows:
-    """Rows `index` of a round's recorded logits (..., V), copied only when the positions are assembled: full target
-    logits then take one (P, V) tensor, not per-round copies and their concatenation besides."""
-
-    logits: torch.Tensor
-    index: torch.Tensor | tuple  # (n,) long rows of logits, or a nonzero(as_tuple=True) of its leading dims
-
-    def __len__(self) -> int:
-        return len(self.index[0]) if isinstance(self.index, tuple) else len(self.index)
-
-
-def _targets(rows: list) -> "TargetLogits":
-    """The positions' TargetLogits from per-round parts: TargetLogits (top-k, or a rollout without assist) or
-    _PendingRows (full logits), gathered into one preallocated (P, V) tensor."""
-    if not rows or not isinstance(rows[0], _PendingRows):
-        return TargetLogits.cat(rows)
-    V = rows[0].logits.shape[-1]
-    out = torch.empty(sum(len(r) for r in rows), V, dtype=torch.float, device=rows[0].logits.device)  # (P, V)
-    at = 0
-    for r in rows:
-        part = r.logits[r.index]
-        out[at: at + len(part)] = part
-        at += len(part)
-    return TargetLogits(out, None, V)
-
-
-def _round_targets(logits: torch.Tensor, index, top_k: int):
-    """One round's drafted positions' target logits: the top-k now (small), full logits when assembled."""
-    if top_k and top_k < logits.shape[-1]:
-        return TargetLogits.from_logits(logits[index], top_k)
-    return _PendingRows(logits, index)
-
-
-@dataclass
 class RolloutStats:
     """Sums over one rollout batch (ratios are taken from sums)."""
 
@@ -186,11 +152,11 @@ class _Positions:
     plen: torch.Tensor             # (B,) prompt lengths
     stats: RolloutStats
     parts: dict[str, list[torch.Tensor]] = field(default_factory=lambda: {k: [] for k in _KEYS + ("parent", "edge")})
-    targets: list = field(default_factory=list)  # per round: TargetLogits (top-k) or _PendingRows (full)
+    targets: list[TargetLogits] = field(default_factory=list)
     rid: int = 0                   # the next round's first round id (one per (round, row))
     count: int = 0                 # positions so far
 
-    def add(self, cols: dict[str, torch.Tensor], target) -> None:
+    def add(self, cols: dict[str, torch.Tensor], target: TargetLogits) -> None:
         for k, v in cols.items():
             self.parts[k].append(v)
         self.targets.append(target)
@@ -257,7 +223,7 @@ def _chain_round(acc: _Positions, rnd, top_k: int, branches: bool) -> None:
              "acc": rnd.accepted.to(device)[sel], "rid": (acc.rid + torch.arange(B, device=device)[:, None]
                                                           .expand(B, K))[sel],
              "idx": i[sel], "alpha": rnd.alpha.to(device).float()[sel]},
-            _round_targets(rnd.target_logits[:, :K].to(device), sel, top_k))
+            TargetLogits.from_logits(rnd.target_logits[:, :K].to(device)[sel], top_k))
 
 
 def _tree_round(acc: _Positions, rnd, top_k: int, branches: bool) -> None:
@@ -325,8 +291,7 @@ def _tree_round(acc: _Positions, rnd, top_k: int, branches: bool) -> None:
         floats = ("alpha", "edge")
         acc.add({k: torch.tensor(v, dtype=torch.float if k in floats else torch.long, device=device)
                  for k, v in cols.items()},
-                _round_targets(rnd.target_logits[b].to(device), torch.tensor([j for j, _ in keep], device=device),
-                               top_k))
+                TargetLogits.from_logits(rnd.target_logits[b, [j for j, _ in keep]].to(device), top_k))
 
 
 def assemble_positions(rows, parts, targets, stats) -> DraftedPositions:
@@ -338,7 +303,7 @@ def assemble_positions(rows, parts, targets, stats) -> DraftedPositions:
     cat = {k: torch.cat(v) for k, v in parts.items()}
     # round ids renumbered 0.. in order of appearance
     _, rid = torch.unique_consecutive(cat["rid"], return_inverse=True)
-    return DraftedPositions(rows, cat["row"], cat["ctx"], cat["tok"], _targets(targets), cat["cat"],
+    return DraftedPositions(rows, cat["row"], cat["ctx"], cat["tok"], TargetLogits.cat(targets), cat["cat"],
                             cat["acc"].bool(), rid, cat["idx"], cat["alpha"], stats)
 
 
