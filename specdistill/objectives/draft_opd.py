@@ -351,7 +351,11 @@ class DraftOPDObjective(Objective):
         loss (P + Q,) with grad, and detached alpha at the rollout temperature and 1 - alpha at the loss one."""
         draft = draft_adapter(models.draft)
         device, pad = fresh.row.device, pad_id(models.tokenizer)
-        p_full = TargetLogits.cat([fresh.target.to(device)] + [it.target.to(device) for it in replay]).dense()
+        # the target's full logits in two parts, fresh (P, V) and replayed (Q, V), never concatenated: everything
+        # below reads them row by row, and a (P + Q, V) copy would be the step's largest tensor at long rollouts
+        parts = [fresh.target.to(device).dense()]
+        if replay:
+            parts.append(TargetLogits.cat([it.target.to(device) for it in replay]).dense())
         features = fresh.aux is not None  # the target's features (EAGLE-3, DFlash): one tensor per trajectory
         keys = [id(it.aux) for it in replay] if features else None
         replay_rows, row_of = pack_prefixes([it.context.to(device) for it in replay], keys)  # shared prefixes: one row
@@ -371,7 +375,9 @@ class DraftOPDObjective(Objective):
             B = fresh.aux.shape[0]
             feature_row = source + list(range(B, B + len(replay_rows)))                           # (R + Rq,)
         q_logits = draft.logits_at(rows, row, ctx, index, aux, pad, shares, feature_row)         # (P + Q, Vd)
-        p_logits, in_vocab = draft.restrict(p_full)                                     # (P + Q, Vd), (P + Q,) | None
+        restricted = [draft.restrict(x) for x in parts]
+        p_logits = torch.cat([r[0] for r in restricted])                                             # (P + Q, Vd)
+        in_vocab = None if restricted[0][1] is None else torch.cat([r[1] for r in restricted])       # (P + Q,)
         loss = self._divergence(p_logits, q_logits)
         if in_vocab is not None:  # target argmax outside the draft vocabulary: masked, as the eagle3 objective does
             loss = loss * in_vocab
@@ -379,8 +385,13 @@ class DraftOPDObjective(Objective):
         q_temperature = draft_temperature(self.draft_policy, self.temperature)  # greedy drafts: q one-hot at its argmax
         # detached, a block of rows at a time: each takes softmaxes of the full (P + Q, V) target logits, which at
         # 1024-token rollouts and a large vocabulary would otherwise hold several more copies of them at once
-        return (loss, by_row_blocks(lambda p, q: draft.alpha(p, q, self.temperature, q_temperature), p_full, q_det),
-                1 - by_row_blocks(lambda p, q: draft.soft_alpha(p, q, self.loss_temperature), p_full, q_det))
+        def rows(fn):  # fn over every (part row, draft row) pair, a block at a time -> (P + Q,)
+            bounds = [0] + [len(x) for x in parts]
+            starts = torch.tensor(bounds).cumsum(0).tolist()
+            return torch.cat([by_row_blocks(fn, x, q_det[a: a + len(x)]) for x, a in zip(parts, starts)])
+
+        return (loss, rows(lambda p, q: draft.alpha(p, q, self.temperature, q_temperature)),
+                1 - rows(lambda p, q: draft.soft_alpha(p, q, self.loss_temperature)))
 
     def _divergence(self, p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
         return sum(w * divergence(name, p_logits, q_logits, beta=self.beta, temperature=self.loss_temperature)
