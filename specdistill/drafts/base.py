@@ -166,6 +166,12 @@ class DraftAdapter:
         raise NotImplementedError
 
 
+def feature_rows(bases: list[int], feature_row: Optional[list[int]], device) -> torch.Tensor:
+    """(Rb,) long: the rows of a logits_at features tensor that base rows `bases` read (feature_row None: their own)."""
+    return torch.tensor(bases if feature_row is None else [feature_row[b] for b in bases], dtype=torch.long,
+                        device=device)
+
+
 def decoding_precision(target_model: torch.nn.Module):
     """The context a draft decodes in beside `target_model` (evaluation, rollouts): autocast to the target's dtype
     when that is bf16 / fp16, so the draft's matmuls run at the target's precision and speed while a training draft

@@ -136,17 +136,26 @@ def paired_output_positions(samples: dict[str, list[dict]], baseline: str, seed:
             if not both:
                 continue
             a, b = [cells[p][name] for p in both], [base[p][name] for p in both]
-            entry = {"prompts": len(both)}
-            for key, num, den in (("tau", "tokens", "rounds"), ("accept_rate", "accepted", "proposed")):
-                pa, pb = [[c[num], c[den]] for c in a], [[c[num], c[den]] for c in b]
-                ra = sum(x for x, _ in pa) / max(sum(y for _, y in pa), 1)
-                rb = sum(x for x, _ in pb) / max(sum(y for _, y in pb), 1)
-                entry |= {key: ra, f"{key}_ci95": sum_ratio_interval(pa, seed),
-                          f"{key}_ratio": ra / rb if rb > 0 else None,
-                          f"{key}_ratio_ci95": _finite(ratio_interval(pa, pb, seed)) if rb > 0 else None}
-            row[run] = entry
+            row[run] = {"prompts": len(both)} | _paired_rates(a, b, seed, with_own=True)
         start, end = _bucket_of(name)
         out[name] = {"start": start, "end": end, "label": bucket_label(start, end), "runs": row}
+    return out
+
+
+def _paired_rates(a: list[dict], b: list[dict], seed: int, with_own: bool = False) -> dict:
+    """Bucket cells a and b of the same prompts, row k of each the same prompt ({rounds, tokens, proposed,
+    accepted}) -> tau and acceptance rate of a over b, with paired bootstrap intervals: {tau_ratio, tau_ratio_ci95,
+    accept_rate_ratio, accept_rate_ratio_ci95} (None where b's rate is 0), and with_own a's own rates
+    {tau, tau_ci95, accept_rate, accept_rate_ci95}."""
+    out = {}
+    for key, num, den in (("tau", "tokens", "rounds"), ("accept_rate", "accepted", "proposed")):
+        pa, pb = [[c[num], c[den]] for c in a], [[c[num], c[den]] for c in b]
+        ra = sum(x for x, _ in pa) / max(sum(y for _, y in pa), 1)
+        rb = sum(x for x, _ in pb) / max(sum(y for _, y in pb), 1)
+        if with_own:
+            out |= {key: ra, f"{key}_ci95": sum_ratio_interval(pa, seed)}
+        out |= {f"{key}_ratio": ra / rb if rb > 0 else None,
+                f"{key}_ratio_ci95": _finite(ratio_interval(pa, pb, seed)) if rb > 0 else None}
     return out
 
 
@@ -163,14 +172,8 @@ def last_over_first(samples: list[dict], seed: int = 0) -> Optional[dict]:
         return None
     first, last = names[0], later[-1]
     both = [c for c in cells if first in c and last in c]
-    out = {"first": bucket_label(*_bucket_of(first)), "last": bucket_label(*_bucket_of(last)), "prompts": len(both)}
-    for key, num, den in (("tau", "tokens", "rounds"), ("accept_rate", "accepted", "proposed")):
-        pa, pb = [[c[last][num], c[last][den]] for c in both], [[c[first][num], c[first][den]] for c in both]
-        ra = sum(x for x, _ in pa) / max(sum(y for _, y in pa), 1)
-        rb = sum(x for x, _ in pb) / max(sum(y for _, y in pb), 1)
-        out |= {f"{key}_ratio": ra / rb if rb > 0 else None,
-                f"{key}_ratio_ci95": _finite(ratio_interval(pa, pb, seed)) if rb > 0 else None}
-    return out
+    return {"first": bucket_label(*_bucket_of(first)), "last": bucket_label(*_bucket_of(last)),
+            "prompts": len(both)} | _paired_rates([c[last] for c in both], [c[first] for c in both], seed)
 
 
 def row_bucket_counts(buckets: list[BucketCounts], row: int) -> dict[str, dict]:

@@ -385,10 +385,9 @@ class DraftOPDObjective(Objective):
         q_temperature = draft_temperature(self.draft_policy, self.temperature)  # greedy drafts: q one-hot at its argmax
         # detached, a block of rows at a time: each takes softmaxes of the full (P + Q, V) target logits, which at
         # 1024-token rollouts and a large vocabulary would otherwise hold several more copies of them at once
-        def rows(fn):  # fn over every (part row, draft row) pair, a block at a time -> (P + Q,)
-            bounds = [0] + [len(x) for x in parts]
-            starts = torch.tensor(bounds).cumsum(0).tolist()
-            return torch.cat([by_row_blocks(fn, x, q_det[a: a + len(x)]) for x, a in zip(parts, starts)])
+        def rows(fn):  # fn over each part's rows and the draft's rows beside them, a block at a time -> (P + Q,)
+            q_parts = q_det.split([len(x) for x in parts])
+            return torch.cat([by_row_blocks(fn, x, q) for x, q in zip(parts, q_parts)])
 
         return (loss, rows(lambda p, q: draft.alpha(p, q, self.temperature, q_temperature)),
                 1 - rows(lambda p, q: draft.soft_alpha(p, q, self.loss_temperature)))

@@ -20,7 +20,7 @@ import torch
 
 from specdistill.decoding import Drafter
 from specdistill.decoding.kv import logits_dim
-from specdistill.drafts.base import DraftAdapter, min_sum, min_sum_on_draft_vocab
+from specdistill.drafts.base import DraftAdapter, feature_rows, min_sum, min_sum_on_draft_vocab
 from specdistill.drafts.readback import unfit
 from specdistill.drafts.registry import Card, DraftLength, register_kind
 from specdistill.models.vocab import frequent_token_vocab, restrict_to_draft_vocab
@@ -232,9 +232,7 @@ def dflash_logits_at(model, rows: list[torch.Tensor], features: torch.Tensor, ro
         for j, a in enumerate(per_base[b]):
             anchors[i, j], anchor_pos[i, j] = rows[b][a], a
             where[block_of[(b, a)]] = (i, j)
-    base_idx = torch.tensor(bases if feature_row is None else [feature_row[b] for b in bases], dtype=torch.long,
-                            device=device)
-    feats = features[base_idx, :L]                                             # (Rb, L, D)
+    feats = features[feature_rows(bases, feature_row, device), :L]             # (Rb, L, D)
     if feats.shape[1] < L:
         feats = torch.cat([feats, feats.new_zeros(len(bases), L - feats.shape[1], feats.shape[2])], dim=1)
     lengths = torch.tensor([len(rows[b]) for b in bases], device=device)

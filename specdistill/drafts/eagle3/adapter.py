@@ -26,7 +26,7 @@ import torch
 
 from specdistill.decoding import Drafter
 from specdistill.decoding.kv import logits_dim
-from specdistill.drafts.base import DraftAdapter, min_sum_on_draft_vocab
+from specdistill.drafts.base import DraftAdapter, feature_rows, min_sum_on_draft_vocab
 from specdistill.drafts.registry import Card, register_kind
 from specdistill.models.vocab import frequent_token_vocab, restrict_to_draft_vocab
 from specdistill.moe.draft import init_eagle3_from_config
@@ -218,7 +218,7 @@ def eagle3_logits_at(head, rows: list[torch.Tensor], aux: torch.Tensor, row: tor
             raise ValueError(f"eagle3_logits_at: shares[{r}] = {b}, but the rows' tokens differ before slot {s + 2}")
     ids, mask = pad_rows([rows[b][: need[b]] for b in bases], pad_id, side="right", device=device)  # (Rb, Lb)
     Lb = ids.shape[1]
-    feats = aux[_feature_index(bases, feature_row, device), :Lb]               # (Rb, Lb, D)
+    feats = aux[feature_rows(bases, feature_row, device), :Lb]                  # (Rb, Lb, D)
     if feats.shape[1] < Lb:
         feats = torch.cat([feats, feats.new_zeros(len(bases), Lb - feats.shape[1], feats.shape[2])], dim=1)
     C = max(len(cs) for cs in per_base)
@@ -236,12 +236,6 @@ def eagle3_logits_at(head, rows: list[torch.Tensor], aux: torch.Tensor, row: tor
     read = torch.cat([index[:, None].to(device), at], dim=1)                  # (P, 3): step, base row, column
     # through the (possibly DDP / DeepSpeed-wrapped) module's forward, so its gradients are synced across ranks
     return head(feats, ids, mask, chains=ChainQuery(chain_slot, chain_tok, read))  # (P, Vd)
-
-
-def _feature_index(bases: list[int], feature_row: Optional[list[int]], device) -> torch.Tensor:
-    """(Rb,) the feature rows of the base rows."""
-    return torch.tensor(bases if feature_row is None else [feature_row[b] for b in bases], dtype=torch.long,
-                        device=device)
 
 
 def eagle3_chain_counts(head, target_out, batch: dict, gamma: int) -> torch.Tensor:
