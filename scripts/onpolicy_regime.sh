@@ -15,6 +15,7 @@
 #   ARM_TEMPS="0 1": the temperatures the arms are scored and compared at (each costs one long evaluation per arm)
 #   HEAD_RUN=outputs/eagle3_serve (an existing main-command run is reused)
 #   DFLASH=1 DFLASH_MINUTES=25 DFLASH_RUN=outputs/dflash_serve
+#   MISMATCH=0: skip stage 2 (the arms do not need it)
 #   UNTIL=5: stop after this stage (UNTIL=2 measures the mismatch alone; its figures need no quiet machine, the arms'
 #   equal wall time does)
 #   TRAIN_EXTRA / EVAL_EXTRA: extra Hydra overrides for the head's training and the evaluations; BENCH_ARGS: extra
@@ -26,7 +27,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 PROMPTS=${PROMPTS:-32}; LONG=${LONG:-1024}; MINUTES=${MINUTES:-10}; FRESH_PROMPTS=${FRESH_PROMPTS:-96}
 ARM_TEMPS=${ARM_TEMPS:-0 1}; THREADS=${THREADS:-2}; EVAL_BATCH=${EVAL_BATCH:-8}; OUT=${OUT:-outputs/onpolicy_regime}
-HEAD_RUN=${HEAD_RUN:-outputs/eagle3_serve}; UNTIL=${UNTIL:-5}
+HEAD_RUN=${HEAD_RUN:-outputs/eagle3_serve}; UNTIL=${UNTIL:-5}; MISMATCH=${MISMATCH:-1}
 DFLASH=${DFLASH:-1}; DFLASH_MINUTES=${DFLASH_MINUTES:-25}; DFLASH_RUN=${DFLASH_RUN:-outputs/dflash_serve}
 read -r -a TRAIN_EXTRA <<< "${TRAIN_EXTRA:-}"; read -r -a EVAL_EXTRA <<< "${EVAL_EXTRA:-}"
 read -r -a BENCH_EXTRA <<< "${BENCH_EXTRA:-}"; read -r -a BENCH_ARGS <<< "${BENCH_ARGS:-}"
@@ -53,8 +54,10 @@ long_eval() {  # draft folder, output folder, extra overrides: LONG tokens at T=
 HEAD=$(last_draft "$HEAD_RUN")
 say "   head: $HEAD"
 
-say "2. the head along long outputs: $PROMPTS prompts x $LONG tokens at T=0 and T=1"
-long_eval "$HEAD" "$OUT/head"
+if [ "$MISMATCH" = 1 ]; then
+  say "2. the head along long outputs: $PROMPTS prompts x $LONG tokens at T=0 and T=1"
+  long_eval "$HEAD" "$OUT/head"
+fi
 [ "$UNTIL" -le 2 ] && { say "stopped after stage 2 (UNTIL=$UNTIL)"; exit 0; }
 
 # the arms read the head's own store (eagle3_regen trains on it, Draft-OPD's rollouts start from its prompts): as many
