@@ -38,6 +38,8 @@ import torch
 from transformers.cache_utils import DynamicCache, StaticLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, and_masks, causal_mask_function
 
+from specdistill.models.attention import GROUPED_SDPA
+
 from .compiled import compiled_decoding, static_cache, width_bucket
 
 # Layer types whose attention BatchKV can mask per row (config layer_types, as transformers' cache_utils names them).
@@ -52,7 +54,7 @@ _REFUSED_BECAUSE = {
     "dummy": "layers sharing another layer's cache are not supported",
 }
 # Attention implementations that take the ready 4D masks sliding layers need (flash kernels window by column).
-MASKED_ATTENTION = ("sdpa", "eager")
+MASKED_ATTENTION = ("sdpa", GROUPED_SDPA, "eager")
 
 
 def device_of(model: torch.nn.Module) -> torch.device:

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from specdistill.assets import is_embedded, resolve_model_path
+from specdistill.models.attention import use_grouped_sdpa
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -92,7 +93,8 @@ def enable_tf32() -> None:
 
 def load_causal_lm(path: str, dtype: str = "float32", device_map: Optional[str] = None, setting: str = "target.path"):
     """A causal LM from an HF folder or hub id. Every command loads its models through here, so this is also where
-    a run turns on TF32. device_map="auto" spreads its layers over the machine's GPUs (target.shard=device_map).
+    a run turns on TF32, and where a grouped-query model that loaded with "sdpa" switches to models/attention.py's
+    GROUPED_SDPA (the same attention without copying the cache). device_map="auto" spreads its layers over the machine's GPUs (target.shard=device_map).
     A folder that is no causal LM checkpoint (a draft head) or lacks weights is refused, naming `setting`."""
     from transformers import AutoModelForCausalLM
 
@@ -116,6 +118,7 @@ def load_causal_lm(path: str, dtype: str = "float32", device_map: Optional[str] 
                            "belongs to another model or was edited; restore the config.json saved with these "
                            "weights") from None
     check_weights_complete(path, info, setting)
+    use_grouped_sdpa(model)  # attention reads a grouped-query cache without repeating it (models/attention.py)
     return model
 
 

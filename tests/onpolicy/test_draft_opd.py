@@ -283,7 +283,7 @@ def test_the_state_round_trips_through_state_dict():
     assert torch.equal(back.state.generator_state, obj.state.generator.get_state())
 
 
-@pytest.mark.parametrize("max_elements", [1, 7 * 40, 3 * 7 * 40 + 5, 10 ** 9])
+@pytest.mark.parametrize("max_elements", [1, 7 * 40, 3 * 7 * 40 + 5, 10 ** 9, None])
 def test_row_blocks_give_the_whole_batchs_alphas(max_elements):
     """The detached alphas computed a block of rows at a time equal one call over every row, whatever the block."""
     from specdistill.drafts.base import min_sum_on_draft_vocab
