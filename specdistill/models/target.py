@@ -95,7 +95,8 @@ def load_causal_lm(path: str, dtype: str = "float32", device_map: Optional[str] 
     """A causal LM from an HF folder or hub id. Every command loads its models through here, so this is also where
     a run turns on TF32, and where a grouped-query model that loaded with "sdpa" switches to models/attention.py's
     GROUPED_SDPA (the same attention without copying the cache). device_map="auto" spreads its layers over the
-    machine's GPUs (target.shard=device_map). A folder that is no causal LM checkpoint (a draft head) or lacks weights is refused, naming `setting`."""
+    machine's GPUs (target.shard=device_map). A folder that is no causal LM checkpoint (a draft head) or lacks
+    weights is refused, naming `setting`."""
     from transformers import AutoModelForCausalLM
 
     enable_tf32()
