@@ -14,15 +14,23 @@ forwards and fed tokens per step (padding included: the compute spent), and rows
 sequences trained on). The step ratio divides the arms' seconds per row: equal rows when both arms take the same
 micro-batches (shared trainer.micro_batch_size and grad_accum). Writes <out>/opd_cost.json and opd_cost.md.
 Run it on an otherwise idle machine: the two arms run one after the other.
+
+--parts N: N more on-policy steps after the timed ones, with a timer around each part of the step (the target's
+prefill and verify forwards, the draft's proposals, verification, turning rounds into positions, the loss forward and
+backward, the optimizer; "rest of the rollout" and "rest of the step" are what the timers leave). The timers
+synchronize the device around every timed call, so these steps are reported apart (`parts` in the JSON, a table in
+the markdown) and never mixed into the step times above.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
@@ -39,6 +47,7 @@ class ArmCost:
     target_forwards_per_step: float
     target_tokens_per_step: float     # tokens fed to the target (input_ids.numel(): padding and stopped rows included)
     rows_per_step: float = 0.0        # micro-batch rows (on-policy: prompts rolled out; off-policy: sequences)
+    parts: dict = field(default_factory=dict)  # --parts: seconds per step by part (PARTS, then the rests)
 
     @property
     def seconds_per_row(self) -> float:
@@ -54,6 +63,8 @@ def parse_args(argv):
                     help="an override of the on-policy arm only (repeatable; default: draft=eagle3)")
     ap.add_argument("--offpolicy", action="append", default=[], metavar="OVERRIDE",
                     help="an override of the off-policy arm only (repeatable)")
+    ap.add_argument("--parts", type=int, default=0, metavar="N",
+                    help="N more on-policy steps with a timer around each part of the step, reported apart")
     ap.add_argument("--out", default="outputs/opd_cost")
     own, shared = ap.parse_known_args(argv)
     own.onpolicy = ["draft=eagle3"] if own.onpolicy is None else own.onpolicy
@@ -70,8 +81,9 @@ def _clock(device) -> float:
     return time.perf_counter()
 
 
-def measure_arm(recipe: str, overrides: list[str], steps: int, out_dir: Path) -> ArmCost:
-    """Build one recipe's components and time `steps` optimizer steps after a warm-up step."""
+def measure_arm(recipe: str, overrides: list[str], steps: int, out_dir: Path, parts: int = 0) -> ArmCost:
+    """Build one recipe's components and time `steps` optimizer steps after a warm-up step (then `parts` steps
+    timed part by part: PartTimers)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -98,6 +110,8 @@ def measure_arm(recipe: str, overrides: list[str], steps: int, out_dir: Path) ->
         fed["forwards"] += 1
         fed["tokens"] += 0 if ids is None else ids.numel()
 
+    timers = PartTimers(device)
+
     def one_step(step: int) -> tuple[float, float, int, int]:
         """(seconds, seconds in prepare, trained positions, rows) of one optimizer step."""
         t0 = _clock(device)
@@ -109,12 +123,18 @@ def measure_arm(recipe: str, overrides: list[str], steps: int, out_dir: Path) ->
             prep_s += _clock(device) - p0
             k = int(obj.num_tokens(p))
             n += k
-            out = obj.loss(p, models)
-            (out.loss * (1 if out.weight is None else out.weight)).sum().div(max(k, 1)).backward()
+            with timers.part("loss forward"):
+                out = obj.loss(p, models)
+            with timers.part("loss backward"):
+                (out.loss * (1 if out.weight is None else out.weight)).sum().div(max(k, 1)).backward()
         obj.end_step()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return _clock(device) - t0, prep_s, n, rows
+        with timers.part("optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        total = _clock(device) - t0
+        timers.add("prepare (rollout)", prep_s)
+        timers.add("step", total)
+        return total, prep_s, n, rows
 
     one_step(0)  # warm-up (allocations, first rollout's caches and compiled graphs), not timed
     hook = target.register_forward_hook(count, with_kwargs=True)
@@ -123,8 +143,100 @@ def measure_arm(recipe: str, overrides: list[str], steps: int, out_dir: Path) ->
     finally:
         hook.remove()
     seconds, prep, positions, rows = (sum(r[i] for r in runs) for i in range(4))
+    by_part = {}
+    if parts:
+        with timers.timing():
+            for s in range(1 + steps, 1 + steps + parts):
+                one_step(s)
+        by_part = timers.per_step(parts)
     return ArmCost(recipe, overrides, steps, seconds / steps, prep / steps, positions / steps,
-                   seconds / max(positions, 1), fed["forwards"] / steps, fed["tokens"] / steps, rows / steps)
+                   seconds / max(positions, 1), fed["forwards"] / steps, fed["tokens"] / steps, rows / steps,
+                   by_part)
+
+
+# Each timed part: (label, module, attribute path); a method is timed on its class, where it is defined.
+PARTS = [("prefills", "specdistill.decoding.kv", "BatchKV.prefill"),
+         ("target verify forwards", "specdistill.decoding.kv", "BatchKV.step"),
+         ("draft proposals", "specdistill.decoding.drafters", "Drafter.propose"),
+         ("verification", "specdistill.decoding.generate", "verify"),
+         ("rounds to positions", "specdistill.onpolicy.rollout", "positions_from_rounds")]
+
+
+class PartTimers:
+    """Seconds spent in each part of a step, the device synchronized around every timed call. Outside timing() only
+    the loop's own parts (loss, optimizer, totals) are recorded, and nothing is wrapped. Only the outermost timed
+    call counts: the prefill's own forward is the prefill's, an LM draft's cache steps are its proposals'."""
+
+    def __init__(self, device):
+        self.device, self.active, self.seconds, self._depth = device, False, {}, 0
+
+    def add(self, label: str, seconds: float) -> None:
+        if self.active:
+            self.seconds[label] = self.seconds.get(label, 0.0) + seconds
+
+    @contextmanager
+    def part(self, label: str):
+        if not self.active or self._depth:
+            yield
+            return
+        self._depth += 1
+        t0 = _clock(self.device)
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            self.add(label, _clock(self.device) - t0)
+
+    def _wrap(self, label: str, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            with self.part(label):
+                return fn(*args, **kwargs)
+        return timed
+
+    @contextmanager
+    def timing(self):
+        """Wrap every PARTS entry (on each drafter class that defines propose) for the duration."""
+        import importlib
+
+        from specdistill.decoding.drafters import Drafter
+
+        patched = []
+        for label, module, path in PARTS:
+            owner = importlib.import_module(module)
+            *outer, name = path.split(".")
+            for attr in outer:
+                owner = getattr(owner, attr)
+            owners = [owner]
+            if owner is Drafter:
+                todo, owners = [Drafter], []
+                while todo:
+                    cls = todo.pop()
+                    owners += [cls] if name in vars(cls) else []
+                    todo += cls.__subclasses__()
+            for o in owners:
+                patched.append((o, name, vars(o)[name]))
+                setattr(o, name, self._wrap(label, getattr(o, name)))
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+            for o, name, original in reversed(patched):
+                setattr(o, name, original)
+
+    def per_step(self, steps: int) -> dict[str, float]:
+        """Seconds per step: each part, then the rest of the rollout (prepare minus its timed parts) and of the step."""
+        s = {k: v / steps for k, v in self.seconds.items()}
+        rollout = [label for label, _, _ in PARTS]
+        out = {k: s.get(k, 0.0) for k in rollout}
+        out["rest of the rollout"] = s.get("prepare (rollout)", 0.0) - sum(out.values())
+        for k in ("loss forward", "loss backward", "optimizer"):
+            out[k] = s.get(k, 0.0)
+        out["rest of the step"] = s.get("step", 0.0) - s.get("prepare (rollout)", 0.0) - sum(
+            s.get(k, 0.0) for k in ("loss forward", "loss backward", "optimizer"))
+        out["step"] = s.get("step", 0.0)
+        return out
 
 
 def markdown(arms: dict[str, ArmCost], ratio: float, step_ratio: float, command: str) -> str:
@@ -137,6 +249,13 @@ def markdown(arms: dict[str, ArmCost], ratio: float, step_ratio: float, command:
                      f"{a.target_forwards_per_step:.1f} | {a.target_tokens_per_step:.0f} |")
     lines += ["", f"on-policy / off-policy seconds per trained position: **{ratio:.2f}x**",
               f"on-policy / off-policy seconds per step at equal rows (per row): **{step_ratio:.2f}x**"]
+    for name, a in arms.items():
+        if a.parts:
+            total = a.parts["step"] or 1.0
+            lines += ["", f"Where the {name} step's time goes (--parts: steps of their own, the device synchronized "
+                      "around each part):", "", "| part | s / step | share |", "|---|---|---|"]
+            lines += [f"| {k} | {v:.3f} | {100 * v / total:.0f}% |" for k, v in a.parts.items() if k != "step"]
+            lines += [f"| step | {total:.3f} | 100% |"]
     return "\n".join(lines) + "\n"
 
 
@@ -146,7 +265,7 @@ def main(argv=None) -> dict:
     command = "python -m benchmarks.opd_cost " + " ".join(shlex.quote(a) for a in argv)
     out = Path(own.out)
     out.mkdir(parents=True, exist_ok=True)
-    arms = {"onpolicy": measure_arm(own.onpolicy_recipe, shared + own.onpolicy, own.steps, out),
+    arms = {"onpolicy": measure_arm(own.onpolicy_recipe, shared + own.onpolicy, own.steps, out, own.parts),
             "offpolicy": measure_arm(own.offpolicy_recipe, shared + own.offpolicy, own.steps, out)}
     ratio = arms["onpolicy"].seconds_per_position / arms["offpolicy"].seconds_per_position
     step_ratio = arms["onpolicy"].seconds_per_row / arms["offpolicy"].seconds_per_row

@@ -2,9 +2,10 @@
 
 transformers' "sdpa" attention repeats every key and value head (repeat_kv) before calling
 scaled_dot_product_attention whenever a mask is passed and more than one query is fed (the engines' verify forward:
-[pending, d_1..d_K] over a padded batch), on CPU and CUDA alike. That copies the whole KV cache in every layer at every
-verification round: half of a batch-16 verify forward on a 2-core CPU. Here the query heads that share a key/value head
-are folded into that head's query rows instead, so attention reads the cache as it is:
+[pending, d_1..d_K] over a padded batch), on CPU and CUDA alike. That copies the whole KV cache, g times over, in
+every layer at every verification round: extra memory traffic of 2g x the cache's bytes where the step's floor reads
+them once. Here the query heads that share a key/value head are folded into that head's query rows instead, so
+attention reads the cache as it is:
 
     query (B, n_kv * g, q, hd) -> (B, n_kv, g * q, hd)     row r * q + i of group k = head k * g + r, query i
     mask  (B, 1, q, S)         -> (B, 1, g * q, S)         the same rows repeated per head of the group

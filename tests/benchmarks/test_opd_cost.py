@@ -1,5 +1,6 @@
 """python -m benchmarks.opd_cost on tiny models: both arms timed on their own micro-batches, the ratio is the
-ratio of the arms' seconds per trained position, and the files say so."""
+ratio of the arms' seconds per trained position, and the files say so; --parts times the on-policy step part by
+part, in steps of their own."""
 import json
 
 import pytest
@@ -12,7 +13,10 @@ from tests.conftest import tiny_overrides
 def test_opd_cost_smoke(tiny_target_dir, tiny_data_file, tmp_path):
     shared = tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "run", tmp_path / "cache")
     shared += ["trainer.grad_accum=1"]
-    res = main(["--steps", "1", "--out", str(tmp_path / "cost"), "--offpolicy", "objective.steps=2",
+    from specdistill.decoding.kv import BatchKV
+    from specdistill.drafts.eagle3 import Eagle3Drafter
+    before = (BatchKV.step, Eagle3Drafter.propose)
+    res = main(["--steps", "1", "--parts", "1", "--out", str(tmp_path / "cost"), "--offpolicy", "objective.steps=2",
                 "--onpolicy", "draft=eagle3", "--onpolicy", "objective.max_new_tokens=6"] + shared)
     on, off = res["arms"]["onpolicy"], res["arms"]["offpolicy"]
     assert (on["recipe"], off["recipe"]) == ("draft_opd", "eagle3") and "draft=eagle3" in on["overrides"]
@@ -32,3 +36,12 @@ def test_opd_cost_smoke(tiny_target_dir, tiny_data_file, tmp_path):
     assert "| onpolicy | draft_opd |" in md and "| offpolicy | eagle3 |" in md
     assert f"trained position: **{res['ratio_seconds_per_position']:.2f}x**" in md
     assert "goal" not in md  # figures, not verdicts against a goal kept in code
+    # --parts: the on-policy step part by part, its parts and rests adding up to the step; the off-policy arm has none
+    parts = on["parts"]
+    assert off["parts"] == {} and parts["step"] > 0
+    assert parts["target verify forwards"] > 0 and parts["draft proposals"] > 0 and parts["prefills"] > 0
+    assert parts["verification"] > 0 and parts["rounds to positions"] > 0 and parts["loss backward"] > 0
+    assert sum(v for k, v in parts.items() if k != "step") == pytest.approx(parts["step"])
+    assert parts["rest of the rollout"] >= 0 and parts["rest of the step"] >= 0
+    assert "| target verify forwards |" in md
+    assert (BatchKV.step, Eagle3Drafter.propose) == before  # the timers are gone again
