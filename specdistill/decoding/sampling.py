@@ -42,7 +42,7 @@ def probs_from_logits(logits: torch.Tensor, temperature: float = 1.0, top_p: flo
     logits = logits.float()
     if temperature == 0:
         return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    probs = torch.softmax(logits / temperature, dim=-1)
+    probs = torch.softmax(logits if temperature == 1 else logits / temperature, dim=-1)  # x / 1.0 is x
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)          # (..., V)
         # Drop a token once the tokens ranked above it already cover top_p (the top token always stays).

@@ -13,7 +13,9 @@ DIVERGENCES = ("fkl", "rkl", "jsd", "tvd", "acceptance")
 
 
 def _log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return F.log_softmax(logits.float() / temperature, dim=-1)
+    # x / 1.0 is x: at temperature 1 the division would only add a full-size pass (and one more in backward)
+    logits = logits.float()
+    return F.log_softmax(logits if temperature == 1 else logits / temperature, dim=-1)
 
 
 def forward_kl(p_logits, q_logits, temperature: float = 1.0) -> torch.Tensor:
