@@ -36,7 +36,11 @@ class Point:
     compiles_in_timed_call: int
 
 
-def build_target(layers: int, tiny: bool, device: str, dtype):
+ATTENTIONS = ("sdpa_grouped", "sdpa")  # what load_causal_lm gives a grouped-query model, and transformers' own sdpa
+
+
+def build_target(layers: int, tiny: bool, device: str, dtype, attention: str = "sdpa_grouped"):
+    """A random Llama-3.1-8B-shaped target (--tiny: toy sizes) attending with `attention` (ATTENTIONS)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -51,6 +55,15 @@ def build_target(layers: int, tiny: bool, device: str, dtype):
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype)
+    if attention == "sdpa_grouped":
+        try:
+            from specdistill.models.attention import use_grouped_sdpa
+        except ImportError:  # a source tree (--tree) from before the grouped attention
+            raise SystemExit("--attention sdpa_grouped: this source tree has no specdistill.models.attention; "
+                             "pass --attention sdpa") from None
+        use_grouped_sdpa(model)
+    elif attention != "sdpa":
+        raise SystemExit(f"--attention {attention!r}: one of {ATTENTIONS}")
     return model.eval().requires_grad_(False)
 
 
@@ -115,6 +128,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s (H200: 4.8e12)")
     ap.add_argument("--backend", default="inductor", help="CacheMode backend of the compiled mode (eager: CPU check)")
+    ap.add_argument("--attention", default="sdpa_grouped", choices=ATTENTIONS,
+                    help="the target's attention function (sdpa_grouped: what load_causal_lm gives it)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--profile", action="store_true", help="print where a call's time goes (torch.profiler)")
     ap.add_argument("--sync-every", type=int, nargs="+", default=[1], help="target_generate's sync_every values")
@@ -123,7 +138,7 @@ def main(argv=None) -> dict:
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     t0 = time.perf_counter()
-    model = build_target(args.layers, args.tiny, args.device, dtype)
+    model = build_target(args.layers, args.tiny, args.device, dtype, args.attention)
     points = []
     for batch in args.batches:
         for mode, sync_every in ((m, k) for m in args.modes for k in args.sync_every):
@@ -136,7 +151,7 @@ def main(argv=None) -> dict:
                   f"(timed call: {p.compiles_in_timed_call})", flush=True)
     result = {"command": "python -m benchmarks.decode_bandwidth " + " ".join(sys.argv[1:] if argv is None else argv),
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-              "torch": torch.__version__, "seconds": time.perf_counter() - t0,
+              "torch": torch.__version__, "attention": args.attention, "seconds": time.perf_counter() - t0,
               "points": [asdict(p) for p in points]}
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))

@@ -7,6 +7,7 @@ one timed call, its capture of the head's aux layers on (record=True, capture_la
 Imports specdistill.decoding / drafts.eagle3, torch and transformers only.
 
   python -m benchmarks.spec_round_cost --batches 4 64 --modes growing compiled
+  python -m benchmarks.spec_round_cost --batches 4 64 --modes growing --attention sdpa   # transformers' sdpa
   python -m benchmarks.spec_round_cost --device cpu --tiny --backend eager     # the script's own check
 """
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--attention", default="sdpa_grouped", choices=("sdpa_grouped", "sdpa"),
+                    help="the target's attention function (sdpa_grouped: what load_causal_lm gives it)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(args.tree.resolve()))
@@ -43,7 +46,7 @@ def main(argv=None) -> dict:
     from specdistill.drafts.eagle3.model import build_eagle3
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    target = build_target(args.layers, args.tiny, args.device, dtype)
+    target = build_target(args.layers, args.tiny, args.device, dtype, args.attention)
     V = target.config.vocab_size
     torch.manual_seed(1)
     head = build_eagle3(target, torch.randperm(V)[: min(args.draft_vocab, V)].sort().values, None)
@@ -76,7 +79,7 @@ def main(argv=None) -> dict:
             print(json.dumps(point), flush=True)
     import specdistill
 
-    result = {"tree": str(args.tree), "imported": specdistill.__file__, "points": points}
+    result = {"tree": str(args.tree), "imported": specdistill.__file__, "attention": args.attention, "points": points}
     print("specdistill from", specdistill.__file__)
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))
