@@ -39,7 +39,7 @@ class Point:
 ATTENTIONS = ("sdpa_grouped", "sdpa")  # what load_causal_lm gives a grouped-query model, and transformers' own sdpa
 
 
-def build_target(layers: int, tiny: bool, device: str, dtype, attention: str = "sdpa_grouped"):
+def build_target(layers: int, tiny: bool, device: str, dtype, attention: str = ATTENTIONS[0]):
     """A random Llama-3.1-8B-shaped target (--tiny: toy sizes) attending with `attention` (ATTENTIONS)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -55,7 +55,7 @@ def build_target(layers: int, tiny: bool, device: str, dtype, attention: str = "
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype)
-    if attention == "sdpa_grouped":
+    if attention == ATTENTIONS[0]:
         try:
             from specdistill.models.attention import use_grouped_sdpa
         except ImportError:  # a source tree (--tree) from before the grouped attention
@@ -128,7 +128,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s (H200: 4.8e12)")
     ap.add_argument("--backend", default="inductor", help="CacheMode backend of the compiled mode (eager: CPU check)")
-    ap.add_argument("--attention", default="sdpa_grouped", choices=ATTENTIONS,
+    ap.add_argument("--attention", default=ATTENTIONS[0], choices=ATTENTIONS,
                     help="the target's attention function (sdpa_grouped: what load_causal_lm gives it)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--profile", action="store_true", help="print where a call's time goes (torch.profiler)")

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.decode_bandwidth import ATTENTIONS
+
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -33,7 +35,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--backend", default="inductor")
-    ap.add_argument("--attention", default="sdpa_grouped", choices=("sdpa_grouped", "sdpa"),
+    ap.add_argument("--attention", default=ATTENTIONS[0], choices=ATTENTIONS,
                     help="the target's attention function (sdpa_grouped: what load_causal_lm gives it)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
