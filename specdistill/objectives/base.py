@@ -47,8 +47,9 @@ def labels_at_loss(batch: dict) -> torch.Tensor:
 
 
 class Objective:
-    """The protocol between the loop (train/loop.py: accumulate) and an objective. Per micro-batch, ONE micro-batch
-    at a time, the loop calls:
+    """The protocol between the loop (train/loop.py: accumulate) and an objective. Once per optimizer step, before
+    its micro-batches, the loop calls `objective.prepare_step(micro_batches, models)` (no-grad work over the whole
+    step: Draft-OPD's step-wide rollout). Then per micro-batch, ONE micro-batch at a time:
 
       n        = objective.num_tokens_before_prepare(batch)  # () loss tokens, when the data alone tells; else None
       prepared = objective.prepare(batch, models)   # no-grad work before the loss (Draft-OPD: rollouts, replay)
@@ -76,6 +77,9 @@ class Objective:
                              f"draft: it trains with objective={own} (its own loss over the target's hidden states). "
                              f"Use objective={own} (the {kind.kind} recipes set it), or an LM draft "
                              "(draft=from_target or draft=small_lm) for this objective")
+
+    def prepare_step(self, micro: list[dict], models: Models) -> None:
+        """Before a step's micro-batches are prepared, with all of them in hand. Default: nothing."""
 
     def num_tokens_before_prepare(self, batch: dict) -> Optional[torch.Tensor]:
         return batch["loss_mask"].sum()

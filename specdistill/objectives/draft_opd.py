@@ -61,7 +61,8 @@ from specdistill.losses import DIVERGENCES, divergence
 from specdistill.objectives.eagle3 import Eagle3Objective
 from specdistill.objectives.base import Models, Objective, StepOutput, keep_positions, masked_logits
 from specdistill.onpolicy.replay import ReplayBuffer, ReplayItem, pack_prefixes
-from specdistill.onpolicy.positions import CATEGORIES, FIRST_REJECTED, DraftedPositions, TargetLogits
+from specdistill.onpolicy.positions import (CATEGORIES, FIRST_REJECTED, DraftedPositions, TargetLogits,
+                                           split_trajectories)
 from specdistill.onpolicy.rollout import collect_rollout, left_pad, prompts_from_batch
 from specdistill.onpolicy.weights import WEIGHTINGS, position_weights, tree_reach_weights
 from specdistill.decoding import DRAFT_POLICIES, draft_temperature
@@ -115,6 +116,10 @@ class DraftOPDState:
     pending: list[_BufferUpdate] = field(default_factory=list)  # this step's buffer updates (end_step applies them)
     checked: bool = False
     prompt_ids: Optional[list[torch.Tensor]] = None
+    # rollout_scope=step: the step's rollout split per micro-batch, served in order (empty between steps, so never
+    # in a checkpoint); step_new: its first share has not been served yet
+    step_shares: list[DraftedPositions] = field(default_factory=list)
+    step_new: bool = False
 
     def rollout_generator(self, device, seed: int) -> torch.Generator:
         if self.generator is None:
@@ -168,6 +173,12 @@ class DraftOPDObjective(Objective):
     assist: bool = True                 # false: the draft decodes alone, the target scores afterwards (ablation)
     # a rollout serves this many calls (micro-batches) before it is refreshed
     rollout_every: int = bounded(1, ">= 1")
+    # micro_batch: each micro-batch decodes its own prompts | step: the prompts of all of an optimizer step's
+    # micro-batches decode together in one rollout (more rows per verify forward, which costs about the same for 4 rows
+    # as for 16 where reading the weights bounds it), split back so each micro-batch trains on its own rows. The draft
+    # is the same for every micro-batch of a step, so what is trained is unchanged; all the step's rollouts are resident
+    # at once. Needs rollout_every=1
+    rollout_scope: str = one_of("micro_batch", ("micro_batch", "step"))
     max_prompt_tokens: Optional[int] = bounded(512, ">= 1")  # longer prompts keep their last tokens
     # null: each data row's own prompt (up to its first assistant turn; a row without one is all prompt). Else a
     # prompt-only source, as eval.prompts: a .json/.jsonl/.parquet file or hub dataset of prompt / messages /
@@ -209,6 +220,11 @@ class DraftOPDObjective(Objective):
         check_fields(self, "objective")  # the ranges and choices on the fields above
         self.mix = parse_divergence(self.divergence)
         self._check_tree()
+        if self.rollout_scope == "step" and self.rollout_every > 1:
+            raise ValueError(f"objective.rollout_scope=step decodes each optimizer step's prompts once, for its own "
+                             f"micro-batches; objective.rollout_every={self.rollout_every} reuses one rollout over "
+                             "several micro-batches instead. Set objective.rollout_every=1, or rollout_scope="
+                             "micro_batch")
 
     def tree_shape(self) -> Optional[TreeShape]:
         """The rollouts' token-tree shape; None: chains of gamma drafts (objective.tree_topk=0)."""
@@ -243,8 +259,21 @@ class DraftOPDObjective(Objective):
 
     # ------------------------------------------------------------------------------------------- the protocol
     def prepare(self, batch: dict, models: Models) -> _Prepared:
-        """Steps 1-2 (no grad): the rollout (refreshed every rollout_every calls) and the replayed positions."""
+        """Steps 1-2 (no grad): the rollout (refreshed every rollout_every calls, or this micro-batch's share of the
+        step's rollout) and the replayed positions."""
         return self._prepare(batch, models)
+
+    @torch.no_grad()
+    def prepare_step(self, micro: list[dict], models: Models) -> None:
+        """rollout_scope=step: one rollout over the prompts of all the step's micro-batches, split back per
+        micro-batch (onpolicy/positions.py: split_trajectories); prepare() then serves each its own share."""
+        if self.rollout_scope != "step" or len(micro) < 2:
+            return
+        draft, target = unwrap(models.draft), unwrap_target(models.target)
+        self._check_once(draft, target)
+        sizes = [int(b["input_ids"].shape[0]) for b in micro]
+        rollout = self._rollout(micro, models, draft, target)
+        self.state.step_shares, self.state.step_new = split_trajectories(rollout, sizes), True
 
     def check_draft_kind(self, kind) -> None:
         if not self.assist and not kind.decodes_alone:
@@ -417,16 +446,19 @@ class DraftOPDObjective(Objective):
     def _prepare(self, batch: dict, models: Models) -> _Prepared:
         draft, target = unwrap(models.draft), unwrap_target(models.target)
         state = self.state
-        if not state.checked:
-            self._check_draft(draft, target)
-            state.checked = True
+        self._check_once(draft, target)
         device = batch["input_ids"].device
         state.calls += 1
         f = lambda x: torch.as_tensor(float(x), device=device)  # noqa: E731
         metrics: dict = {}
-        refresh = state.fresh is None or (state.calls - 1) % self.rollout_every == 0
-        if refresh:
-            state.fresh = self._rollout(batch, models, draft, target)
+        shared = bool(state.step_shares)  # this micro-batch's share of the step's rollout (prepare_step)
+        refresh = shared or state.fresh is None or (state.calls - 1) % self.rollout_every == 0
+        new = refresh
+        if shared:  # a step's rollout is new (counted, its stats logged) at its first share
+            state.fresh, new, state.step_new = state.step_shares.pop(0), state.step_new, False
+        elif refresh:
+            state.fresh = self._rollout([batch], models, draft, target)
+        if new:
             state.refreshes += 1
             s = state.fresh.stats
             state.target_tokens_total += s.target_tokens
@@ -449,14 +481,25 @@ class DraftOPDObjective(Objective):
             n += OFF_POLICY[draft_adapter(draft).spec.data_objective].count(self, batch["loss_mask"].bool())
         return _Prepared(batch, fresh, replay, refresh, metrics, f(n))
 
-    def _rollout(self, batch, models, draft, target) -> DraftedPositions:
+    def _check_once(self, draft, target) -> None:
+        if not self.state.checked:
+            self._check_draft(draft, target)
+            self.state.checked = True
+
+    def _rollout(self, batches: list[dict], models, draft, target) -> DraftedPositions:
+        """One rollout over the prompts of `batches` (one micro-batch, or a step's), in order."""
         pad = pad_id(models.tokenizer)
+        device = batches[0]["input_ids"].device
         if self.prompts:
-            ids, mask = self._next_prompts(batch["input_ids"].shape[0], models, target, pad)
-            ids, mask = ids.to(batch["input_ids"].device), mask.to(batch["input_ids"].device)
+            ids, mask = self._next_prompts(sum(b["input_ids"].shape[0] for b in batches), models, target, pad)
+            ids, mask = ids.to(device), mask.to(device)
         else:
-            ids, mask = prompts_from_batch(batch, pad, self.max_prompt_tokens, context=max_positions(target),
-                                           max_new_tokens=self.max_new_tokens)
+            parts = [prompts_from_batch(b, pad, self.max_prompt_tokens, context=max_positions(target),
+                                        max_new_tokens=self.max_new_tokens) for b in batches]
+            ids, mask = parts[0]
+            if len(parts) > 1:  # each micro-batch's prompts, left-padded together
+                ids, mask, _ = left_pad([r[m.bool()] for ids_, mask_ in parts for r, m in zip(ids_, mask_)], pad)
+                ids, mask = ids.to(device), mask.to(device)
         generator = self.state.rollout_generator(ids.device, self.seed)
         eos = eos_ids(models.tokenizer, target, ignore_eos=False) if models.tokenizer is not None else None
         was_training = draft.training

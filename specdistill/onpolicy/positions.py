@@ -121,6 +121,45 @@ class DraftedPositions:
         return [self.rows[int(r)][: int(n)] for r, n in zip(self.row[idx].tolist(), self.context_len[idx].tolist())]
 
 
+def split_trajectories(positions: DraftedPositions, sizes: list[int]) -> list[DraftedPositions]:
+    """One rollout of B = sum(sizes) trajectories -> len(sizes) rollouts of sizes[g] consecutive trajectories each, as
+    if each group had been rolled out alone: group g keeps its trajectories' rows (the trajectories first, then their
+    branch rows, in order), their positions (in order), their features, and ids renumbered from 0 (rows, sources,
+    rounds; a tree's parents). The rollout's stats go to group 0, whose decode they describe; the others get empty
+    stats. Needs positions.source (every assembled rollout has it: trajectories in rows 0..B-1)."""
+    B = sum(sizes)
+    source = positions.source
+    if source is None or len(source) < B or list(source[:B]) != list(range(B)) or min(sizes, default=1) < 1:
+        raise ValueError(f"split_trajectories: sizes {sizes} do not tile the rollout's trajectories (rows 0..B-1)")
+    device = positions.row.device
+    src = torch.as_tensor(source, dtype=torch.long, device=device)            # (R,) each row's trajectory
+    bounds = torch.tensor([0] + sizes, device=device).cumsum(0)               # (G + 1,)
+    group_of_row = torch.bucketize(src, bounds[1:], right=True)               # (R,)
+    pos_group = group_of_row[positions.row]                                   # (P,)
+    out = []
+    for g, (lo, hi) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
+        rows = (group_of_row == g).nonzero().flatten()                        # trajectories, then branches
+        new_row = torch.full((len(source),), -1, dtype=torch.long, device=device)
+        new_row[rows] = torch.arange(len(rows), device=device)
+        keep = (pos_group == g).nonzero().flatten()                           # (Pg,)
+        _, rid = torch.unique_consecutive(positions.round_id[keep], return_inverse=True)
+        piece = DraftedPositions(
+            [positions.rows[r] for r in rows.tolist()], new_row[positions.row[keep]], positions.context_len[keep],
+            positions.token[keep], positions.target.select(keep), positions.category[keep],
+            positions.accepted[keep], rid, positions.index[keep], positions.alpha[keep],
+            positions.stats if g == 0 else RolloutStats(),
+            source=[int(source[r]) - lo for r in rows.tolist()],
+            aux=None if positions.aux is None else positions.aux[lo:hi])
+        if positions.parent is not None:
+            new_pos = torch.full((len(positions),), -1, dtype=torch.long, device=device)
+            new_pos[keep] = torch.arange(len(keep), device=device)
+            parent = positions.parent[keep]
+            piece.parent = torch.where(parent >= 0, new_pos[parent.clamp_min(0)], parent)
+            piece.edge = positions.edge[keep]
+        out.append(piece)
+    return out
+
+
 def trajectories(prompt_ids, prompt_mask, sequences, num_new) -> list[torch.Tensor]:
     return [torch.cat([prompt_ids[b][prompt_mask[b].bool()], sequences[b, : int(num_new[b])]])
             for b in range(prompt_ids.shape[0])]

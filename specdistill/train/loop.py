@@ -491,6 +491,7 @@ def accumulate(c: Components, micro: list[dict], sums: dict, objective=None) -> 
     """
     acc, draft, world = c.accelerator, c.models.draft, c.accelerator.num_processes
     objective = objective if objective is not None else c.objective  # the step's phase's objective
+    objective.prepare_step(micro, c.models)
     before = [objective.num_tokens_before_prepare(b) for b in micro]
     known = all(n is not None for n in before)
     scale = n_est = None

@@ -118,10 +118,11 @@ def test_bad_models_fail_at_the_first_call():
 ABLATIONS = [[], ["objective.assist=false", "objective.temperature=0"],
              ["objective.replay=false", "objective.weighting=none", "objective.off_trajectory=drop",
               "objective.kd_weight=0.5", "objective.target_top_k=16"],
-             ["draft=eagle3", "objective.weighting=decay", "objective.kd_weight=0.5"]]
+             ["draft=eagle3", "objective.weighting=decay", "objective.kd_weight=0.5", "objective.rollout_scope=step",
+              "trainer.grad_accum=2"]]
 
 
-@pytest.mark.parametrize("switches", ABLATIONS, ids=["full", "no_assist", "no_replay_no_weighting_kd", "eagle3"])
+@pytest.mark.parametrize("switches", ABLATIONS, ids=["full", "no_assist", "no_replay_no_weighting_kd", "eagle3_step_rollout"])
 def test_recipe_trains_with_each_switch(switches, tiny_target_dir, tiny_data_file, tmp_path):
     from specdistill.build import build
     from specdistill.train.loop import fit
@@ -141,6 +142,9 @@ def test_recipe_trains_with_each_switch(switches, tiny_target_dir, tiny_data_fil
     lines = [json.loads(x) for x in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
     assert any("train/rollout_target_tokens" in x for x in lines)
     assert c.objective.state.target_tokens_total > 0
+    accum, step_scope = cfg.trainer.grad_accum, "objective.rollout_scope=step" in switches
+    assert accum == 2 and c.objective.state.calls == 2 * accum
+    assert c.objective.state.refreshes == (2 if step_scope else 2 * accum)  # a step's rollout: one per step
 
 
 def test_warm_start_from_a_kd_checkpoint(tiny_target_dir, tiny_data_file, tmp_path):
