@@ -122,7 +122,9 @@ def _chain_sampling(
     B, K = draft_tokens.shape
     V = target_probs.shape[-1]
     p = target_probs.float()                                                # (B, K+1, V)
-    q = F.one_hot(draft_tokens, V).float() if draft_probs is None else draft_probs.float()  # (B, K, V)
+    if draft_probs is None:
+        return _chain_sampling_one_hot(draft_tokens, p, generator)
+    q = draft_probs.float()                                                 # (B, K, V)
     p_draft = p[:, :K]                                                      # (B, K, V)
 
     # 1. Accept d_k ~ q_k with probability min(1, p_k(d_k) / q_k(d_k)), all positions at once.
@@ -145,6 +147,30 @@ def _chain_sampling(
 
     alpha = torch.minimum(p_draft, q).sum(-1)                               # (B, K)
     return _chain_finish(draft_tokens, ok, next_of, alpha)
+
+
+def _chain_sampling_one_hot(draft_tokens: torch.Tensor, p: torch.Tensor,
+                            generator: torch.Generator | None) -> Verdict:
+    """_chain_sampling with q one-hot at the drafts (the greedy drafting policy), without building q (B, K, V):
+    qx = 1, so d_k is accepted when u < p_k(d_k); the residual max(0, p_n - onehot(d_n)) is p_n with d_n's entry
+    zeroed (p <= 1); alpha_k = sum_x min(p_k, onehot(d_k)) = p_k(d_k). The same values, draws included, as the
+    general path given the one-hot q. draft_tokens (B, K), p (B, K+1, V) fp32."""
+    B, K = draft_tokens.shape
+    V = p.shape[-1]
+    px = p[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)           # (B, K)
+    ok = uniform((B, K), generator, p.device) < px
+
+    def next_of(n: torch.Tensor) -> torch.Tensor:
+        p_n = p.gather(1, n[:, None, None].expand(B, 1, V)).squeeze(1)     # (B, V)
+        residual = p_n
+        if K > 0:
+            rejected = draft_tokens.gather(1, n.clamp(max=K - 1)[:, None])   # (B, 1) d_n (kept where n = K)
+            residual = p_n.scatter(1, rejected, torch.where((n < K)[:, None], 0.0, p_n.gather(1, rejected)))
+        # p_n(d_n) = 1 leaves no residual mass; a rejection there is a rounding artifact: p is the residual's limit
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_n)
+        return sample(residual, generator)
+
+    return _chain_finish(draft_tokens, ok, next_of, px)
 
 
 # ----------------------------------------------------------------------------------------------- trees

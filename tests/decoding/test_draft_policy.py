@@ -126,3 +126,23 @@ def test_greedy_policy_at_temperature_1_drafts_the_argmax(tiny_lm, ragged_prompt
             assert torch.equal(logits[n0 - 1: n0 - 1 + rnd.gamma].argmax(-1), rnd.draft_tokens[b])
             checked += rnd.gamma
     assert checked >= 30 and 0 < int(r.position_accepted.sum()) < int(r.position_proposed.sum())
+
+
+@pytest.mark.parametrize("K", [0, 1, 4])
+def test_one_hot_proposals_verify_as_their_explicit_one_hot_q_draw_for_draw(K):
+    """Drafts without probs (the greedy drafting policy) skip building q; the verdict must be the one the general
+    path gives the same drafts with q written out one-hot, under the same generator: every accept test, resample and
+    alpha. Rows with p(d) = 1 (no residual mass) and rows accepting all K drafts included."""
+    g = torch.Generator().manual_seed(3)
+    B, V = 64, 11
+    p = torch.softmax(3 * torch.randn(B, K + 1, V, generator=g), -1)
+    drafts = torch.randint(V, (B, K), generator=g)
+    if K:
+        p[:8, :K] = torch.nn.functional.one_hot(drafts[:8], V).float()  # always accepted: the bonus from p_K
+        p[8:12, 0] = torch.nn.functional.one_hot(drafts[8:12, 0], V).float()
+    q = torch.nn.functional.one_hot(drafts, V).float()
+    for seed in range(5):
+        fast = verify(Proposal(drafts), target_probs=p, generator=torch.Generator().manual_seed(seed))
+        full = verify(Proposal(drafts, probs=q), target_probs=p, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(fast.tokens, full.tokens) and torch.equal(fast.num_accepted, full.num_accepted)
+        assert torch.equal(fast.alpha, full.alpha)
