@@ -122,7 +122,8 @@ ABLATIONS = [[], ["objective.assist=false", "objective.temperature=0"],
               "trainer.grad_accum=2"]]
 
 
-@pytest.mark.parametrize("switches", ABLATIONS, ids=["full", "no_assist", "no_replay_no_weighting_kd", "eagle3_step_rollout"])
+@pytest.mark.parametrize("switches", ABLATIONS,
+                         ids=["full", "no_assist", "no_replay_no_weighting_kd", "eagle3_step_rollout"])
 def test_recipe_trains_with_each_switch(switches, tiny_target_dir, tiny_data_file, tmp_path):
     from specdistill.build import build
     from specdistill.train.loop import fit

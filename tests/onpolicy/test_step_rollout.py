@@ -80,7 +80,8 @@ def test_eagle3_features_follow_their_trajectories():
     z = torch.zeros(4, dtype=torch.long)
     pos = DraftedPositions(rows, torch.tensor([0, 1, 2, 3]), torch.tensor([2, 3, 2, 3]), z,
                            TargetLogits(torch.randn(4, 6)), z, z.bool(), torch.arange(4), z, torch.ones(4),
-                           RolloutStats(rows=3), source=[0, 1, 2, 1], aux=torch.arange(3.0)[:, None, None].expand(3, 5, 2))
+                           RolloutStats(rows=3), source=[0, 1, 2, 1],
+                           aux=torch.arange(3.0)[:, None, None].expand(3, 5, 2))
     a, b = split_trajectories(pos, [1, 2])
     assert torch.equal(a.aux, pos.aux[:1]) and torch.equal(b.aux, pos.aux[1:])
     assert b.source == [0, 1, 0] and b.row.tolist() == [0, 1, 2] and [r.tolist() for r in b.rows] == \
