@@ -9,7 +9,7 @@ import torch
 
 from specdistill.drafts import draft_adapter
 from specdistill.drafts.base import cast_for_decoding, decoding_precision
-from specdistill.drafts.eagle3.model import TTTMask, _ttt_attend, naive_ttt_attend
+from specdistill.drafts.eagle3.model import TTTKeys, TTTMask, _ttt_attend, naive_ttt_attend
 from specdistill.models.target import Target
 from specdistill.objectives import Models
 from specdistill.objectives.draft_opd import DraftOPDObjective
@@ -53,15 +53,20 @@ def test_fused_ttt_attention_equals_the_naive_one_values_and_grads(j):
     allow = allow.clone()
     allow[0, 0, 2] = False  # a query barred from every step-0 key
     outs, grads = [], []
-    for attend, mask in ((naive_ttt_attend, allow), (_ttt_attend, TTTMask(allow, j))):
+    # the fused form with its own extended keys, and with keys extended once for an unroll of 10 diagonals (TTTKeys:
+    # step j reads the first T + j columns)
+    shared = lambda q, k0, v0, mask, dk, dv, scale: _ttt_attend(q, k0, v0, mask, dk, dv, scale,  # noqa: E731
+                                                                TTTKeys.of(k0, v0, 10))
+    for attend, mask in ((naive_ttt_attend, allow), (_ttt_attend, TTTMask(allow, j)), (shared, TTTMask(allow, 10))):
         xs = [x.clone().requires_grad_(True) for x in leaves]
         out = attend(xs[0], xs[1], xs[2], mask, xs[3: 3 + j], xs[3 + j:], 1 / math.sqrt(hd))
         (out * torch.linspace(-1, 1, hd)).sum().backward()
         outs.append(out.detach())
         grads.append([x.grad for x in xs])
-    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
-    for a, b in zip(grads[1], grads[0]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for k in (1, 2):
+        torch.testing.assert_close(outs[k], outs[0], atol=1e-5, rtol=1e-5)
+        for a, b in zip(grads[k], grads[0]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def _saved_storages(head, aux, ids, am, steps) -> list[int]:
@@ -89,7 +94,8 @@ def test_the_fused_unroll_keeps_no_score_matrix_for_backward(target, monkeypatch
     score = nh * T * T * 4                                                   # bytes of one fp32 (1, nh, T, T)
     fused = _saved_storages(head, aux, ids, am, steps)
     monkeypatch.setattr(eagle3, "_ttt_attend",
-                        lambda q, k0, v0, mask, *rest: naive_ttt_attend(q, k0, v0, mask.allow, *rest))
+                        lambda q, k0, v0, mask, diag_k, diag_v, scale, ext=None:
+                        naive_ttt_attend(q, k0, v0, mask.allow, diag_k, diag_v, scale))
     naive = _saved_storages(head, aux, ids, am, steps)
     assert sum(n >= score for n in naive) >= steps and max(fused) < score / 2
     assert sum(n >= 4 * T * T for n in fused) == 1  # the unroll's one fp32 (T, T + steps) mask

@@ -167,11 +167,16 @@ def _dense_logits_at(head, rows, aux, row, context_len, index):
     return torch.stack([steps[int(i)][int(r), int(s)] for r, s, i in zip(row, slot, index)])  # (P, Vd)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_sparse_unroll_equals_the_dense_unroll_values_and_grads(target, seed):
-    """The sparse unroll (step 0 over rows, later steps only along chains; branch rows reuse their trajectory's step
-    0 through `shares`; every row reads its trajectory's features through `feature_row`, or a copy of its own) gives
-    the dense unroll's logits and parameter gradients at every drafted position."""
+@pytest.mark.parametrize("seed,group", [(0, None), (1, None), (0, 1), (1, 3)])
+def test_sparse_unroll_equals_the_dense_unroll_values_and_grads(target, seed, group, monkeypatch):
+    """The sparse unroll (step 0 over rows, later steps only along chains, in groups of chains that may split a
+    row; branch rows reuse their trajectory's step 0 through `shares`; every row reads its trajectory's features
+    through `feature_row`, or a copy of its own) gives the dense unroll's logits and parameter gradients at every
+    drafted position. group: chains per group forced (None: the cost model's choice)."""
+    import specdistill.drafts.eagle3.adapter as adapter
+
+    if group is not None:
+        monkeypatch.setattr(adapter, "chain_group_size", lambda counts, keys: group)
     head = _head(target, 40, seed=seed).eval()
     ids, mask = _prompts()
     pos = collect_rollout(target, head, ids, mask, gamma=4, max_new_tokens=14, temperature=1.0,
@@ -195,6 +200,18 @@ def test_sparse_unroll_equals_the_dense_unroll_values_and_grads(target, seed):
         assert torch.allclose(q, grads[0][0], atol=1e-5)
         for n in g:
             assert torch.allclose(g[n], grads[0][1][n], atol=1e-4), n
+
+
+def test_chain_groups_split_busy_rows_and_keep_quiet_ones_whole():
+    """The cost model: rows of very different chain counts (a trajectory's ~100, replayed contexts' 1-2) get groups
+    well below the busiest row's count; rows of equal counts keep one group per row."""
+    from specdistill.drafts.eagle3.adapter import chain_group_size
+
+    uneven = [110] * 16 + [1, 2] * 24
+    c = chain_group_size(uneven, keys=240)
+    assert c < 110 and sum(-(-n // c) * c for n in uneven) < 0.6 * len(uneven) * 110
+    assert chain_group_size([40] * 8, keys=240) == 40
+    assert chain_group_size([1], keys=10) == 1
 
 
 def test_sparse_unroll_refuses_rows_that_do_not_share_their_prefix(target):

@@ -221,21 +221,46 @@ def eagle3_logits_at(head, rows: list[torch.Tensor], aux: torch.Tensor, row: tor
     feats = aux[feature_rows(bases, feature_row, device), :Lb]                  # (Rb, Lb, D)
     if feats.shape[1] < Lb:
         feats = torch.cat([feats, feats.new_zeros(len(bases), Lb - feats.shape[1], feats.shape[2])], dim=1)
-    C = max(len(cs) for cs in per_base)
-    chain_slot = torch.zeros(len(bases), C, dtype=torch.long, device=device)   # padding chains: slot 0, ignored
-    chain_tok = torch.full((len(bases), C, max(steps - 1, 0)), pad_id, dtype=torch.long, device=device)
-    where = [(0, 0)] * len(chains)                                             # chain -> (base row, column)
-    for bi, cs in enumerate(per_base):
+    # the later steps run over groups of at most C chains, each on one base row: a base row with many chains (a
+    # rollout trajectory) spans several groups, one with few (a replayed context) fills one, instead of every row
+    # padded to the busiest row's count
+    C = chain_group_size([len(cs) for cs in per_base], Lb) if steps > 1 else max(len(cs) for cs in per_base)
+    groups = [(bi, cs[i: i + C]) for bi, cs in enumerate(per_base) for i in range(0, len(cs), C)]
+    chain_slot = torch.zeros(len(groups), C, dtype=torch.long, device=device)  # padding chains: slot 0, ignored
+    chain_tok = torch.full((len(groups), C, max(steps - 1, 0)), pad_id, dtype=torch.long, device=device)
+    where = [(0, 0)] * len(chains)                                             # chain -> (group, column)
+    for gi, (_, cs) in enumerate(groups):
         for ci, c in enumerate(cs):
             r, s, _ = chains[c]
-            chain_slot[bi, ci] = s
+            chain_slot[gi, ci] = s
             t = rows[r][s + 2: s + 1 + steps]                                  # tokens read at steps 1 .. steps-1
-            chain_tok[bi, ci, : len(t)] = t
-            where[c] = (bi, ci)
+            chain_tok[gi, ci, : len(t)] = t
+            where[c] = (gi, ci)
     at = torch.tensor([where[chain_of[k]] for k in key], dtype=torch.long, device=device)  # (P, 2)
-    read = torch.cat([index[:, None].to(device), at], dim=1)                  # (P, 3): step, base row, column
+    read = torch.cat([index[:, None].to(device), at], dim=1)                  # (P, 3): step, group, column
+    group_row = None if len(groups) == len(bases) else torch.tensor([bi for bi, _ in groups], device=device)
     # through the (possibly DDP / DeepSpeed-wrapped) module's forward, so its gradients are synced across ranks
-    return head(feats, ids, mask, chains=ChainQuery(chain_slot, chain_tok, read))  # (P, Vd)
+    return head(feats, ids, mask, chains=ChainQuery(chain_slot, chain_tok, read, group_row))  # (P, Vd)
+
+
+def chain_group_size(counts: list[int], keys: int) -> int:
+    """How many chains one group of the sparse unroll holds (eagle3_logits_at), given each base row's chain count
+    and the step-0 keys per row: the power of two (up to the busiest row's count) with the least work, counted as
+    the chain slots the later steps run (padding included) plus the step-0 keys each group copies and attends over,
+    a chain slot costing about `keys / KEY_COST_RATIO` of one group's keys."""
+    most = max(counts)
+    sizes = sorted({most} | {1 << i for i in range(most.bit_length()) if 1 << i < most})
+
+    def cost(c: int) -> float:
+        groups = sum(-(-n // c) for n in counts)
+        return groups * c + groups * keys / KEY_COST_RATIO
+
+    return min(sizes, key=cost)
+
+
+# One group's copy of its row's step-0 keys and values (_ttt_attend's extended keys) weighed against the chain
+# slots: a chain slot runs the whole layer (projections and MLP), a key column is copied and read per group.
+KEY_COST_RATIO = 16
 
 
 def eagle3_chain_counts(head, target_out, batch: dict, gamma: int) -> torch.Tensor:

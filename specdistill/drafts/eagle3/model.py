@@ -177,9 +177,10 @@ class Eagle3StepOutput:
 class ChainQuery:
     """A sparse TTT unroll read out at chosen states: what `Eagle3Head.forward(..., chains=...)` computes
     (unroll_chains, then the readout), so a DDP / DeepSpeed wrapper's forward carries it and syncs its gradients."""
-    slot: torch.Tensor    # (B, C) long: the slot chain c of row b unrolls at
-    tokens: torch.Tensor  # (B, C, steps - 1) long: the token chain c reads at step j >= 1 is tokens[b, c, j - 1]
-    read: torch.Tensor    # (P, 3) long: (step, row, chain) of each state read out
+    slot: torch.Tensor    # (G, C) long: the slot chain c of group g unrolls at
+    tokens: torch.Tensor  # (G, C, steps - 1) long: the token chain c reads at step j >= 1 is tokens[g, c, j - 1]
+    read: torch.Tensor    # (P, 3) long: (step, group, chain) of each state read out
+    row: Optional[torch.Tensor] = None  # (G,) long: the row whose step 0 group g's chains read; None: row g (G = B)
 
     @property
     def steps(self) -> int:
@@ -226,7 +227,26 @@ class TTTRows:
         return cls((attention_mask.long().cumsum(-1) - 1).clamp_min(0), valid, causal)
 
 
-def _ttt_attend(q, k0, v0, mask: TTTMask, diag_k, diag_v, scale: float) -> torch.Tensor:
+@dataclass
+class TTTKeys:
+    """The step-0 keys and values of one unroll in _ttt_attend's extended form, built once for all its later steps
+    (each step reads the first T + j columns): k', v' (B, nh, T + J, hd + m) for at most J diagonals, m = J rounded
+    up to 8. Step j's copies would otherwise be made again at every step, and each kept for backward."""
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def of(cls, k0: torch.Tensor, v0: torch.Tensor, max_diagonals: int) -> "TTTKeys":
+        dtype = v0.dtype  # as _ttt_attend: one dtype for all
+        B, nh, _, hd = v0.shape
+        m = -(-max_diagonals // 8) * 8
+        onehot = F.pad(torch.eye(max_diagonals, m, dtype=dtype, device=v0.device), (hd, 0)).expand(B, nh, -1, -1)
+        return cls(torch.cat([F.pad(k0.to(dtype), (0, m)), onehot], dim=2),
+                   torch.cat([F.pad(v0, (0, m)), onehot], dim=2))
+
+
+def _ttt_attend(q, k0, v0, mask: TTTMask, diag_k, diag_v, scale: float,
+                ext: Optional[TTTKeys] = None) -> torch.Tensor:
     """Training-time-test attention: queries q (B, nh, n, hd) over the step-0 keys/values k0, v0 (B, nh, T, hd) where
     `mask` permits, plus one diagonal per later step (diag_k / diag_v: j x (B, nh, n, hd), each query's own slot at
     steps 1..j). One softmax over both. -> (B, nh, n, hd), in v0's dtype.
@@ -237,7 +257,8 @@ def _ttt_attend(q, k0, v0, mask: TTTMask, diag_k, diag_v, scale: float) -> torch
         q' = [q | d_1 .. d_j | 0]   d_i = q . k_i, per query (the diagonal's raw score)
         k' = [k0 | 0] on the T step-0 keys, [0 | e_i] on column i (e_i: one-hot)      v' = the same with v0
     so q'.k' is q.k0 on the step-0 keys and d_i on column i, and the output's extra coordinate i is the diagonal's
-    softmax weight p_i: out = out'[:hd] + sum_i p_i v_i."""
+    softmax weight p_i: out = out'[:hd] + sum_i p_i v_i. ext: k0, v0 already extended (TTTKeys.of, for at least j
+    diagonals), shared by the unroll's steps."""
     dtype = v0.dtype  # under autocast q, k (RoPE in fp32) and v (a linear's output) can differ: one dtype for all
     q, k0 = q.to(dtype), k0.to(dtype)
     j = len(diag_k)
@@ -246,12 +267,13 @@ def _ttt_attend(q, k0, v0, mask: TTTMask, diag_k, diag_v, scale: float) -> torch
         out = F.scaled_dot_product_attention(q, k0, v0, attn_mask=bias, scale=scale)   # (B, nh, n, hd)
         return torch.where(mask.barred, v0.mean(2, keepdim=True), out)  # barred queries: uniform over the keys
     B, nh, n, hd = q.shape
-    m = -(-j // 8) * 8
+    if ext is None:
+        ext = TTTKeys.of(k0, v0, j)
+    T = k0.shape[2]
+    k_ext, v_ext = ext.k[:, :, : T + j], ext.v[:, :, : T + j]                          # (B, nh, T + j, hd + m)
+    m = k_ext.shape[-1] - hd
     d = torch.cat([(q * kk.to(dtype)).sum(-1, keepdim=True) for kk in diag_k], dim=-1)  # (B, nh, n, j) raw scores
     q_ext = torch.cat([q, d, q.new_zeros(B, nh, n, m - j)], dim=-1)                   # (B, nh, n, hd + m)
-    onehot = F.pad(torch.eye(j, m, dtype=dtype, device=q.device), (hd, 0)).expand(B, nh, j, hd + m)
-    k_ext = torch.cat([F.pad(k0, (0, m)), onehot], dim=2)                              # (B, nh, T + j, hd + m)
-    v_ext = torch.cat([F.pad(v0, (0, m)), onehot], dim=2)
     o = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, attn_mask=bias, scale=scale)  # (B, nh, n, hd + m)
     out = o[..., :hd]
     for i, vv in enumerate(diag_v):
@@ -347,17 +369,19 @@ class Eagle3Head(DraftVocabMaps, nn.Module):
         """
         if chains is not None:
             hidden = torch.stack(self.unroll_chains(aux_hidden, input_ids, attention_mask, chains.slot, chains.tokens,
-                                                    chains.steps))               # (steps, B, C, H)
+                                                    chains.steps, chains.row))   # (steps, G, C, H)
             r = chains.read
             return self.readout(hidden[r[:, 0], r[:, 1], r[:, 2]])              # (P, Vd)
         scale = 1.0 / math.sqrt(self.config.head_dim)
         rows = TTTRows.of(attention_mask)
         mask = TTTMask(rows.causal, steps - 1)
         g = self.features(aux_hidden)  # (B, T, H)
-        keys, values, logits = [], [], []
+        keys, values, logits, ext = [], [], [], None
         for j in range(steps):
             tokens = torch.roll(input_ids, -(1 + j), dims=1)  # token t+1+j at slot t (wrapped slots are masked out)
-            args = (mask, scale, tokens, g, rows.positions + j, list(keys), list(values))
+            if j == 1:
+                ext = TTTKeys.of(keys[0], values[0], steps - 1)
+            args = (mask, scale, tokens, g, rows.positions + j, list(keys), list(values), ext)
             g, k, v = (torch.utils.checkpoint.checkpoint(self._ttt_step, *args, use_reentrant=False) if checkpoint
                        else self._ttt_step(*args))
             keys.append(k), values.append(v)
@@ -365,19 +389,21 @@ class Eagle3Head(DraftVocabMaps, nn.Module):
             logits.append(self.readout(h) if score is None else score(j, self.norm(h), self.lm_head.weight))
         return logits
 
-    def _ttt_step(self, mask: TTTMask, scale: float, token_ids, g, position_ids, keys: list, values: list):
+    def _ttt_step(self, mask: TTTMask, scale: float, token_ids, g, position_ids, keys: list, values: list,
+                  ext: Optional[TTTKeys] = None):
         """Step j = len(keys) of the unroll over every slot: queries attend to the step-0 block (causal) and one
         diagonal per earlier step; keys / values: the earlier steps' j x (B, nh, T, hd). A function of its inputs
         alone, so a checkpoint can recompute it. -> out (B, T, H), k, v (B, nh, T, hd)"""
 
         def attend(q, k, v):  # q (B, nh, T, hd)
             ks, vs = keys + [k], values + [v]
-            return _ttt_attend(q, ks[0], vs[0], mask, ks[1:], vs[1:], scale)
+            return _ttt_attend(q, ks[0], vs[0], mask, ks[1:], vs[1:], scale, ext)
 
         return self._layer(token_ids, g, position_ids, attend)
 
     def unroll_chains(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      slot: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+                      slot: torch.Tensor, tokens: torch.Tensor, steps: int,
+                      row: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
         """The TTT unroll of `forward`, sparse: step 0 at every slot (its keys are what later steps attend to), steps
         1..steps-1 only along C chains per row. Returns pre-norm hidden states [(B, C, H)] * steps: entry j is step
         j's output at each chain's slot, which is `forward`'s step-j feature there when the chain's tokens are the
@@ -388,7 +414,10 @@ class Eagle3Head(DraftVocabMaps, nn.Module):
         step j >= 1 is tokens[b, c, j-1] (`forward` reads input_ids[b, slot+1+j]). A chain's tokens may leave the
         row after slot+1 (a branch: drafts after a rejection), since step j at a slot attends only to step-0 keys at
         slots <= it and to the chain's own keys of steps 1..j. Padding chains (any valid slot) are computed and
-        ignored. Cost: one layer over B x T slots plus (steps-1) layers over B x C, instead of steps x B x T."""
+        ignored. Cost: one layer over B x T slots plus (steps-1) layers over B x C, instead of steps x B x T.
+        row (G,) long: the chains come in G groups, group g on row row[g] (slot, tokens and the result are (G, C, ...)):
+        a row with many chains spans several groups and one with few fills one, so C is not the busiest row's count
+        (None: group g is row g)."""
         B, T = input_ids.shape
         scale = 1.0 / math.sqrt(self.config.head_dim)
         rows = TTTRows.of(attention_mask)
@@ -400,19 +429,22 @@ class Eagle3Head(DraftVocabMaps, nn.Module):
 
         g1, _, _ = self._layer(torch.roll(input_ids, -1, dims=1), self.features(aux_hidden), rows.positions, attend0)
         H = g1.shape[-1]
-        h = g1.gather(1, slot[..., None].expand(*slot.shape, H))               # (B, C, H)
+        of_group = (lambda x: x) if row is None else (lambda x: x[row])        # (B, ...) -> (G, ...)
+        h = of_group(g1).gather(1, slot[..., None].expand(*slot.shape, H))     # (G, C, H)
         out = [h]
         if steps == 1:
             return out
-        chain_pos = rows.positions.gather(1, slot)                              # (B, C)
+        chain_pos = of_group(rows.positions).gather(1, slot)                    # (G, C)
         key_ok = (torch.arange(T, device=slot.device)[None, None] <= slot[..., None]) \
-            & rows.valid[:, None, :]                                            # (B, C, T)
+            & of_group(rows.valid)[:, None, :]                                  # (G, C, T)
         chain_mask = TTTMask(key_ok[:, None], steps - 1)
+        k0, v0 = of_group(step0["k"]), of_group(step0["v"])                    # (G, nh, T, hd)
+        ext = TTTKeys.of(k0, v0, steps - 1)
         diag_k, diag_v = [], []
 
-        def attend(q, k, v):  # q (B, nh, C, hd): step-0 keys at slots <= the chain's, then one diagonal per step
+        def attend(q, k, v):  # q (G, nh, C, hd): step-0 keys at slots <= the chain's, then one diagonal per step
             diag_k.append(k), diag_v.append(v)
-            return _ttt_attend(q, step0["k"], step0["v"], chain_mask, diag_k, diag_v, scale)
+            return _ttt_attend(q, k0, v0, chain_mask, diag_k, diag_v, scale, ext)
 
         for j in range(1, steps):
             h, _, _ = self._layer(tokens[:, :, j - 1], h, chain_pos + j, attend)
