@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specdistill.tensors import block_rows
+
 DIVERGENCES = ("fkl", "rkl", "jsd", "tvd", "acceptance")
 
 
@@ -19,9 +21,42 @@ def _log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def forward_kl(p_logits, q_logits, temperature: float = 1.0) -> torch.Tensor:
-    """KL(p || q) = sum_x p (log p - log q): mass-covering; the classic KD loss. (N,)"""
+    """KL(p || q) = sum_x p (log p - log q): mass-covering; the classic KD loss. (N,)
+    With a gradient to q only (a frozen target), by _BlockedForwardKL: the same values, no (N, V) tensor kept."""
+    if torch.is_grad_enabled() and q_logits.requires_grad and not p_logits.requires_grad and q_logits.dim() == 2:
+        return _BlockedForwardKL.apply(p_logits, q_logits, temperature,
+                                       block_rows(q_logits.shape[-1], q_logits.device))
     log_p, log_q = _log_probs(p_logits, temperature), _log_probs(q_logits, temperature)
     return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+class _BlockedForwardKL(torch.autograd.Function):
+    """forward_kl(p_logits (N, V), q_logits (N, V)) -> (N,) a block of `rows` rows at a time, the gradient to q_logits
+    only: d/dq = g (softmax(q / T) - softmax(p / T)) / T, recomputed per block in backward. Autograd's form keeps four
+    (N, V) fp32 tensors for backward (both log-softmaxes, p, log p - log q) and allocates them whole; this keeps only
+    the two logits it was given, and its temporaries are one block's (tensors.block_rows)."""
+
+    @staticmethod
+    def forward(ctx, p_logits, q_logits, temperature: float, rows: int):
+        out = torch.empty(q_logits.shape[0], dtype=torch.float32, device=q_logits.device)  # (N,)
+        for s in range(0, len(out), rows):
+            log_p = _log_probs(p_logits[s: s + rows], temperature)                             # (n, V)
+            out[s: s + rows] = (log_p.exp() * (log_p - _log_probs(q_logits[s: s + rows], temperature))).sum(-1)
+        ctx.save_for_backward(p_logits, q_logits)
+        ctx.temperature, ctx.rows = temperature, rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (N,)
+        p_logits, q_logits = ctx.saved_tensors
+        T, rows = ctx.temperature, ctx.rows
+        grad_q = torch.empty_like(q_logits)                                                   # (N, V)
+        g = grad.float()[:, None] if T == 1 else grad.float()[:, None] / T                    # (N, 1)
+        for s in range(0, len(grad_q), rows):
+            e = s + rows
+            q = _log_probs(q_logits[s:e], T).exp_()                                           # (n, V)
+            grad_q[s:e] = q.sub_(_log_probs(p_logits[s:e], T).exp_()).mul_(g[s:e])
+        return None, grad_q, None, None
 
 
 def reverse_kl(p_logits, q_logits, temperature: float = 1.0) -> torch.Tensor:

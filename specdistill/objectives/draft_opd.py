@@ -68,7 +68,7 @@ from specdistill.onpolicy.weights import WEIGHTINGS, position_weights, tree_reac
 from specdistill.decoding import DRAFT_POLICIES, draft_temperature
 from specdistill.decoding.kv import max_positions
 from specdistill.decoding.tree import TreeShape
-from specdistill.tensors import unwrap, unwrap_target
+from specdistill.tensors import block_rows, unwrap, unwrap_target
 from specdistill.tokens import eos_ids, pad_id
 
 OFF_TRAJECTORY = ("branch", "drop")
@@ -570,20 +570,11 @@ def _positions_to(p: DraftedPositions, device) -> DraftedPositions:
     return replace(p, **moved)
 
 
-# by_row_blocks' block size per device type, in p values: 128 MiB of fp32 on a GPU (few kernel launches); 4 MiB on a
-# CPU, where each block's temporaries are new allocations and blocks past glibc's mmap threshold are handed fresh pages
-# every time (page faults made a 128 MiB block 4x slower per value than 4 MiB ones on 2 cores).
-ROW_BLOCK_ELEMENTS = {"cpu": 1 << 20}
-DEFAULT_ROW_BLOCK_ELEMENTS = 1 << 25
-
-
 def by_row_blocks(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], p: torch.Tensor, q: torch.Tensor,
                   max_elements: Optional[int] = None) -> torch.Tensor:
     """fn(p, q) -> (N,) of row-wise p (N, V), q (N, Vd), evaluated on blocks of rows of at most max_elements p values
-    each (None: ROW_BLOCK_ELEMENTS of p's device type), so its temporaries never span all N rows."""
-    if max_elements is None:
-        max_elements = ROW_BLOCK_ELEMENTS.get(p.device.type, DEFAULT_ROW_BLOCK_ELEMENTS)
-    rows = max(1, max_elements // max(p.shape[-1], 1))
+    each (None: tensors.ROW_BLOCK_ELEMENTS of p's device type), so its temporaries never span all N rows."""
+    rows = block_rows(p.shape[-1], p.device, max_elements)
     if len(p) <= rows:
         return fn(p, q)
     return torch.cat([fn(p[s: s + rows], q[s: s + rows]) for s in range(0, len(p), rows)])
