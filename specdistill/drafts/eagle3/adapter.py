@@ -247,7 +247,7 @@ def chain_group_size(counts: list[int], keys: int) -> int:
     """How many chains one group of the sparse unroll holds (eagle3_logits_at), given each base row's chain count
     and the step-0 keys per row: the power of two (up to the busiest row's count) with the least work, counted as
     the chain slots the later steps run (padding included) plus the step-0 keys each group copies and attends over,
-    a chain slot costing about `keys / KEY_COST_RATIO` of one group's keys."""
+    KEY_COST_RATIO key columns weighing as much as one chain slot."""
     most = max(counts)
     sizes = sorted({most} | {1 << i for i in range(most.bit_length()) if 1 << i < most})
 
@@ -258,8 +258,9 @@ def chain_group_size(counts: list[int], keys: int) -> int:
     return min(sizes, key=cost)
 
 
-# One group's copy of its row's step-0 keys and values (_ttt_attend's extended keys) weighed against the chain
-# slots: a chain slot runs the whole layer (projections and MLP), a key column is copied and read per group.
+# Key columns per chain slot of equal cost: a chain slot runs the whole layer (projections and MLP), a key column is
+# copied once per group (its step-0 keys and values, extended) and read by the group's queries. Set on CPU, where
+# it gave groups of 32 for rollout rows of ~110 chains beside replayed contexts of 1-30 (docs/results.md).
 KEY_COST_RATIO = 16
 
 
