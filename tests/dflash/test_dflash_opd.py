@@ -40,6 +40,32 @@ def test_loss_forward_is_the_drafters_block_at_every_position(temperature, vd):
     torch.testing.assert_close(alpha, pos.alpha, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("group", [1, 2])
+def test_blocks_in_groups_give_the_one_group_per_row_values_and_grads(group, monkeypatch):
+    """dflash_logits_at runs a row's blocks in groups (drafts.base.group_size): forced to groups of 1 and 2 blocks,
+    each over its row's context, the logits and the parameter gradients are those of one group per row."""
+    import specdistill.drafts.dflash.adapter as adapter
+
+    target = tiny_target()
+    draft = tiny_dflash(target, 4)
+    ids, mask = left_padded_prompts([7, 4, 6], seed=3)
+    pos = collect_rollout(target, draft, ids, mask, gamma=3, max_new_tokens=14, temperature=1.0,
+                          generator=torch.Generator().manual_seed(0), draft_policy="greedy")
+    draft.train()
+    w = torch.randn(len(pos), generator=torch.Generator().manual_seed(1))
+    out = []
+    for size in (None, group):  # None: one group per row
+        monkeypatch.setattr(adapter, "group_size", lambda counts, cost, size=size: size or max(counts))
+        draft.zero_grad()
+        q = dflash_logits_at(draft, pos.rows, pos.aux, pos.row, pos.context_len, pos.index, pos.source, pos.source)
+        (q.logsumexp(-1) * w).sum().backward()
+        out.append((q.detach(), {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
+    torch.testing.assert_close(out[1][0], out[0][0], atol=1e-5, rtol=1e-5)
+    assert out[0][1] and out[0][1].keys() == out[1][1].keys()
+    for n in out[0][1]:
+        torch.testing.assert_close(out[1][1][n], out[0][1][n], atol=1e-5, rtol=1e-4)
+
+
 def test_objective_trains_a_dflash_draft_and_mixes_the_tiled_block_loss():
     model = tiny_target()
     draft = tiny_dflash(model, 4).train()

@@ -20,7 +20,8 @@ import torch
 
 from specdistill.decoding import Drafter
 from specdistill.decoding.kv import logits_dim
-from specdistill.drafts.base import DraftAdapter, feature_rows, min_sum, min_sum_on_draft_vocab
+from specdistill.drafts.base import (KEY_COST_RATIO, DraftAdapter, feature_rows, group_size, min_sum,
+                                     min_sum_on_draft_vocab)
 from specdistill.drafts.readback import unfit
 from specdistill.drafts.registry import Card, DraftLength, register_kind
 from specdistill.models.vocab import frequent_token_vocab, restrict_to_draft_vocab
@@ -223,21 +224,26 @@ def dflash_logits_at(model, rows: list[torch.Tensor], features: torch.Tensor, ro
             per_base.setdefault(b, []).append(a)
             block_of[(b, a)] = len(block_of)
     bases = sorted(per_base)
-    n = max(len(v) for v in per_base.values())
     L = max(max(per_base[b]) for b in bases)                                   # context slots any block reads
-    anchors = torch.zeros(len(bases), n, dtype=torch.long, device=device)
+    # groups of at most n blocks, each over one base row's context: a rollout trajectory's many blocks span several
+    # groups, a replayed context's few fill one, instead of every row padded to the busiest row's count
+    n = group_size([len(per_base[b]) for b in bases], L / (KEY_COST_RATIO * inner.block_size))
+    groups = [(i, per_base[b][k: k + n]) for i, b in enumerate(bases) for k in range(0, len(per_base[b]), n)]
+    anchors = torch.zeros(len(groups), n, dtype=torch.long, device=device)
     anchor_pos = torch.zeros_like(anchors)
     where: dict[int, tuple[int, int]] = {}
-    for i, b in enumerate(bases):
-        for j, a in enumerate(per_base[b]):
-            anchors[i, j], anchor_pos[i, j] = rows[b][a], a
-            where[block_of[(b, a)]] = (i, j)
+    for gi, (i, anchored) in enumerate(groups):
+        b = bases[i]
+        for j, a in enumerate(anchored):
+            anchors[gi, j], anchor_pos[gi, j] = rows[b][a], a
+            where[block_of[(b, a)]] = (gi, j)
     feats = features[feature_rows(bases, feature_row, device), :L]             # (Rb, L, D)
     if feats.shape[1] < L:
         feats = torch.cat([feats, feats.new_zeros(len(bases), L - feats.shape[1], feats.shape[2])], dim=1)
     lengths = torch.tensor([len(rows[b]) for b in bases], device=device)
     valid = torch.arange(L, device=device)[None] < lengths[:, None]           # (Rb, L)
-    hidden = model(feats, valid, anchors, anchor_pos)                          # (Rb, n, B, H)
+    group_row = None if len(groups) == len(bases) else torch.tensor([i for i, _ in groups], device=device)
+    hidden = model(feats, valid, anchors, anchor_pos, group_row)               # (G, n, B, H)
     at = torch.tensor([where[block_of[(b, a)]] for b, a in zip(base.tolist(), anchor.tolist())],
                       dtype=torch.long, device=device)                         # (P, 2)
     return inner.logits(hidden[at[:, 0], at[:, 1], index + 1])                 # (P, Vd)

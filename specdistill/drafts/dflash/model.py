@@ -300,11 +300,17 @@ class DFlashDraft(DraftVocabMaps, nn.Module):
         return out if not cap else torch.tanh(out / cap) * cap
 
     def forward(self, features: torch.Tensor, valid: torch.Tensor, anchors: torch.Tensor,
-                anchor_pos: torch.Tensor) -> torch.Tensor:
+                anchor_pos: torch.Tensor, row: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Training form, right- or un-padded rows whose column j sits at position j: features (N, S, K*Ht),
-        valid (N, S) bool, anchors / anchor_pos (N, n) -> hidden (N, n, B, H) (readout with `logits`)."""
+        valid (N, S) bool, anchors / anchor_pos (N, n) -> hidden (N, n, B, H) (readout with `logits`).
+        row (G,) long: the blocks come in G groups, group g over row row[g]'s context (anchors, anchor_pos and the
+        result are (G, n, ...)), so a row with many blocks spans several groups (None: group g is row g)."""
         positions = torch.arange(features.shape[1], device=features.device).expand(features.shape[0], -1)
-        return self.blocks(self.context(features, positions, valid), anchors, anchor_pos)
+        ctx = self.context(features, positions, valid)
+        if row is not None:
+            ctx = ContextKV([k[row] for k in ctx.keys], [v[row] for v in ctx.values], ctx.positions[row],
+                            ctx.valid[row])
+        return self.blocks(ctx, anchors, anchor_pos)
 
     # ------------------------------------------------------------------------------------------- persistence
     def save_pretrained(self, path, state_dict: Optional[dict] = None, safe_serialization: bool = True, **_) -> None:

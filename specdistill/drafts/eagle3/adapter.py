@@ -26,7 +26,7 @@ import torch
 
 from specdistill.decoding import Drafter
 from specdistill.decoding.kv import logits_dim
-from specdistill.drafts.base import DraftAdapter, feature_rows, min_sum_on_draft_vocab
+from specdistill.drafts.base import KEY_COST_RATIO, DraftAdapter, feature_rows, group_size, min_sum_on_draft_vocab
 from specdistill.drafts.registry import Card, register_kind
 from specdistill.models.vocab import frequent_token_vocab, restrict_to_draft_vocab
 from specdistill.moe.draft import init_eagle3_from_config
@@ -244,24 +244,9 @@ def eagle3_logits_at(head, rows: list[torch.Tensor], aux: torch.Tensor, row: tor
 
 
 def chain_group_size(counts: list[int], keys: int) -> int:
-    """How many chains one group of the sparse unroll holds (eagle3_logits_at), given each base row's chain count
-    and the step-0 keys per row: the power of two (up to the busiest row's count) with the least work, counted as
-    the chain slots the later steps run (padding included) plus the step-0 keys each group copies and attends over,
-    KEY_COST_RATIO key columns weighing as much as one chain slot."""
-    most = max(counts)
-    sizes = sorted({most} | {1 << i for i in range(most.bit_length()) if 1 << i < most})
-
-    def cost(c: int) -> float:
-        groups = sum(-(-n // c) for n in counts)
-        return groups * c + groups * keys / KEY_COST_RATIO
-
-    return min(sizes, key=cost)
-
-
-# Key columns per chain slot of equal cost: a chain slot runs the whole layer (projections and MLP), a key column is
-# copied once per group (its step-0 keys and values, extended) and read by the group's queries. Set on CPU, where
-# it gave groups of 32 for rollout rows of ~110 chains beside replayed contexts of 1-30 (docs/results.md).
-KEY_COST_RATIO = 16
+    """How many chains one group of the sparse unroll holds (eagle3_logits_at), given each base row's chain count and
+    the step-0 keys per row (drafts.base.group_size: a group copies its row's keys and values once)."""
+    return group_size(counts, keys / KEY_COST_RATIO)
 
 
 def eagle3_chain_counts(head, target_out, batch: dict, gamma: int) -> torch.Tensor:
