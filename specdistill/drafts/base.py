@@ -166,22 +166,23 @@ class DraftAdapter:
         raise NotImplementedError
 
 
-def group_size(counts: list[int], group_cost: float) -> int:
-    """How many of a row's units (an EAGLE-3 head's chains, a DFlash drafter's blocks) one group of a training forward
-    holds, given each row's unit count: the power of two (up to the busiest row's count) with the least work, counted
-    as the unit slots run (padding included) plus `group_cost` unit slots per group (its copy of the row's context).
-    A row with many units spans several groups, one with few fills one, instead of every row padded to the busiest."""
+def group_size(counts: list[int], keys: int, unit_slots: int = 1) -> int:
+    """How many of a row's units (an EAGLE-3 head's chains, a DFlash drafter's blocks of `unit_slots` query slots) one
+    group of a training forward holds, given each row's unit count and the context keys a group copies from its row:
+    the power of two (up to the busiest row's count) with the least work, counted in query slots run (padding
+    included) plus KEY_COST_RATIO key columns per slot's worth for each group's copy of the context. A row with many
+    units spans several groups, one with few fills one, instead of every row padded to the busiest."""
     most = max(counts)
     sizes = sorted({most} | {1 << i for i in range(most.bit_length()) if 1 << i < most})
 
     def cost(c: int) -> float:
         groups = sum(-(-n // c) for n in counts)
-        return groups * c + groups * group_cost
+        return groups * c * unit_slots + groups * keys / KEY_COST_RATIO
 
     return min(sizes, key=cost)
 
 
-# Context key columns per unit slot of equal cost in group_size: a slot runs the whole layer (projections and MLP), a
+# Context key columns per query slot of equal cost in group_size: a slot runs the whole layer (projections and MLP), a
 # key column is copied once per group and read by the group's queries. Set on CPU, where it gave an EAGLE-3 head's
 # groups of 32 chains for rollout rows of ~110 chains beside replayed contexts of 1-30 (docs/results.md).
 KEY_COST_RATIO = 16

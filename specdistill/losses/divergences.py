@@ -20,6 +20,11 @@ def _log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return F.log_softmax(logits if temperature == 1 else logits / temperature, dim=-1)
 
 
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = logits.float()
+    return F.softmax(logits if temperature == 1 else logits / temperature, dim=-1)
+
+
 def forward_kl(p_logits, q_logits, temperature: float = 1.0) -> torch.Tensor:
     """KL(p || q) = sum_x p (log p - log q): mass-covering; the classic KD loss. (N,)
     With a gradient to q only (a frozen target), by _BlockedForwardKL: the same values, no (N, V) tensor kept."""
@@ -54,8 +59,8 @@ class _BlockedForwardKL(torch.autograd.Function):
         g = grad.float()[:, None] if T == 1 else grad.float()[:, None] / T                    # (N, 1)
         for s in range(0, len(grad_q), rows):
             e = s + rows
-            q = _log_probs(q_logits[s:e], T).exp_()                                           # (n, V)
-            grad_q[s:e] = q.sub_(_log_probs(p_logits[s:e], T).exp_()).mul_(g[s:e])
+            q = _probs(q_logits[s:e], T)                                                     # (n, V)
+            grad_q[s:e] = q.sub_(_probs(p_logits[s:e], T)).mul_(g[s:e])
         return None, grad_q, None, None
 
 

@@ -55,7 +55,7 @@ def test_blocks_in_groups_give_the_one_group_per_row_values_and_grads(group, mon
     w = torch.randn(len(pos), generator=torch.Generator().manual_seed(1))
     out = []
     for size in (None, group):  # None: one group per row
-        monkeypatch.setattr(adapter, "group_size", lambda counts, cost, size=size: size or max(counts))
+        monkeypatch.setattr(adapter, "group_size", lambda counts, keys, unit_slots=1, size=size: size or max(counts))
         draft.zero_grad()
         q = dflash_logits_at(draft, pos.rows, pos.aux, pos.row, pos.context_len, pos.index, pos.source, pos.source)
         (q.logsumexp(-1) * w).sum().backward()

@@ -176,7 +176,7 @@ def test_sparse_unroll_equals_the_dense_unroll_values_and_grads(target, seed, gr
     import specdistill.drafts.eagle3.adapter as adapter
 
     if group is not None:
-        monkeypatch.setattr(adapter, "chain_group_size", lambda counts, keys: group)
+        monkeypatch.setattr(adapter, "group_size", lambda counts, keys: group)
     head = _head(target, 40, seed=seed).eval()
     ids, mask = _prompts()
     pos = collect_rollout(target, head, ids, mask, gamma=4, max_new_tokens=14, temperature=1.0,
@@ -205,13 +205,13 @@ def test_sparse_unroll_equals_the_dense_unroll_values_and_grads(target, seed, gr
 def test_chain_groups_split_busy_rows_and_keep_quiet_ones_whole():
     """The cost model: rows of very different chain counts (a trajectory's ~100, replayed contexts' 1-2) get groups
     well below the busiest row's count; rows of equal counts keep one group per row."""
-    from specdistill.drafts.eagle3.adapter import chain_group_size
+    from specdistill.drafts.base import group_size
 
     uneven = [110] * 16 + [1, 2] * 24
-    c = chain_group_size(uneven, keys=240)
+    c = group_size(uneven, keys=240)
     assert c < 110 and sum(-(-n // c) * c for n in uneven) < 0.6 * len(uneven) * 110
-    assert chain_group_size([40] * 8, keys=240) == 40
-    assert chain_group_size([1], keys=10) == 1
+    assert group_size([40] * 8, keys=240) == 40
+    assert group_size([1], keys=10) == 1
 
 
 def test_sparse_unroll_refuses_rows_that_do_not_share_their_prefix(target):

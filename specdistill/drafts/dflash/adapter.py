@@ -20,8 +20,7 @@ import torch
 
 from specdistill.decoding import Drafter
 from specdistill.decoding.kv import logits_dim
-from specdistill.drafts.base import (KEY_COST_RATIO, DraftAdapter, feature_rows, group_size, min_sum,
-                                     min_sum_on_draft_vocab)
+from specdistill.drafts.base import DraftAdapter, feature_rows, group_size, min_sum, min_sum_on_draft_vocab
 from specdistill.drafts.readback import unfit
 from specdistill.drafts.registry import Card, DraftLength, register_kind
 from specdistill.models.vocab import frequent_token_vocab, restrict_to_draft_vocab
@@ -227,7 +226,7 @@ def dflash_logits_at(model, rows: list[torch.Tensor], features: torch.Tensor, ro
     L = max(max(per_base[b]) for b in bases)                                   # context slots any block reads
     # groups of at most n blocks, each over one base row's context: a rollout trajectory's many blocks span several
     # groups, a replayed context's few fill one, instead of every row padded to the busiest row's count
-    n = group_size([len(per_base[b]) for b in bases], L / (KEY_COST_RATIO * inner.block_size))
+    n = group_size([len(per_base[b]) for b in bases], L, unit_slots=inner.block_size)
     groups = [(i, per_base[b][k: k + n]) for i, b in enumerate(bases) for k in range(0, len(per_base[b]), n)]
     anchors = torch.zeros(len(groups), n, dtype=torch.long, device=device)
     anchor_pos = torch.zeros_like(anchors)

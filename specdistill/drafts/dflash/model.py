@@ -216,6 +216,11 @@ class ContextKV:
     positions: torch.Tensor
     valid: torch.Tensor
 
+    def rows(self, idx: torch.Tensor) -> "ContextKV":
+        """The context of rows idx (G,) long, in that order (a row may repeat)."""
+        return ContextKV([k[idx] for k in self.keys], [v[idx] for v in self.values], self.positions[idx],
+                         self.valid[idx])
+
 
 class DFlashDraft(DraftVocabMaps, nn.Module):
     def __init__(self, c: DFlashConfig):
@@ -307,10 +312,7 @@ class DFlashDraft(DraftVocabMaps, nn.Module):
         result are (G, n, ...)), so a row with many blocks spans several groups (None: group g is row g)."""
         positions = torch.arange(features.shape[1], device=features.device).expand(features.shape[0], -1)
         ctx = self.context(features, positions, valid)
-        if row is not None:
-            ctx = ContextKV([k[row] for k in ctx.keys], [v[row] for v in ctx.values], ctx.positions[row],
-                            ctx.valid[row])
-        return self.blocks(ctx, anchors, anchor_pos)
+        return self.blocks(ctx if row is None else ctx.rows(row), anchors, anchor_pos)
 
     # ------------------------------------------------------------------------------------------- persistence
     def save_pretrained(self, path, state_dict: Optional[dict] = None, safe_serialization: bool = True, **_) -> None:

@@ -26,7 +26,7 @@ import torch
 
 from specdistill.decoding import Drafter
 from specdistill.decoding.kv import logits_dim
-from specdistill.drafts.base import KEY_COST_RATIO, DraftAdapter, feature_rows, group_size, min_sum_on_draft_vocab
+from specdistill.drafts.base import DraftAdapter, feature_rows, group_size, min_sum_on_draft_vocab
 from specdistill.drafts.registry import Card, register_kind
 from specdistill.models.vocab import frequent_token_vocab, restrict_to_draft_vocab
 from specdistill.moe.draft import init_eagle3_from_config
@@ -224,7 +224,7 @@ def eagle3_logits_at(head, rows: list[torch.Tensor], aux: torch.Tensor, row: tor
     # the later steps run over groups of at most C chains, each on one base row: a base row with many chains (a
     # rollout trajectory) spans several groups, one with few (a replayed context) fills one, instead of every row
     # padded to the busiest row's count
-    C = chain_group_size([len(cs) for cs in per_base], Lb) if steps > 1 else max(len(cs) for cs in per_base)
+    C = group_size([len(cs) for cs in per_base], Lb) if steps > 1 else max(len(cs) for cs in per_base)
     groups = [(bi, cs[i: i + C]) for bi, cs in enumerate(per_base) for i in range(0, len(cs), C)]
     chain_slot = torch.zeros(len(groups), C, dtype=torch.long, device=device)  # padding chains: slot 0, ignored
     chain_tok = torch.full((len(groups), C, max(steps - 1, 0)), pad_id, dtype=torch.long, device=device)
@@ -241,12 +241,6 @@ def eagle3_logits_at(head, rows: list[torch.Tensor], aux: torch.Tensor, row: tor
     group_row = None if len(groups) == len(bases) else torch.tensor([bi for bi, _ in groups], device=device)
     # through the (possibly DDP / DeepSpeed-wrapped) module's forward, so its gradients are synced across ranks
     return head(feats, ids, mask, chains=ChainQuery(chain_slot, chain_tok, read, group_row))  # (P, Vd)
-
-
-def chain_group_size(counts: list[int], keys: int) -> int:
-    """How many chains one group of the sparse unroll holds (eagle3_logits_at), given each base row's chain count and
-    the step-0 keys per row (drafts.base.group_size: a group copies its row's keys and values once)."""
-    return group_size(counts, keys / KEY_COST_RATIO)
 
 
 def eagle3_chain_counts(head, target_out, batch: dict, gamma: int) -> torch.Tensor:
