@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from specdistill.drafts.eagle3.model import Eagle3Head, build_eagle3, default_aux_layer_ids
+from specdistill.drafts.eagle3.model import Eagle3Head, SlotCache, build_eagle3, default_aux_layer_ids
 from specdistill.models.vocab import frequent_token_vocab
 from specdistill.models.target import Target
 from specdistill.objectives.eagle3 import Eagle3Objective, draft_vocab_targets
@@ -46,6 +46,35 @@ def test_ttt_unroll_equals_naive_step_by_step_inference(target):
                     o = head.step(ids[b:b + 1, t + 1 + j: t + 2 + j], h, torch.tensor([[t + j]]), past)
                     assert torch.allclose(o.logits[0, 0], ttt[j][b, t], atol=1e-5), (b, t, j)
                     past, h = (o.keys, o.values), o.hidden
+
+
+def test_slot_cache_steps_equal_concatenated_steps_through_growth_crops_and_selects(target):
+    """Steps appended in place (capacity 2, so it grows several times), cropped and column-selected as a drafter
+    does, give the logits and keys of steps whose cache is rebuilt by concatenation."""
+    head = _head(target)
+    B, H = 2, head.config.hidden_size
+    g = torch.Generator().manual_seed(3)
+    cache = SlotCache(B, head.config.num_attention_heads, head.config.head_dim, "cpu", torch.float32, capacity=2)
+    past, pos = None, 0
+    with torch.no_grad():
+        for n, keep in [(5, 3), (1, 1), (4, 2), (2, 2), (3, 0)]:  # append n slots, then keep the first `keep`
+            ids = torch.randint(0, V, (B, n), generator=g)
+            feat = torch.randn(B, n, H, generator=g)
+            positions = torch.arange(pos, pos + n)[None].expand(B, -1)
+            ref = head.step(ids, feat, positions, past)
+            out = head.step(ids, feat, positions, cache)
+            assert torch.allclose(out.logits, ref.logits, atol=1e-6)
+            assert torch.equal(out.keys, ref.keys) and torch.equal(out.values, ref.values)
+            S = ref.keys.shape[2] - n + keep
+            past = (ref.keys[:, :, :S], ref.values[:, :, :S])
+            cache.crop(S)
+            pos += keep
+        assert cache.keys.shape[2] >= 8  # grew from 2
+        columns = torch.tensor([[0, 2, 5], [1, 3, 4]])                  # a compaction: each row keeps its own columns
+        cache.select(columns)
+        idx = columns[:, None, :, None].expand(-1, past[0].shape[1], -1, past[0].shape[-1])
+        keys, values = cache.view()
+        assert torch.equal(keys, past[0].gather(2, idx)) and torch.equal(values, past[1].gather(2, idx))
 
 
 def test_vocab_maps_round_trip(target):

@@ -26,7 +26,7 @@ from specdistill.decoding.kv import BatchKV
 from specdistill.decoding.sampling import Sampler
 from specdistill.decoding.tree import TreeShape, grow
 
-from .model import Eagle3Head
+from .model import Eagle3Head, SlotCache
 
 
 class Eagle3Drafter(Drafter):
@@ -64,14 +64,13 @@ class Eagle3Drafter(Drafter):
     # ------------------------------------------------------------------------------------------- protocol
     @torch.no_grad()
     def start(self, input_ids, attention_mask, target_hidden=None, new_kv=BatchKV) -> None:
-        """new_kv is not used: the head keeps its own one-layer cache (a growing one)."""
+        """new_kv is not used: the head keeps its own one-layer cache (a SlotCache, written in place)."""
         head = self.head
         device, dtype = head.fc.weight.device, head.fc.weight.dtype
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device).bool()
         B, T = input_ids.shape
         c = head.config
-        self.keys = torch.zeros(B, c.num_attention_heads, 0, c.head_dim, device=device, dtype=dtype)  # (B, nh, S, hd)
-        self.values = torch.zeros_like(self.keys)
+        self.cache = SlotCache(B, c.num_attention_heads, c.head_dim, device, dtype, capacity=T + 256)  # (B, nh, S, hd)
         self.mask = torch.zeros(B, 0, dtype=torch.bool, device=device)  # (B, S) real cached slots
         self.length = torch.zeros(B, dtype=torch.long, device=device)   # (B,) cached slots = next slot's position
         last = torch.full((B,), max(T - 2, 0), dtype=torch.long, device=device)
@@ -95,9 +94,8 @@ class Eagle3Drafter(Drafter):
         is_last = torch.arange(P, device=keep.device) == self.pending_last[:, None]
         positions = (self.length[:, None] + keep.long().cumsum(1) - 1).clamp(min=0)  # (B, P)
         key_mask = torch.cat([self.mask, keep | is_last], dim=1)            # (B, S+P)
-        out = self.head.step(tokens_p, self.pending_g, positions, (self.keys, self.values), key_mask,
+        out = self.head.step(tokens_p, self.pending_g, positions, self.cache, key_mask,
                              readout_slot=self.pending_last)                # logits of the drafting slot only
-        self.tail_keys, self.tail_values = out.keys, out.values            # (B, nh, S+P, hd), dropped/cropped at commit
         h = out.hidden[rows, self.pending_last][:, None]                    # (B, 1, H)
         return out.logits[:, 0], h, positions[rows, self.pending_last], key_mask
 
@@ -124,8 +122,7 @@ class Eagle3Drafter(Drafter):
             if j == k - 1 or unsure(logits, draft_id, q, self.confidence):
                 break
             key_mask = torch.cat([key_mask, ones], dim=1)
-            out = head.step(token[:, None], h, (pos + j + 1)[:, None], (self.tail_keys, self.tail_values), key_mask)
-            self.tail_keys, self.tail_values = out.keys, out.values
+            out = head.step(token[:, None], h, (pos + j + 1)[:, None], self.cache, key_mask)
             h, logits = out.hidden, out.logits[:, 0]
         Vd = logits.shape[-1]
         self.logits = torch.stack(step_logits, 1) if k else logits.new_zeros(B, 0, Vd)  # (B, k', Vd)
@@ -169,8 +166,7 @@ class Eagle3Drafter(Drafter):
         S0 = self.mask.shape[1]
         # 1. Cache: keep the pending block's real slots of rows that go on; crop the rest of the block and every
         #    draft-step slot.
-        self.keys, self.values = self.tail_keys[:, :, : S0 + last], self.tail_values[:, :, : S0 + last]
-        self.tail_keys = self.tail_values = None
+        self.cache.crop(S0 + last)
         self.mask = torch.cat([self.mask, keep[:, :last]], dim=1)
         self.length = self.length + count
         S = self.mask.shape[1]
@@ -197,9 +193,7 @@ class Eagle3Drafter(Drafter):
             B, k = tokens.shape
             g = outputs[-1].gather(1, parent[..., None].expand(-1, -1, h.shape[-1]))      # (B, k, H)
             allow = torch.cat([key_mask[:, None, :].expand(-1, k, -1), visible], dim=2)   # (B, k, S+P+F)
-            out = self.head.step(tokens, g, (pos + d)[:, None].expand(-1, k), (self.tail_keys, self.tail_values),
-                                 query_mask=allow)
-            self.tail_keys, self.tail_values = out.keys, out.values
+            out = self.head.step(tokens, g, (pos + d)[:, None].expand(-1, k), self.cache, query_mask=allow)
             outputs.append(out.hidden)
             return out.logits                                               # (B, k, Vd)
 
@@ -210,6 +204,5 @@ class Eagle3Drafter(Drafter):
         """Right-align every row's real cached slots (order kept) and drop the columns that are holes in all rows."""
         S = self.mask.shape[1]
         order = torch.sort(self.mask.int(), dim=1, stable=True).indices[:, S - widest:]  # (B, widest)
-        idx = order[:, None, :, None].expand(-1, self.keys.shape[1], -1, self.keys.shape[-1])
-        self.keys, self.values = self.keys.gather(2, idx), self.values.gather(2, idx)     # (B, nh, widest, hd)
+        self.cache.select(order)                                            # (B, nh, widest, hd)
         self.mask = self.mask.gather(1, order)

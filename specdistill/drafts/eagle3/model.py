@@ -173,6 +173,50 @@ class Eagle3StepOutput:
     values: torch.Tensor
 
 
+class SlotCache:
+    """The head's key/value cache for decoding, written in place: (B, nh, capacity, hd) buffers whose first `length`
+    columns are in use. Appending n slots copies those n only (a torch.cat per step copies the whole cache, which
+    along a 1024-token output is most of drafting's memory traffic), and a full buffer doubles, so N slots cost O(N)
+    copies in all. Cropping sets `length`; what lies past it is overwritten by the next append."""
+
+    def __init__(self, batch: int, heads: int, head_dim: int, device, dtype, capacity: int = 256):
+        self.keys = torch.zeros(batch, heads, capacity, head_dim, device=device, dtype=dtype)
+        self.values = torch.zeros_like(self.keys)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (B, nh, n, hd) -> the cache's keys and values after them, (B, nh, length + n, hd) views."""
+        end = self.length + k.shape[2]
+        if end > self.keys.shape[2]:
+            self._grow(end)
+        self.keys[:, :, self.length:end] = k
+        self.values[:, :, self.length:end] = v
+        self.length = end
+        return self.view()
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+    def crop(self, length: int) -> None:
+        self.length = min(length, self.length)
+
+    def select(self, columns: torch.Tensor) -> None:
+        """Keep, per row, the columns `columns` (B, W) in that order: the cache becomes W columns long."""
+        idx = columns[:, None, :, None].expand(-1, self.keys.shape[1], -1, self.keys.shape[-1])
+        keys, values = self.view()
+        keys, values = keys.gather(2, idx), values.gather(2, idx)           # (B, nh, W, hd) copies, then written back
+        W = columns.shape[1]
+        self.keys[:, :, :W], self.values[:, :, :W] = keys, values
+        self.length = W
+
+    def _grow(self, need: int) -> None:
+        capacity = max(need, 2 * self.keys.shape[2])
+        keys = self.keys.new_zeros(*self.keys.shape[:2], capacity, self.keys.shape[-1])
+        values = torch.zeros_like(keys)
+        keys[:, :, : self.length], values[:, :, : self.length] = self.view()
+        self.keys, self.values = keys, values
+
+
 @dataclass
 class ChainQuery:
     """A sparse TTT unroll read out at chosen states: what `Eagle3Head.forward(..., chains=...)` computes
@@ -453,11 +497,12 @@ class Eagle3Head(DraftVocabMaps, nn.Module):
 
     # ------------------------------------------------------------------ inference: one call per draft step
     def step(self, token_ids: torch.Tensor, g: torch.Tensor, position_ids: torch.Tensor,
-             past: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+             past: tuple[torch.Tensor, torch.Tensor] | SlotCache | None = None,
              key_mask: Optional[torch.Tensor] = None, readout_slot: Optional[torch.Tensor] = None,
              query_mask: Optional[torch.Tensor] = None) -> Eagle3StepOutput:
         """Append n slots to a cache. token_ids (B, n), g (B, n, H) (fc-fused target features or the head's own
-        previous output), position_ids (B, n); past keys/values (B, nh, S, hd); key_mask (B, S + n) bool marks
+        previous output), position_ids (B, n); past: keys/values (B, nh, S, hd), concatenated into new tensors, or a
+        SlotCache, appended to in place; key_mask (B, S + n) bool marks
         usable cache slots. New slots attend causally among themselves and to every usable past slot.
         readout_slot (B,): logits only at that slot of each row, (B, 1, Vd) (a drafter needs one slot per row; the
         lm_head over every slot of a prompt-long block is most of a drafting round's work). Default: every slot.
@@ -467,8 +512,11 @@ class Eagle3Head(DraftVocabMaps, nn.Module):
         store = {}
 
         def attend(q, k, v):
-            K = k if past is None else torch.cat([past[0], k], dim=2)
-            Vv = v if past is None else torch.cat([past[1], v], dim=2)
+            if isinstance(past, SlotCache):
+                K, Vv = past.append(k, v)
+            else:
+                K = k if past is None else torch.cat([past[0], k], dim=2)
+                Vv = v if past is None else torch.cat([past[1], v], dim=2)
             S, n = K.shape[2] - k.shape[2], k.shape[2]
             allow = torch.ones(n, S + n, dtype=torch.bool, device=q.device)
             allow[:, S:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
