@@ -77,12 +77,13 @@ def main(argv=None) -> dict:
         made += accepted + 1
         rounds += 1
     wall = time.perf_counter() - t_all
+    labels = [f"{lo}-{hi - 1}" if hi < BUCKETS[-1] else f"{lo}+" for lo, hi in zip(BUCKETS, BUCKETS[1:])]
     result = {"command": "python -m benchmarks.draft_rounds " + " ".join(sys.argv[1:] if argv is None else argv),
               "imported": specdistill.__file__, "batch": B, "prompt": args.prompt, "new_tokens": args.new_tokens,
               "gamma": args.gamma, "accept": args.accept, "threads": args.threads, "rounds": rounds,
               "seconds": wall, "round_ms": 1e3 * wall / rounds,
-              "round_ms_by_position": {(f"{lo}-{hi - 1}" if hi < BUCKETS[-1] else f"{lo}+"): (sum(v) / len(v) if v else None)
-                                       for (lo, hi), v in zip(zip(BUCKETS, BUCKETS[1:]), per_bucket.values())}}
+              "round_ms_by_position": {k: (sum(v) / len(v) if v else None)
+                                       for k, v in zip(labels, per_bucket.values())}}
     print(json.dumps(result, indent=1))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
