@@ -206,6 +206,18 @@ def test_wandb_offline_logs_through_accelerate(tiny_target_dir, tiny_data_file, 
     assert any("train/loss" in line for line in lines)
 
 
+def test_a_wall_time_budget_bounds_the_logged_eta(tiny_target_dir, tiny_data_file, tmp_path):
+    """With trainer.max_minutes the run ends at the budget, not at its step count: the ETA it logs never exceeds the
+    budget's time left, though its steps alone would take far longer."""
+    budget_s = 3.0
+    c, res = _run("kd", tiny_target_dir, tiny_data_file, tmp_path,
+                  ["trainer.max_steps=100000", f"trainer.max_minutes={budget_s / 60}", "trainer.log_every=1"], "wall")
+    assert 0 < res.step < 100000
+    for h in res.history:
+        assert h["eta_phase_s"] <= max(budget_s - h["wall_s"], 0.0) + 1e-6
+        assert h["train/s_per_step"] * (100000 - h["step"]) > budget_s  # the steps' own ETA is far beyond it
+
+
 def test_train_entry_runs_real_speculative_eval_at_epoch_end(tiny_target_dir, tiny_data_file, tmp_path):
     from specdistill.pipeline.run import run
 

@@ -405,10 +405,15 @@ def _log_window(c: Components, s: RunState, taken: StepTaken) -> None:
                      "epoch": c.phases.epoch_of(s.step - 1), "tokens_seen": s.tokens_seen,
                      "wall_s": s.wall_s(), "phase": phase.name, "phase_step": phase.local(s.step),
                      "eta_phase_s": elapsed / w.steps * (phase.end - s.step)})
+    budget = {}
+    if c.trainer.max_minutes is not None:  # a wall-time budget ends the run first: the bar's step ETA is not the ETA
+        left = max(60 * c.trainer.max_minutes - s.wall_s(), 0.0)
+        s.latest["eta_phase_s"] = min(s.latest["eta_phase_s"], left)
+        budget = {"time_left": f"{int(left // 60)}:{int(left % 60):02d}"}
     if s.mfu is not None:
         s.latest.update(s.mfu.metrics(s.latest["train/input_tokens_per_s"]))
     s.bar.set_postfix(loss=f"{s.latest.get('train/loss', math.nan):.4f}",
-                      tok_s=f"{s.latest['train/tokens_per_s']:.0f}")
+                      tok_s=f"{s.latest['train/tokens_per_s']:.0f}", **budget)
     s.result.history.append(s.latest)
     _log(acc, s.latest, s.step, s.metrics_file)
     s.sums, s.window = {}, Window()
