@@ -1,5 +1,6 @@
 """The one loop on tiny models: recipes train, grad-accum invariance, exact resume, clear errors on bad input."""
 import json
+import math
 
 import pytest
 import torch
@@ -216,6 +217,18 @@ def test_a_wall_time_budget_bounds_the_logged_eta(tiny_target_dir, tiny_data_fil
     for h in res.history:
         assert h["eta_phase_s"] <= max(budget_s - h["wall_s"], 0.0) + 1e-6
         assert h["train/s_per_step"] * (100000 - h["step"]) > budget_s  # the steps' own ETA is far beyond it
+
+
+def test_a_run_stopped_between_log_steps_logs_its_last_steps(tiny_target_dir, tiny_data_file, tmp_path):
+    """A wall-time budget that ends the run before its first log step (log_every far beyond it): the steps it took
+    are still logged, once, at the step where it stopped."""
+    c, res = _run("kd", tiny_target_dir, tiny_data_file, tmp_path,
+                  ["trainer.max_steps=100000", "trainer.max_minutes=0.05", "trainer.log_every=100000"], "stop")
+    assert 0 < res.step < 100000
+    lines = [json.loads(x) for x in (tmp_path / "stop" / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in lines if "train/loss" in x]
+    assert [x["step"] for x in train] == [res.step] and [h["step"] for h in res.history] == [res.step]
+    assert math.isfinite(train[0]["train/loss"]) and train[0]["train/s_per_step"] > 0
 
 
 def test_train_entry_runs_real_speculative_eval_at_epoch_end(tiny_target_dir, tiny_data_file, tmp_path):

@@ -160,6 +160,7 @@ class RunState:
     bar: Any = None                   # its progress bar
     peak: Optional[DevicePeak] = None  # one device's dense matmul peak (trainer.measure_roofline)
     mfu: Optional[Mfu] = None  # counted on a phase's first step
+    last_taken: Optional[StepTaken] = None  # the latest step's lr and grad norm (a stop logs the open window with it)
 
     def wall_s(self) -> float:
         """Training wall seconds, carried across resumes (the learning curves' x axis)."""
@@ -308,6 +309,7 @@ def _stopped(c: Components, s: RunState, stop: StopSignal) -> bool:
     budget ends the run here, with a resumable checkpoint."""
     acc, t = c.accelerator, c.trainer
     if stop.agreed(acc):
+        _log_open_window(c, s)
         if s.step > s.last_saved:
             s.result.final_checkpoint = _save(c, s)
         s.result.preempted = stop.requested or "a signal on another rank"
@@ -315,11 +317,19 @@ def _stopped(c: Components, s: RunState, stop: StopSignal) -> bool:
                   "continue with trainer.resume=auto")
         return True
     if t.max_minutes is not None and _out_of_time(acc, s.wall_s(), t.max_minutes):
+        _log_open_window(c, s)
         if s.step > s.last_saved:
             s.result.final_checkpoint = _save(c, s)
         acc.print(f"[train] trainer.max_minutes={t.max_minutes} reached at step {s.step}")
         return True
     return False
+
+
+def _log_open_window(c: Components, s: RunState) -> None:
+    """A run that stops between log steps logs the steps since the last one (every rank takes part: the stop is
+    agreed), so a run shorter than trainer.log_every still has its metrics, and its checkpoint the latest of them."""
+    if s.window.steps and s.last_taken is not None:
+        _log_window(c, s, s.last_taken)
 
 
 def _train_step(c: Components, s: RunState, batches: Prefetcher) -> StepTaken:
@@ -359,6 +369,7 @@ def _after_step(c: Components, s: RunState, taken: StepTaken, epoch_end_hooks: t
     """Log, evaluate, run the epoch-end hooks and checkpoint, each at its cadence; their time is kept out of the
     log window (tokens/s and s/step measure training alone)."""
     t, phase = c.trainer, s.phase
+    s.last_taken = taken
     epoch_done = phase.epoch_done(s.step)  # an epoch of the phase's data, or the phase itself, is done
     phase_done = s.step == phase.end  # a hand-over (or the end): log, evaluate and checkpoint here
     if s.step % t.log_every == 0 or phase_done:
