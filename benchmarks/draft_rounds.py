@@ -47,9 +47,10 @@ def main(argv=None) -> dict:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    H, heads, hd, layers, V, Vd = (32, 4, 8, 4, 512, 128) if args.tiny else (576, 9, 64, 30, 49152, 8192)
-    cfg = Eagle3Config(hidden_size=H, intermediate_size=H * 8 // 3, num_attention_heads=heads, num_key_value_heads=3
-                       if not args.tiny else 2, head_dim=hd, rms_norm_eps=1e-5, rope_theta=10000.0,
+    H, heads, kv_heads, hd, layers, V, Vd = ((32, 4, 2, 8, 4, 512, 128) if args.tiny
+                                             else (576, 9, 3, 64, 30, 49152, 8192))
+    cfg = Eagle3Config(hidden_size=H, intermediate_size=H * 8 // 3, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, head_dim=hd, rms_norm_eps=1e-5, rope_theta=10000.0,
                        max_position_embeddings=8192, vocab_size=V, draft_vocab_size=Vd, target_hidden_size=H,
                        aux_layer_ids=[1, layers // 2, layers - 3])
     head = Eagle3Head(cfg).eval().requires_grad_(False)

@@ -169,7 +169,8 @@ class Eagle3Layer(nn.Module):
 class Eagle3StepOutput:
     hidden: torch.Tensor  # (B, n, H) pre-norm output: the next step's input feature
     logits: torch.Tensor  # (B, n, Vd) over the draft vocabulary ((B, 1, Vd) with step(readout_slot=...))
-    keys: torch.Tensor  # (B, nh, S + n, hd) the cache after this step
+    keys: torch.Tensor  # (B, nh, S + n, hd) the cache after this step (with a SlotCache: views of its buffers,
+    # valid until its next append)
     values: torch.Tensor
 
 
