@@ -67,11 +67,17 @@ def output_position_buckets(rounds: Sequence[RoundRecord], starts: Sequence[int]
     ends = list(starts[1:]) + [None]
     if not rounds:
         return [BucketCounts(s, e, *torch.zeros(4, 0, dtype=torch.long)) for s, e in zip(starts, ends)]
-    # every round's per-row values at once: one host transfer each, not one per round
-    active = torch.stack([r.active for r in rounds]).cpu().long()                   # (R, B)
-    offset = torch.stack([r.offset for r in rounds]).cpu().long()                   # (R, B)
-    emitted = torch.stack([r.num_emitted for r in rounds]).cpu().long() * active    # (R, B)
-    accepted = torch.stack([r.num_accepted for r in rounds]).cpu().long() * active  # (R, B)
+    # every round's per-row values at once: one host transfer each, not one per round; a round that ran fewer rows
+    # (drop_finished_rows) counts as inactive in the others. A call's first round runs all its B rows.
+    B = rounds[0].active.shape[0]
+
+    def stacked(name: str) -> torch.Tensor:
+        return torch.stack([r.on_rows(getattr(r, name), B) for r in rounds]).cpu().long()  # (R, B)
+
+    active = stacked("active")                                                      # (R, B)
+    offset = stacked("offset")                                                      # (R, B)
+    emitted = stacked("num_emitted") * active                                       # (R, B)
+    accepted = stacked("num_accepted") * active                                     # (R, B)
     proposed = torch.tensor([r.gamma for r in rounds])[:, None] * active            # (R, B)
     which = torch.searchsorted(torch.tensor(list(starts)), offset, right=True) - 1  # (R, B) bucket of the round start
     inside = torch.nn.functional.one_hot(which, len(starts)) * active[..., None]    # (R, B, NB)

@@ -109,6 +109,16 @@ class Drafter(ABC):
         """The decoding call ended: free what the call held for the next one (a compiled cache's slot)."""
         return None
 
+    @property
+    def selects_rows(self) -> bool:
+        """select_rows() is possible now (after start())."""
+        return False
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep the rows `rows` (R,) long, in that order, after a commit: the decoding loop drops rows that stopped,
+        so no later round drafts for them. Only where selects_rows."""
+        raise NotImplementedError(f"{type(self).__name__} keeps every row of its batch")
+
     def chain_only(self, shape: TreeShape) -> int:
         """The chain length a chain-only drafter drafts for `shape`; a token tree is refused."""
         if not shape.is_chain:
@@ -214,6 +224,14 @@ class LMDrafter(Drafter):
         if getattr(self, "kv", None) is not None:
             self.kv.close()
 
+    @property
+    def selects_rows(self) -> bool:
+        return self.kv.selects_rows
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.kv.select_rows(rows)
+        self.pending, self.pending_valid = self.pending[rows], self.pending_valid[rows]
+
     def _pend(self, unfed: torch.Tensor, full: torch.Tensor, next_token: torch.Tensor, active: torch.Tensor,
               any_full: bool | None = None) -> None:
         """New pending tokens: next_token, preceded by unfed (B,) where `full` (an accepted draft the cache never
@@ -275,6 +293,8 @@ class NGramDrafter(Drafter):
     verification of filler -- as HF's prompt lookup does; on CPU a 5-token verify costs ~2 one-token steps.
     """
 
+    selects_rows = True
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
@@ -315,6 +335,9 @@ class NGramDrafter(Drafter):
         emitted.scatter_(1, num_accepted[:, None], next_token[:, None])     # accepted drafts, then next_token
         self.context.append(emitted, (num_accepted + 1) * active)
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.context = self.context.select_rows(rows)
+
 
 class OracleDrafter(Drafter):
     """Replays the target's own greedy continuation: at temperature 0 every draft is accepted, so tau = gamma + 1
@@ -329,6 +352,8 @@ class OracleDrafter(Drafter):
     grow token trees from. A float near-tie that the (k+1)-token verify forward breaks otherwise than the 1-token
     forwards did ends a row's agreement with the replay: still lossless, a lower tau.
     """
+
+    selects_rows = True
 
     def __init__(self, target_model: torch.nn.Module, max_new_tokens: int, cache: CacheMode = CacheMode()):
         if max_new_tokens < 1:
@@ -373,4 +398,7 @@ class OracleDrafter(Drafter):
     def commit(self, num_accepted, next_token, active, target_hidden=None, path=None) -> None:
         device = self.offset.device
         self.offset = self.offset + (num_accepted.to(device) + 1) * active.to(device)  # accepted drafts + next_token
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.continuation, self.offset = self.continuation[rows], self.offset[rows]
 

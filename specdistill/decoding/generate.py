@@ -8,7 +8,8 @@ plus one target token (correction or bonus); both caches keep [pending, accepted
 Both models' states hold every token but the last ("pending") one, so the prefill feeds prompt[:, :-1] and every
 generated token comes out of a round: target forwards = rounds, and mean_accept_len = tokens / rounds.
 Batch > 1: one shared cache per model with per-row masks and positions (see kv.py); rows accept different counts,
-and a row that hit EOS or max_new_tokens stops counting (its later compute is wasted, never emitted).
+and a row that hit EOS or max_new_tokens stops counting: its later compute is wasted, never emitted, unless
+drop_finished_rows takes it out of both models' batches (then the round's records hold the rows it ran, `rows`).
 cache=CacheMode(static=True) preallocates both models' caches to the call's longest possible length (compile=True also
 runs their decode forwards as graphs compiled once per batch bucket and step width: compiled.py, compile_stats): the
 same tokens as the growing caches.
@@ -25,7 +26,7 @@ import torch
 from specdistill.tokens import check_vocab_compatible, pad_id
 
 from .drafters import Drafter
-from .kv import BatchKV, CacheMode, TokenBuffer, device_of, logits_dim, max_positions
+from .kv import BatchKV, CacheMode, TokenBuffer, device_of, logits_dim, max_positions, on_rows
 from .sampling import DEFAULT_DRAFT_POLICY, Sampler, check_draft_policy
 from .tree import Proposal, TreeShape
 from .verify import PAD, Verdict, verify
@@ -121,8 +122,10 @@ class DynamicGamma(_Chains):
 # ----------------------------------------------------------------------------------------------- results
 @dataclass
 class RoundRecord:
-    """One verification round = one target forward. Per-row tensors; a row inactive this round emits nothing.
-    K is the proposal's depth: a chain's length, a tree's deepest node; a tree's counters are by depth."""
+    """One verification round = one target forward. Per-row tensors over the R rows the round ran: the call's B rows,
+    or with drop_finished_rows those still generating when it began, `rows` saying which (row_ids() either way); a
+    row inactive this round emits nothing. K is the proposal's depth: a chain's length, a tree's deepest node; a
+    tree's counters are by depth."""
 
     gamma: int                   # K, the proposal's depth
     active: torch.Tensor         # (B,) bool, rows still generating when the round began
@@ -148,6 +151,15 @@ class RoundRecord:
     # trees, record=True only: the contexts the draft proposed children at, the root (0) and every node with a child,
     # in node order then padded with -1 (B, C) (on-policy training on the tree: onpolicy/positions.py)
     contexts: torch.Tensor | None = None
+    rows: torch.Tensor | None = None  # (R,) long, the call's rows these are (None: all B, in order)
+
+    def row_ids(self) -> torch.Tensor:
+        """(R,) the call's row of each of this round's rows."""
+        return torch.arange(self.active.shape[0], device=self.active.device) if self.rows is None else self.rows
+
+    def on_rows(self, x: torch.Tensor, batch: int, fill=0) -> torch.Tensor:
+        """A per-row tensor of this round (R, ...) -> (batch, ...), `fill` in the rows it did not run."""
+        return on_rows(x, None if self.rows is None else self.rows.to(x.device), batch, fill)
 
 
 @dataclass
@@ -283,16 +295,17 @@ class _KeptFeatures:
     def _make(self, like: torch.Tensor) -> None:
         self.data = like.new_zeros(like.shape[0], self.width + 1, like.shape[-1])
 
-    def add(self, hidden_states, offset: torch.Tensor, count: torch.Tensor) -> None:
-        """hidden_states: the verify forward's per layer (B, K+1, H) of [pending, accepted path ...]; row b keeps its
-        first count[b] columns (the tokens at offset[b] .. offset[b]+count[b]-1 after the prompt but its last token:
-        pending, then the accepted drafts)."""
-        feats = torch.cat([hidden_states[k] for k in self.layers], dim=-1)  # (B, K+1, D)
+    def add(self, hidden_states, offset: torch.Tensor, count: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """hidden_states: the verify forward's per layer (R, K+1, H) of [pending, accepted path ...] for the call's
+        rows `rows` (None: all); row b keeps its first count[b] columns (the tokens at offset[b] .. offset[b]+count[b]-1
+        after the prompt but its last token: pending, then the accepted drafts)."""
+        feats = torch.cat([hidden_states[k] for k in self.layers], dim=-1)  # (R, K+1, D)
         if self.data is None:
             self._make(feats)
         j = torch.arange(feats.shape[1], device=feats.device)
-        col = torch.where(j < count[:, None], self.start + offset[:, None] + j, self.width)  # (B, K+1)
-        self.data.scatter_(1, col[..., None].expand(-1, -1, feats.shape[-1]), feats.to(self.data.dtype))
+        col = torch.where(j < count[:, None], self.start + offset[:, None] + j, self.width)  # (R, K+1)
+        rows = torch.arange(feats.shape[0], device=feats.device) if rows is None else rows
+        self.data[rows[:, None], col] = feats.to(self.data.dtype)
 
     def result(self) -> torch.Tensor:
         return self.data[:, : self.width]
@@ -333,14 +346,14 @@ def _count(stats: dict[str, torch.Tensor], rnd: RoundRecord) -> None:
     else:
         depth = rnd.proposal.depth.max(1).values                            # (B,) each row's tree depth
         proposed = ((torch.arange(K, device=depth.device) < depth[:, None]) & active[:, None]).sum(0)  # (K,)
-    stats["target_forwards"] += active.long()
+    stats["target_forwards"].index_add_(0, rnd.row_ids(), active.long())
     stats["accept_hist"].scatter_add_(0, rnd.num_accepted, active.long())
     stats["position_proposed"][:K] += proposed
     stats["position_accepted"][:K] += rnd.accepted.sum(0)
     stats["position_alpha"][:K] += rnd.alpha.sum(0)
 
 
-def _record(proposal: Proposal, verdict: Verdict, logits, probs, active, offset, count, *, record: bool,
+def _record(proposal: Proposal, verdict: Verdict, logits, probs, active, offset, count, rows, *, record: bool,
             score_nodes: bool) -> RoundRecord:
     """The round's RoundRecord: logits (B, N+1, V) the verify forward's, probs their processed p (None: greedy)."""
     accepted = verdict.accepted & active[:, None]                           # (B, K)
@@ -357,7 +370,7 @@ def _record(proposal: Proposal, verdict: Verdict, logits, probs, active, offset,
     return RoundRecord(gamma=K, active=active, offset=offset, draft_tokens=drafts, accepted=accepted,
                        num_accepted=verdict.num_accepted * active, next_token=verdict.next_token, num_emitted=count,
                        alpha=verdict.alpha * active[:, None], proposal=proposal, path=verdict.path,
-                       target_logits=target_logits, node_prob=node_prob, contexts=contexts)
+                       target_logits=target_logits, node_prob=node_prob, contexts=contexts, rows=rows)
 
 
 # ----------------------------------------------------------------------------------------------- decoding
@@ -377,12 +390,14 @@ class _Call:
     out: TokenBuffer                  # (B, max_new_tokens) the generated tokens
     stats: dict[str, torch.Tensor]    # Rollout's counters
     kept: _KeptFeatures | None        # capture_layers: Rollout.hidden
-    pending: torch.Tensor             # (B,) the last token: both models hold every token before it
-    active: torch.Tensor              # (B,) bool, rows still generating
+    pending: torch.Tensor             # (R,) the last token: both models hold every token before it
+    active: torch.Tensor              # (R,) bool, rows still generating
     record: bool
     score_nodes: bool
+    drop_finished: bool               # rows that stop leave both models' batches (where both can select rows)
     max_remaining: int                # the most tokens an active row may still generate
     t_prev: float                     # when the last round ended
+    rows: torch.Tensor | None = None  # (R,) the call's rows the models hold now, in their order (None: all B)
     rounds: list[RoundRecord] = field(default_factory=list)
     round_seconds: list[float] = field(default_factory=list)
 
@@ -405,6 +420,7 @@ def speculative_generate(
     capture_layers: list[int] | None = None,
     cache: CacheMode = CacheMode(),
     score_nodes: bool = False,
+    drop_finished_rows: bool = False,
 ) -> Rollout:
     """Generate from target_model with drafts from `drafter`; lossless: greedy output equals target-only greedy,
     sampled output is distributed as the target's (same temperature / top_p processing for both models).
@@ -418,7 +434,12 @@ def speculative_generate(
     training. score_nodes: a tree's RoundRecord keeps node_prob (the cost model's tree search).
     capture_layers: HF hidden_states ids whose features of every kept token come back in Rollout.hidden (on-policy
     training of EAGLE-3 heads reads them instead of running the target again).
-    cache: growing (default) or static KV caches, compiled or not (kv.CacheMode), for the target and LM drafts."""
+    cache: growing (default) or static KV caches, compiled or not (kv.CacheMode), for the target and LM drafts.
+    drop_finished_rows: a row that stops leaves both models' batches after its last round, so later forwards compute
+    for the rows still generating only (growing caches and drafters that can select rows; else ignored). The tokens
+    are the same (up to float rounding of a smaller batch); the RoundRecords after a drop hold fewer rows (`rows`).
+    Where a forward's cost grows with its rows (CPU, and large batches anywhere) this saves the stopped rows' share; a
+    static or compiled cache keeps its rows, as its graphs are built for the batch."""
     strategy = FixedGamma(strategy) if isinstance(strategy, int) else strategy
     widest = strategy.max_shape
     _check_strategy(widest, draft_policy)
@@ -444,7 +465,8 @@ def speculative_generate(
                      out=TokenBuffer(B, max_new_tokens, device, fill=_pad_id(eos_token_id)),
                      stats=_counters(B, widest.max_depth, device), kept=kept, pending=input_ids[:, -1],
                      active=torch.ones(B, dtype=torch.bool, device=device), record=record, score_nodes=score_nodes,
-                     max_remaining=max_new_tokens, t_prev=_clock(device))
+                     drop_finished=drop_finished_rows and target.selects_rows, max_remaining=max_new_tokens,
+                     t_prev=_clock(device))
         t_start = call.t_prev
         while _round(call):  # steps 2-6, one target forward each
             pass
@@ -471,12 +493,12 @@ def _round(c: _Call) -> bool:
     n = verdict.num_accepted                                                # (B,)
 
     # 4. Emit the accepted path + next token, cut at EOS and at max_new_tokens.
-    offset = c.out.length
+    offset = c.out.length if c.rows is None else c.out.length[c.rows]      # (R,)
     count, done = _emit_counts(verdict.tokens, verdict.num_emitted, offset, c.max_new_tokens, c.eos, c.active)
-    c.out.append(verdict.tokens, count)
-    path_hidden = _path_hidden(getattr(out_t, "hidden_states", None), verdict.path)  # (B, D+1, H) per layer
+    c.out.append(verdict.tokens, count, c.rows)
+    path_hidden = _path_hidden(getattr(out_t, "hidden_states", None), verdict.path)  # (R, D+1, H) per layer
     if c.kept is not None:
-        c.kept.add(path_hidden, offset, count)
+        c.kept.add(path_hidden, offset, count, c.rows)
     going = c.active & ~done
 
     # 5. Commit: rows that go on keep [pending, accepted path] (a tree's path first moves to the front of the tail);
@@ -490,13 +512,13 @@ def _round(c: _Call) -> bool:
     c.pending = torch.where(going, verdict.next_token, c.pending)
 
     # 6. The round's record and the counters.
-    rnd = _record(proposal, verdict, logits, probs, c.active, offset, count, record=c.record,
+    rnd = _record(proposal, verdict, logits, probs, c.active, offset, count, c.rows, record=c.record,
                   score_nodes=c.score_nodes)
     c.rounds.append(rnd)
     _count(c.stats, rnd)
 
     # The round's one host sync: loop control and both commits' crop sizes (nothing syncs per token).
-    remaining = torch.where(going, c.max_new_tokens - c.out.length, 0).max()
+    remaining = torch.where(going, c.max_new_tokens - (offset + count), 0).max()
     host = torch.cat([torch.stack([going.sum(), rnd.accepted.sum(), c.active.sum(), remaining]),
                       target_plan.sizes.to(device), draft_plan.sizes.to(device)]).tolist()
     n_going, n_accepted, n_active, c.max_remaining = host[:4]
@@ -504,10 +526,21 @@ def _round(c: _Call) -> bool:
     c.drafter.commit_end(draft_plan, host[7:])
     c.strategy.update(rnd.gamma * n_active, n_accepted)
     c.active = going
+    if c.drop_finished and 0 < n_going < going.shape[0] and c.drafter.selects_rows:
+        _drop_finished(c)
     t_now = time.perf_counter()  # the .tolist() above waited for the device
     c.round_seconds.append(t_now - c.t_prev)
     c.t_prev = t_now
     return n_going > 0
+
+
+def _drop_finished(c: _Call) -> None:
+    """Rows that stopped leave both models' batches: one more host sync, in a round where some row stopped."""
+    keep = c.active.nonzero().flatten()                                     # (R',)
+    c.target.select_rows(keep)
+    c.drafter.select_rows(keep)
+    c.pending, c.active = c.pending[keep], c.active[keep]
+    c.rows = keep if c.rows is None else c.rows[keep]
 
 
 @torch.no_grad()

@@ -542,6 +542,27 @@ class BatchKV:
         self.positions = self.positions.gather(1, order)
         self.committed = widest
 
+    @property
+    def selects_rows(self) -> bool:
+        """select_rows() is possible: growing caches only (a static cache's rows are its allocation, a compiled one's
+        its graphs' batch bucket)."""
+        return self.max_length is None
+
+    @torch.no_grad()
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep the rows `rows` (R,) long, in that order, between rounds (nothing uncommitted): later steps feed R
+        rows. Decoding drops the rows that stopped so that no forward computes for them."""
+        if not self.selects_rows:
+            raise ValueError("BatchKV.select_rows needs a growing cache (max_length None): a static cache keeps its rows")
+        if self.mask.shape[1] != self.committed:
+            raise ValueError("BatchKV.select_rows with an uncommitted tail: commit first")
+        rows = rows.to(self.mask.device)
+        for layer in self._filled_layers():
+            layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+        self.mask, self.positions = self.mask.index_select(0, rows), self.positions.index_select(0, rows)
+        self.length = self.length.index_select(0, rows)
+        self._committed_length = self.length
+
     def _filled_layers(self):
         return [layer for layer in self.cache.layers if layer.is_initialized]
 
@@ -571,8 +592,17 @@ class TokenBuffer:
     def tokens(self) -> torch.Tensor:
         return self._data[:, :-1]  # (B, capacity)
 
-    def append(self, new: torch.Tensor, count: torch.Tensor) -> None:
-        """Append the first count[b] tokens of new[b] (B, C) to row b."""
+    def select_rows(self, rows: torch.Tensor) -> "TokenBuffer":
+        """A buffer of the rows `rows` (R,), in that order."""
+        out = TokenBuffer.__new__(TokenBuffer)
+        out.fill, out._data, out.length, out._upper = self.fill, self._data[rows], self.length[rows], self._upper
+        return out
+
+    def append(self, new: torch.Tensor, count: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Append the first count[b] tokens of new[b] (B, C) to row b; rows (R,): new and count (R, ...) are those
+        rows' (the others append nothing)."""
+        if rows is not None:
+            new, count = on_rows(new, rows, self.length.shape[0], self.fill), on_rows(count, rows, self.length.shape[0])
         B, C = new.shape
         capacity = self._data.shape[1] - 1
         if self._upper + C > capacity:
@@ -585,3 +615,12 @@ class TokenBuffer:
         self._data.scatter_(1, idx, new)
         self.length = self.length + count
         self._upper += C
+
+
+def on_rows(x: torch.Tensor, rows: torch.Tensor | None, batch: int, fill=0) -> torch.Tensor:
+    """x (R, ...), the values of rows `rows` (R,) of a batch -> (batch, ...) with `fill` in the other rows; rows None:
+    x is every row's already."""
+    if rows is None:
+        return x
+    out = x.new_full((batch, *x.shape[1:]), fill)
+    return out.index_copy_(0, rows.to(x.device), x)

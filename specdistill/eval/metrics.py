@@ -35,11 +35,11 @@ def weighted_percentiles(values: list[float], weights: list[float], qs=(50, 95, 
 
 
 def _reach(rnd) -> tuple[torch.Tensor, torch.Tensor]:
-    """One round -> (accepted (B, K), reached (B, K)): draft k accepted / drafted with drafts 1..k-1 accepted, active
-    rows only."""
+    """One round -> (accepted (R, K), reached (R, K)) over the rows it ran: draft k accepted / drafted with drafts
+    1..k-1 accepted, active rows only."""
     active = rnd.active.cpu()
-    acc = rnd.accepted.cpu() & active[:, None]                          # (B, K)
-    reach = torch.cat([active[:, None], acc[:, :-1]], dim=1)            # (B, K)
+    acc = rnd.accepted.cpu() & active[:, None]                          # (R, K)
+    reach = torch.cat([active[:, None], acc[:, :-1]], dim=1)            # (R, K)
     return acc, reach
 
 
@@ -57,8 +57,9 @@ def row_acceptance(r: Rollout, max_gamma: int) -> RowAcceptance:
     for rnd in r.rounds:
         if rnd.gamma:
             acc, reach = _reach(rnd)
-            out.reached[:, :rnd.gamma] += reach.long()
-            out.accepted[:, :rnd.gamma] += acc.long()
+            rows = rnd.row_ids().cpu()                                      # (R,) the rollout's rows the round ran
+            out.reached[rows, :rnd.gamma] += reach.long()
+            out.accepted[rows, :rnd.gamma] += acc.long()
     return out
 
 

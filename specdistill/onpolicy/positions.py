@@ -236,31 +236,31 @@ def _chain_round(acc: _Positions, rnd, top_k: int, branches: bool) -> None:
     if K == 0:
         return
     device = acc.plen.device
-    B = acc.plen.shape[0]
+    rows = rnd.row_ids().to(device)                                      # (R,) the rollout's rows the round ran
+    R = rows.shape[0]
     active = rnd.active.to(device)
-    n, count = rnd.num_accepted.to(device), rnd.num_emitted.to(device)   # (B,)
-    i = torch.arange(K, device=device).expand(B, K)                      # (B, K)
+    n, count = rnd.num_accepted.to(device), rnd.num_emitted.to(device)   # (R,)
+    i = torch.arange(K, device=device).expand(R, K)                      # (R, K)
     category = torch.where(i < n[:, None], ACCEPTED, torch.where(i == n[:, None], FIRST_REJECTED, AFTER_REJECTION))
     # On the trajectory: contexts within what the round emitted (drafts past an EOS inside the accepted run are
     # dropped). After a rejection: kept when the whole accepted run + correction was emitted.
     on_traj = i < count[:, None]
     off_traj = (i > n[:, None]) & (count == n + 1)[:, None]
-    keep = active[:, None] & (on_traj | (off_traj & branches))          # (B, K)
+    keep = active[:, None] & (on_traj | (off_traj & branches))          # (R, K)
     acc.stats.drafted += int((active[:, None] & (i <= n[:, None])).sum())   # what the verifier decided on
     acc.stats.accepted += int((rnd.accepted.to(device) & active[:, None]).sum())
     acc.stats.alpha += float((rnd.alpha.to(device) * (active[:, None] & (i <= n[:, None]))).sum())
-    base = acc.plen + rnd.offset.to(device)                              # (B,) context length at draft 0
-    row = torch.arange(B, device=device)[:, None].expand(B, K).clone()  # (B, K)
+    base = acc.plen[rows] + rnd.offset.to(device)                        # (R,) context length at draft 0
+    row = rows[:, None].expand(R, K).clone()                             # (R, K)
     drafts = rnd.draft_tokens.to(device)
-    for b in (keep & off_traj).any(1).nonzero().flatten().tolist():     # one branch row per such round
-        nb, start = int(n[b]), int(base[b])
-        row[b, nb + 1:] = len(acc.rows)
-        acc.rows.append(torch.cat([acc.trajs[b][: start + nb], drafts[b, nb: K - 1]]))
+    for r in (keep & off_traj).any(1).nonzero().flatten().tolist():     # one branch row per such round
+        nb, start, b = int(n[r]), int(base[r]), int(rows[r])
+        row[r, nb + 1:] = len(acc.rows)
+        acc.rows.append(torch.cat([acc.trajs[b][: start + nb], drafts[r, nb: K - 1]]))
         acc.source.append(b)
     sel = keep.nonzero(as_tuple=True)                                    # row-major: rounds contiguous, by index
     acc.add({"row": row[sel], "ctx": (base[:, None] + i)[sel], "tok": drafts[sel], "cat": category[sel],
-             "acc": rnd.accepted.to(device)[sel], "rid": (acc.rid + torch.arange(B, device=device)[:, None]
-                                                          .expand(B, K))[sel],
+             "acc": rnd.accepted.to(device)[sel], "rid": (acc.rid + rows[:, None].expand(R, K))[sel],
              "idx": i[sel], "alpha": rnd.alpha.to(device).float()[sel]},
             TargetLogits.from_logits(rnd.target_logits[:, :K].to(device)[sel], top_k))
 
@@ -271,24 +271,24 @@ def _tree_round(acc: _Positions, rnd, top_k: int, branches: bool) -> None:
         raise ValueError("tree positions need a recorded tree rollout: speculative_generate(record=True)")
     device = acc.plen.device
     tree = rnd.proposal
-    B, N = tree.tokens.shape
-    ancestors = tree.ancestors().cpu()                                   # (B, N+1, N+1)
-    depths = tree.depths().cpu()                                         # (B, N+1)
-    parents = F.pad(tree.parents, (1, 0), value=-1).cpu()                # (B, N+1), the root's: -1
-    node_tokens = F.pad(tree.tokens, (1, 0)).cpu()                       # (B, N+1)
-    first_child = tree.children()[..., 0].cpu()                          # (B, N+1)
-    edge_all = F.pad(rnd.node_prob.float(), (1, 0), value=1.0).cpu()     # (B, N+1)
-    child_mass = torch.zeros(B, N + 1).scatter_add_(1, tree.parents.cpu(), rnd.node_prob.float().cpu())
+    R, N = tree.tokens.shape                                             # the round's rows (rnd.rows)
+    ancestors = tree.ancestors().cpu()                                   # (R, N+1, N+1)
+    depths = tree.depths().cpu()                                         # (R, N+1)
+    parents = F.pad(tree.parents, (1, 0), value=-1).cpu()                # (R, N+1), the root's: -1
+    node_tokens = F.pad(tree.tokens, (1, 0)).cpu()                       # (R, N+1)
+    first_child = tree.children()[..., 0].cpu()                          # (R, N+1)
+    edge_all = F.pad(rnd.node_prob.float(), (1, 0), value=1.0).cpu()     # (R, N+1)
+    child_mass = torch.zeros(R, N + 1).scatter_add_(1, tree.parents.cpu(), rnd.node_prob.float().cpu())
     path, n_acc, active = rnd.path.cpu(), rnd.num_accepted.tolist(), rnd.active.tolist()
     emitted, offset, plen = rnd.num_emitted.tolist(), rnd.offset.tolist(), acc.plen.tolist()
-    contexts = rnd.contexts.cpu()
-    for b in range(B):
+    contexts, rows = rnd.contexts.cpu(), rnd.row_ids().tolist()
+    for b in range(R):  # the round's row b is the rollout's row rows[b]
         if not active[b]:
             continue
         n = n_acc[b]
         on_path = torch.zeros(N + 1, dtype=torch.bool)
         on_path[path[b, : n + 1]] = True
-        base = plen[b] + offset[b]                                       # the trajectory up to the root
+        base = plen[rows[b]] + offset[b]                                       # the trajectory up to the root
         ctx = [(j, u) for j, u in enumerate(contexts[b].tolist()) if u >= 0]  # (column, node) in node order
         whole = emitted[b] == n + 1
         keep = [(j, u) for j, u in ctx if (on_path[u] and depths[b, u] < emitted[b]) or
@@ -308,8 +308,8 @@ def _tree_round(acc: _Positions, rnd, top_k: int, branches: bool) -> None:
                 nodes = ancestors[b, u].nonzero().flatten()
                 nodes = nodes[nodes > 0][depths[b, nodes[nodes > 0]].argsort()]
                 row_of[u] = len(acc.rows)
-                acc.rows.append(torch.cat([acc.trajs[b][:base], node_tokens[b, nodes].to(device)]))
-                acc.source.append(b)
+                acc.rows.append(torch.cat([acc.trajs[rows[b]][:base], node_tokens[b, nodes].to(device)]))
+                acc.source.append(rows[b])
             p = int(parents[b, u])
             if p >= 0 and not on_path[p] and p not in row_of:
                 row_of[p] = row_of[u]
@@ -317,12 +317,12 @@ def _tree_round(acc: _Positions, rnd, top_k: int, branches: bool) -> None:
         for _, u in keep:
             d, on, p = int(depths[b, u]), bool(on_path[u]), int(parents[b, u])
             child = path[b, d + 1] if on and d < n else first_child[b, u]  # the accepted child, else the best
-            cols["row"].append(b if on else row_of[u])
+            cols["row"].append(rows[b] if on else row_of[u])
             cols["ctx"].append(base + d)
             cols["cat"].append(ACCEPTED if on and d < n else FIRST_REJECTED if on else AFTER_REJECTION)
             cols["acc"].append(on and d < n)
             cols["tok"].append(int(node_tokens[b, child]))
-            cols["rid"].append(acc.rid + b)
+            cols["rid"].append(acc.rid + rows[b])
             cols["idx"].append(d)
             cols["alpha"].append(float(child_mass[b, u]))
             cols["parent"].append(-1 if p < 0 else acc.count + local[p])

@@ -181,8 +181,10 @@ def collect_rollout(target_model, draft_model, prompt_ids: torch.Tensor, prompt_
     common = dict(max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos_token_id,
                   generator=generator, record=True, draft_policy=draft_policy, capture_layers=layers,
                   cache=cache or CacheMode())
+    # Rows that stopped leave the batch (growing caches): on a forward whose cost grows with its rows, the rollout's
+    # longest row no longer makes every row pay for its rounds.
     rollout = speculative_generate(target_model, draft.drafter(), prompt_ids, prompt_mask,
-                                   strategy=gamma if tree is None else tree, **common)
+                                   strategy=gamma if tree is None else tree, drop_finished_rows=True, **common)
     positions = positions_from_rounds(prompt_ids, prompt_mask, rollout, top_k, branches)
     positions.stats.output_buckets = output_position_buckets(rollout.rounds)  # the evaluator's buckets
     if layers:

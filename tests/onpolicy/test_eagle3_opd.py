@@ -40,8 +40,9 @@ def test_head_rollout_and_ttt_loss_forward_match_the_drafter(target, temperature
     head = _head(target, vd).eval()
     ids, mask = _prompts()
     gen = lambda: torch.Generator().manual_seed(0) if temperature else None  # noqa: E731
+    # the evaluator's decoder as rollouts run it (stopped rows leave the batch, so later draws are the same)
     ref = speculative_generate(target, Eagle3Drafter(head), ids, mask, strategy=3, max_new_tokens=12,
-                               temperature=temperature, generator=gen(), draft_policy=policy)
+                               temperature=temperature, generator=gen(), draft_policy=policy, drop_finished_rows=True)
     pos = collect_rollout(target, head, ids, mask, gamma=3, max_new_tokens=12, temperature=temperature,
                           generator=gen(), draft_policy=policy)
     for b in range(3):

@@ -22,9 +22,9 @@ def test_bookkeeping_agrees_with_the_evaluators_decisions(pair, ragged_prompts, 
     target, draft = pair
     ids, mask = ragged_prompts
     g = torch.Generator().manual_seed(0) if temperature > 0 else None
-    # What the evaluator runs (record=False), on the same seed.
+    # What the evaluator runs (record=False), on the same seed, as rollouts run it (stopped rows leave the batch).
     ref = speculative_generate(target, LMDrafter(draft), ids, mask, strategy=GAMMA, max_new_tokens=NEW,
-                               temperature=temperature, generator=g)
+                               temperature=temperature, generator=g, drop_finished_rows=True)
     pos = _collect(pair, ids, mask, temperature)
     for b in range(3):
         assert pos.rows[b].tolist() == ids[b][mask[b].bool()].tolist() + ref.tokens(b)

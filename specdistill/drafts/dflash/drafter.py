@@ -37,6 +37,7 @@ class DFlashDrafter(Drafter):
 
     needs_hidden_states = True
     grows_trees = True
+    selects_rows = True
 
     def __init__(self, model: DFlashDraft, confidence: float = 0.0):
         self.model = model
@@ -141,6 +142,11 @@ class DFlashDrafter(Drafter):
         self.anchor = torch.where(active, next_token, self.anchor)
         self.anchor_pos = torch.where(active, self.anchor_pos + n + 1, self.anchor_pos)
         self._crop()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        rows = rows.to(self.anchor.device)
+        self.cache = self.cache.rows(rows)
+        self.anchor, self.anchor_pos = self.anchor[rows], self.anchor_pos[rows]
 
     # ------------------------------------------------------------------------------------------- token trees
     @property

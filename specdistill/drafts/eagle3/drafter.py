@@ -40,6 +40,7 @@ class Eagle3Drafter(Drafter):
 
     needs_hidden_states = True
     grows_trees = True
+    selects_rows = True
 
     def __init__(self, head: Eagle3Head, confidence: float = 0.0):
         self.head = head
@@ -181,6 +182,13 @@ class Eagle3Drafter(Drafter):
         col = torch.arange(width, device=device)
         new_keep = (col <= n[:, None]) & active[:, None]                    # (B, width)
         self._set_pending(emitted, g * new_keep[..., None], new_keep, torch.where(active, n, 0))
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        rows = rows.to(self.length.device)
+        self.cache.select_rows(rows)
+        self.mask, self.length = self.mask[rows], self.length[rows]
+        self._set_pending(self.pending_tokens[rows], self.pending_g[rows], self.pending_keep[rows],
+                          self.pending_last[rows])
 
     # ------------------------------------------------------------------------------------------- token trees
     def _tree(self, shape: TreeShape) -> Proposal:

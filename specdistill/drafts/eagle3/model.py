@@ -210,6 +210,10 @@ class SlotCache:
         self.keys[:, :, :W], self.values[:, :, :W] = keys, values
         self.length = W
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep the rows `rows` (R,), in that order (the buffers become R rows, capacity kept)."""
+        self.keys, self.values = self.keys.index_select(0, rows), self.values.index_select(0, rows)
+
     def _grow(self, need: int) -> None:
         capacity = max(need, 2 * self.keys.shape[2])
         keys = self.keys.new_zeros(*self.keys.shape[:2], capacity, self.keys.shape[-1])
