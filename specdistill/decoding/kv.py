@@ -553,7 +553,8 @@ class BatchKV:
         """Keep the rows `rows` (R,) long, in that order, between rounds (nothing uncommitted): later steps feed R
         rows. Decoding drops the rows that stopped so that no forward computes for them."""
         if not self.selects_rows:
-            raise ValueError("BatchKV.select_rows needs a growing cache (max_length None): a static cache keeps its rows")
+            raise ValueError("BatchKV.select_rows needs a growing cache (max_length None): a static cache keeps its "
+                             "rows")
         if self.mask.shape[1] != self.committed:
             raise ValueError("BatchKV.select_rows with an uncommitted tail: commit first")
         rows = rows.to(self.mask.device)

@@ -128,8 +128,9 @@ def test_sampled_decodes_with_drops_are_reproducible_and_stop_where_the_rows_end
 
     def run():
         g = torch.Generator().manual_seed(7)
-        return speculative_generate(target, LMDrafter(_near_copy(target)), ids, mask, strategy=3, max_new_tokens=NEW, eos_token_id=EOS, temperature=1.0,
-                                    generator=g, drop_finished_rows=True)
+        return speculative_generate(target, LMDrafter(_near_copy(target)), ids, mask, strategy=3,
+                                    max_new_tokens=NEW, eos_token_id=EOS, temperature=1.0, generator=g,
+                                    drop_finished_rows=True)
 
     a, b = run(), run()
     assert torch.equal(a.sequences, b.sequences) and torch.equal(a.target_forwards, b.target_forwards)
@@ -142,8 +143,8 @@ def test_sampled_decodes_with_drops_are_reproducible_and_stop_where_the_rows_end
 def test_static_caches_keep_their_rows():
     target = _target()
     ids, mask = left_padded_prompts([9, 5, 2], seed=3)
-    r = speculative_generate(target, LMDrafter(_near_copy(target)), ids, mask, strategy=3, max_new_tokens=NEW, eos_token_id=EOS, cache=CacheMode(static=True),
-                             drop_finished_rows=True)
+    r = speculative_generate(target, LMDrafter(_near_copy(target)), ids, mask, strategy=3, max_new_tokens=NEW,
+                             eos_token_id=EOS, cache=CacheMode(static=True), drop_finished_rows=True)
     assert all(rnd.rows is None for rnd in r.rounds)
     kv = BatchKV(target, max_length=64)
     kv.prefill(ids, mask)
