@@ -517,26 +517,29 @@ def _round(c: _Call) -> bool:
     c.rounds.append(rnd)
     _count(c.stats, rnd)
 
-    # The round's one host sync: loop control and both commits' crop sizes (nothing syncs per token).
+    # The round's one host sync: loop control, both commits' crop sizes and (drop_finished) which rows go on; nothing
+    # syncs per token.
     remaining = torch.where(going, c.max_new_tokens - (offset + count), 0).max()
+    drop = c.drop_finished and c.drafter.selects_rows
     host = torch.cat([torch.stack([going.sum(), rnd.accepted.sum(), c.active.sum(), remaining]),
-                      target_plan.sizes.to(device), draft_plan.sizes.to(device)]).tolist()
+                      target_plan.sizes.to(device), draft_plan.sizes.to(device)]
+                     + ([going.long()] if drop else [])).tolist()
     n_going, n_accepted, n_active, c.max_remaining = host[:4]
+    end = 7 + draft_plan.sizes.numel()
     c.target.commit_end(target_plan, host[4:7])
-    c.drafter.commit_end(draft_plan, host[7:])
+    c.drafter.commit_end(draft_plan, host[7:end])
     c.strategy.update(rnd.gamma * n_active, n_accepted)
     c.active = going
-    if c.drop_finished and 0 < n_going < going.shape[0] and c.drafter.selects_rows:
-        _drop_finished(c)
+    if drop and 0 < n_going < going.shape[0]:
+        _drop_finished(c, torch.tensor([i for i, g in enumerate(host[end:]) if g], device=device))
     t_now = time.perf_counter()  # the .tolist() above waited for the device
     c.round_seconds.append(t_now - c.t_prev)
     c.t_prev = t_now
     return n_going > 0
 
 
-def _drop_finished(c: _Call) -> None:
-    """Rows that stopped leave both models' batches: one more host sync, in a round where some row stopped."""
-    keep = c.active.nonzero().flatten()                                     # (R',)
+def _drop_finished(c: _Call, keep: torch.Tensor) -> None:
+    """Only the rows `keep` (R',) of the R the models hold go on: the others leave both models' batches."""
     c.target.select_rows(keep)
     c.drafter.select_rows(keep)
     c.pending, c.active = c.pending[keep], c.active[keep]
