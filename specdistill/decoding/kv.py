@@ -197,6 +197,16 @@ def window_by_position(positions: torch.Tensor, window: int) -> Callable:
     return inside
 
 
+def same_segment(segment: torch.Tensor) -> Callable:
+    """Mask function (masking_utils protocol) of packed rows: key kv is visible to query q when both are slots of the
+    same packed prompt; segment (N, T) says whose each column is (-1: padding)."""
+
+    def inside(batch_idx, head_idx, q_idx, kv_idx):
+        return segment[batch_idx, kv_idx] == segment[batch_idx, q_idx]
+
+    return inside
+
+
 def tail_visibility(visible: torch.Tensor, start: int) -> Callable:
     """Mask function (masking_utils protocol) for a tree tail: visible (B, C, T) says which of the T uncommitted tail
     columns (from column `start`) each of the C newest queries sees (itself and its ancestors in a token tree). Keys
@@ -279,7 +289,13 @@ class BatchKV:
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
-        """Feed a left-padded (B, T) batch (T may be 0) and commit its real tokens; returns the model output or None."""
+        """Feed a left-padded (B, T) batch (T may be 0) and commit its real tokens; returns the model output or None.
+        Its hidden_states (output_hidden_states=True) are per row as the batch is laid out; its logits are not for
+        reading (decoding starts from the pending token): a packed prefill returns none.
+
+        Ragged rows are packed (pack_rows): several short prompts share one row of the forward, each attending to
+        itself only, so the forward computes the real tokens and not the left padding; the keys, values and hidden
+        states then go back to each row's left-padded columns."""
         B = input_ids.shape[0]
         device = device_of(self.model)
         self.mask = torch.zeros(B, 0, dtype=torch.long, device=device)
@@ -293,8 +309,49 @@ class BatchKV:
         self.closed = False
         if input_ids.shape[1] == 0:
             return None
-        out = self.step(input_ids, attention_mask.bool(), eager=True, **self._keep_last_logits, **kwargs)
+        packing = None
+        if set(kwargs) <= {"output_hidden_states"} and self.config._attn_implementation in MASKED_ATTENTION:
+            packing = pack_rows(attention_mask.sum(1).tolist(), input_ids.shape[1])
+        if packing is None:
+            out = self.step(input_ids, attention_mask.bool(), eager=True, **self._keep_last_logits, **kwargs)
+        else:
+            out = self._packed_prefill(input_ids, attention_mask, packing, **kwargs)
         self.commit_all()  # left padding stays as masked columns
+        return out
+
+    def _packed_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, packing: "Packing", **kwargs):
+        """prefill() of a ragged batch as packed rows: one forward over (N, T) packed rows (N < B) into a scratch
+        cache, then every layer's keys and values gathered into the batch's left-padded layout (B, H, T, D) and
+        written to this cache as one update."""
+        device = device_of(self.model)
+        B, T = input_ids.shape
+        valid = attention_mask.to(device).bool()                                       # (B, T)
+        if self.max_length is not None:
+            self._make_room(T)
+        src_row, src_col = packing.source.to(device).unbind(0)                          # (N, T) each
+        ids = input_ids.to(device)[src_row, src_col]                                    # (N, T) packed tokens
+        segment = packing.segment.to(device)                                            # (N, T) row of each slot
+        real = segment >= 0
+        positions = (src_col - (T - valid.sum(1))[src_row]).clamp(min=0)               # (N, T) from 0 per row
+        masks = self._masks(ids.shape[0], T, T, 0, real, positions, and_masks(causal_mask_function,
+                                                                              same_segment(segment)))
+        scratch = DynamicCache() if self.max_length is None else static_cache(self.config.num_hidden_layers, T)
+        out = self.model(input_ids=ids, attention_mask=masks, position_ids=positions, use_cache=True,
+                         **{self._cache_kwarg: scratch}, **self._keep_last_logits, **kwargs)
+        at_bin, at_col = packing.target.to(device).unbind(0)                            # (B, T) each
+        for i, layer in enumerate(scratch.layers):
+            k, v = layer.keys[:, :, :T], layer.values[:, :, :T]                          # (N, H, T, D)
+            keys = k.transpose(1, 2)[at_bin, at_col].transpose(1, 2)                    # (B, H, T, D)
+            values = v.transpose(1, 2)[at_bin, at_col].transpose(1, 2)
+            self.cache.update(keys.contiguous(), values.contiguous(), i)
+        if getattr(out, "hidden_states", None) is not None:
+            out.hidden_states = tuple(h[at_bin, at_col] * valid[..., None] for h in out.hidden_states)  # (B, T, H)
+        out.logits = None
+        out.past_key_values = self.cache
+        self.mask = valid.long()
+        self.positions = (valid.long().cumsum(1) - 1).clamp(0, None if self.max_positions is None
+                                                            else self.max_positions - 1)
+        self.length = valid.sum(1)
         return out
 
     @torch.no_grad()
@@ -395,22 +452,28 @@ class BatchKV:
         index-based and takes the interface's broadcasting path."""
         if not self.sliding and tail_visible is None and width is None:
             return self.mask                                                # (B, S + C)
-        (B, S), device = self.mask.shape, self.mask.device
-        build = ALL_MASK_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        B, S = self.mask.shape
         kv_length = S if width is None else width
         padding = torch.nn.functional.pad(self.mask.bool(), (0, kv_length - S))                  # (B, kv_length)
         positions = torch.nn.functional.pad(self.positions, (0, kv_length - S))                  # (B, kv_length)
+        rule = causal_mask_function if tail_visible is None else and_masks(
+            causal_mask_function, tail_visibility(tail_visible, self.committed))
+        return self._masks(B, C, kv_length, S - C, padding, positions, rule)
+
+    def _masks(self, B: int, C: int, kv_length: int, q_offset: int, padding: torch.Tensor, positions: torch.Tensor,
+               rule: Callable):
+        """Ready 4D masks (B, 1, C, kv_length) of `rule` AND padding (B, kv_length) AND, in sliding layers, the window
+        by positions (B, kv_length): one per layer type where the config lists layer types, else the one mask."""
+        build = ALL_MASK_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         masks = {}
         for layer_type, window in self.windows.items():
-            rule = causal_mask_function if window is None else and_masks(
-                causal_mask_function, window_by_position(positions, window))
-            if tail_visible is not None:
-                rule = and_masks(rule, tail_visibility(tail_visible, self.committed))
+            layer_rule = rule if window is None else and_masks(rule, window_by_position(positions, window))
             front = self.front if window is not None else 0                 # sliding layers may start later
-            masks[layer_type] = build(batch_size=B, q_length=C, kv_length=kv_length - front, q_offset=S - C,
+            masks[layer_type] = build(batch_size=B, q_length=C, kv_length=kv_length - front, q_offset=q_offset,
                                       kv_offset=front,
-                                      mask_function=rule, attention_mask=padding, allow_is_causal_skip=False,
-                                      dtype=self.model.dtype, config=self.config, use_vmap=False, device=device)
+                                      mask_function=layer_rule, attention_mask=padding, allow_is_causal_skip=False,
+                                      dtype=self.model.dtype, config=self.config, use_vmap=False,
+                                      device=padding.device)
         return masks if hasattr(self.config, "layer_types") else next(iter(masks.values()))
 
     def commit_all(self) -> None:
@@ -566,6 +629,52 @@ class BatchKV:
 
     def _filled_layers(self):
         return [layer for layer in self.cache.layers if layer.is_initialized]
+
+
+@dataclass
+class Packing:
+    """Where a ragged left-padded (B, T) batch's rows sit when packed into N < B rows of width T."""
+
+    source: torch.Tensor   # (2, N, T) long: the batch's (row, column) each packed slot holds (padding: any real slot)
+    segment: torch.Tensor  # (N, T) long: the batch row of each packed slot, -1 for padding
+    target: torch.Tensor   # (2, B, T) long: the packed (row, column) each batch slot comes from (padding: any)
+
+
+def pack_rows(lengths: list[int], width: int) -> Packing | None:
+    """First-fit decreasing: rows of these real lengths into as few packed rows of `width` slots as it finds, each
+    packed row's padding first (on the left, as the batch pads), then its prompts in batch order. None when packing
+    saves no row (every row needed) or there is nothing to pack."""
+    order = sorted((b for b, n in enumerate(lengths) if n > 0), key=lambda b: -lengths[b])
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for b in order:
+        i = next((i for i, r in enumerate(room) if r >= lengths[b]), None)
+        if i is None:
+            bins.append([]), room.append(width)
+            i = len(bins) - 1
+        bins[i].append(b)
+        room[i] -= lengths[b]
+    if not bins or len(bins) >= len(lengths):
+        return None
+    N, B = len(bins), len(lengths)
+    source = torch.zeros(2, N, width, dtype=torch.long)
+    segment = torch.full((N, width), -1, dtype=torch.long)
+    target = torch.zeros(2, B, width, dtype=torch.long)
+    first = bins[0][0]
+    source[0], source[1] = first, width - 1  # padding slots read a real slot (masked, never kept)
+    for i, rows in enumerate(bins):
+        col = room[i]
+        for b in sorted(rows):
+            n = lengths[b]
+            source[0, i, col: col + n], source[1, i, col: col + n] = b, torch.arange(width - n, width)
+            segment[i, col: col + n] = b
+            target[0, b], target[1, b, width - n:] = i, torch.arange(col, col + n)
+            target[1, b, : width - n] = col  # the row's padding reads its first slot (masked, zeroed)
+            col += n
+    for b in range(B):
+        if lengths[b] == 0:
+            target[0, b], target[1, b] = 0, width - 1
+    return Packing(source, segment, target)
 
 
 class TokenBuffer:
