@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import specdistill.decoding.kv as kv
-from specdistill.decoding.kv import BatchKV, CacheMode, pack_rows
+from specdistill.decoding.kv import CacheMode, pack_rows
 from tests.conftest import left_padded_prompts
 from tests.tiny_archs import tiny_target
 
