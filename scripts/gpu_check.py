@@ -5,6 +5,8 @@ target with a few layers. Stages, each timed and recorded, a failure recorded wi
   1. eagle3         recipe=eagle3 on the 8B-shaped target, bf16 mixed precision, 20 steps (train.py, a subprocess):
                     tokens/s, and MFU against the device's dense bf16 peak
   2. draft_opd      recipe=draft_opd, one on-policy step of an EAGLE-3 head on the SmolLM2-shaped target, bf16
+  2b. opd_cost      benchmarks/opd_cost.py: a Draft-OPD step (64-token rollouts at T=1) against recipe eagle3_serve's
+                    off-policy step on the same rows (both from one regenerated store), per row; the goal is <= 3x
   3. evaluate       the evaluator in bf16 on the 8B-shaped target with the head of stage 1 (speedup, tau); speculative
                     against target-only decoding judged lossless (eval/lossless.py: each divergence's fp32 margin
                     against the paths' measured bf16 noise); then the same with compiled static caches (CUDA graphs),
@@ -51,11 +53,13 @@ SHARPEN = 8.0  # lm_head scale: peaked distributions, so fewer greedy argmaxes s
 # Efficiency floors (fractions of the device's limit) below which a CUDA run fails; on the CPU figures are reported.
 MFU_FLOOR = 0.25             # eagle3 training: achieved FLOP/s over the dense bf16 peak
 DECODE_FLOORS = {"growing": 0.10, "static": 0.10, "compiled": 0.30}  # decoding: of the binding limit (bandwidth)
+# Draft-OPD: an on-policy step over an off-policy step at equal rows. The goal, and the ceiling a CUDA run fails above.
+OPD_STEP_GOAL, OPD_STEP_CEILING = 3.0, 6.0
 # Memory bandwidth from the datasheets (name contained, names excluded, bytes/s); other devices use the measured copy.
 PUBLISHED_BANDWIDTH = (("H200", ("NVL",), 4.8e12), ("H100", ("NVL", "PCIe"), 3.35e12),
                        ("A100", ("PCIe", "40GB"), 2.039e12))
 NOISE_ROWS = 16  # rows whose bf16 noise is measured teacher-forced (eval/lossless.py)
-OPTIONAL_STAGES = ("eagle3", "draft_opd", "evaluate", "lossless_fp32", "regenerate")  # after assets and limits
+OPTIONAL_STAGES = ("eagle3", "draft_opd", "opd_cost", "evaluate", "lossless_fp32", "regenerate")  # after assets, limits
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "user", "assistant", "system"]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -78,6 +82,8 @@ class Sizes:
     regen_batches: tuple
     regen_prompt: int
     regen_new_tokens: int
+    opd_new_tokens: int = 64   # Draft-OPD rollout length in opd_cost
+    opd_prompts: int = 64      # prompts regenerated for opd_cost's shared store
 
 
 def real_sizes(layers: int, steps: int) -> Sizes:
@@ -99,7 +105,7 @@ def tiny_sizes() -> Sizes:
     big = dict(base, hidden_size=128, intermediate_size=256, num_hidden_layers=4, tie_word_embeddings=False)
     return Sizes(small, big, rows=40, answer_words=(20, 40), max_length=96, micro_batch=2, steps=2, draft_vocab=256,
                  eval_prompts=2, eval_new_tokens=12, compile_prompts=1, regen_batches=(2, 4), regen_prompt=8,
-                 regen_new_tokens=8)
+                 regen_new_tokens=8, opd_new_tokens=8, opd_prompts=8)
 
 
 # ------------------------------------------------------------------------------------------------ the machine
@@ -439,27 +445,37 @@ def warm_then_timed(calls: dict[str, Callable], models: tuple) -> tuple[dict, Co
 
 
 # ------------------------------------------------------------------------------------------------ stages
-def train(run: Path, recipe: str, target: Path, data: Path, sizes: Sizes, device: str, extra: list[str],
-          timeout_s: float) -> dict:
-    """train.py in a subprocess (the user's path), bf16 mixed precision; the logged figures and summary.json's
-    device peak."""
-    overrides = [f"recipe={recipe}", "target=local", f"target.path={target}", "target.dtype=bfloat16",
-                 f"data.path={data}", "data.format=auto", "data.max_rows=null", f"data.max_length={sizes.max_length}",
-                 "data.heldout_size=8", f"data.cache_dir={run}/data_cache", f"trainer.output_dir={run}",
-                 f"trainer.micro_batch_size={sizes.micro_batch}", "trainer.grad_accum=1",
-                 "trainer.mixed_precision=bf16", "trainer.log_every=1", "trainer.save_every=100000",
-                 "trainer.eval_every=0", "trainer.warmup_steps=2", "eval.spec_eval=false",
-                 f"draft.draft_vocab_size={sizes.draft_vocab}", *extra]
+def run_overrides(run: Path, target: Path, data: Path, sizes: Sizes) -> list[str]:
+    """The Hydra overrides every trained stage shares: the stage's target and data, bf16 mixed precision, the sizes."""
+    return ["target=local", f"target.path={target}", "target.dtype=bfloat16", f"data.path={data}", "data.format=auto",
+            "data.max_rows=null", f"data.max_length={sizes.max_length}", "data.heldout_size=8",
+            f"data.cache_dir={run}/data_cache", f"trainer.micro_batch_size={sizes.micro_batch}", "trainer.grad_accum=1",
+            "trainer.mixed_precision=bf16", f"draft.draft_vocab_size={sizes.draft_vocab}"]
+
+
+def run_python(args: list[str], log: Path, device: str, timeout_s: float, what: str) -> None:
+    """A Python subprocess from the repository (the user's path), offline, on `device`; its output goes to `log`."""
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", WANDB_MODE="offline",
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    log = run.parent / f"{run.name}.log"
     with log.open("w") as f:
-        proc = subprocess.run([sys.executable, str(REPO / "train.py"), *overrides], cwd=REPO, env=env, stdout=f,
-                              stderr=subprocess.STDOUT, timeout=timeout_s)
+        proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                              timeout=timeout_s)
     if proc.returncode != 0:
-        raise RuntimeError(f"train.py {recipe} exited {proc.returncode}; log {log}:\n{log.read_text()[-3000:]}")
+        raise RuntimeError(f"{what} exited {proc.returncode}; log {log}:\n{log.read_text()[-3000:]}")
+
+
+def train(run: Path, recipe: str, target: Path, data: Path, sizes: Sizes, device: str, extra: list[str],
+          timeout_s: float) -> dict:
+    """train.py in a subprocess (the user's path), bf16 mixed precision; the logged figures and summary.json's
+    device peak."""
+    overrides = [f"recipe={recipe}", *run_overrides(run, target, data, sizes), f"trainer.output_dir={run}",
+                 "trainer.log_every=1", "trainer.save_every=100000", "trainer.eval_every=0", "trainer.warmup_steps=2",
+                 "eval.spec_eval=false", *extra]
+    run_python([str(REPO / "train.py"), *overrides], run.parent / f"{run.name}.log", device, timeout_s,
+               f"train.py {recipe}")
+    log = run.parent / f"{run.name}.log"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "train/loss" in r]
     if not steps:
@@ -480,6 +496,33 @@ def train(run: Path, recipe: str, target: Path, data: Path, sizes: Sizes, device
             "achieved_flops_per_s": mean("train/achieved_tflops", 1e12) or mean("train/achieved_gflops", 1e9),
             "logged_mfu": mean("train/mfu"), "peak_mem_mb": last.get("train/peak_mem_mb"),
             "device_peak": json.loads(summary.read_text()).get("device_peak") if summary.exists() else None}
+
+
+def opd_step_cost(run: Path, target: Path, data: Path, sizes: Sizes, device: str, timeout_s: float,
+                  judged: bool) -> dict:
+    """benchmarks/opd_cost.py in a subprocess: one warm-up and two timed optimizer steps of each arm on the same
+    micro-batches, the SmolLM2-shaped target in bf16: a Draft-OPD step of an EAGLE-3 head (no warm-up: a random
+    head, so rollouts run near their longest) against recipe eagle3_serve's off-policy step, both reading one
+    regenerated store. The figure is the on-policy step's seconds per row over the off-policy step's; above
+    OPD_STEP_CEILING a CUDA run fails."""
+    regen = [f"data.regenerate.max_prompts={sizes.opd_prompts}",
+             f"data.regenerate.max_new_tokens={sizes.opd_new_tokens}"]
+    run_python(["-m", "benchmarks.opd_cost", "--steps", "2", "--offpolicy-recipe", "eagle3_serve",
+                "--onpolicy", "draft=eagle3", "--onpolicy", "warmup.mode=never",
+                "--onpolicy", f"objective.max_new_tokens={sizes.opd_new_tokens}", "--out", str(run),
+                *run_overrides(run, target, data, sizes), *regen], run.parent / f"{run.name}.log", device, timeout_s,
+               "benchmarks.opd_cost")
+    result = json.loads((run / "opd_cost.json").read_text())
+    ratio = result["ratio_seconds_per_step_equal_rows"]
+    over = judged and ratio > OPD_STEP_CEILING
+    arms = {name: {k: arm[k] for k in ("seconds_per_step", "prepare_seconds_per_step", "rows_per_step",
+                                      "positions_per_step", "target_forwards_per_step")}
+            for name, arm in result["arms"].items()}
+    return {"step_ratio_per_row": ratio, "goal": OPD_STEP_GOAL, "ceiling": OPD_STEP_CEILING, "judged": judged,
+            "goal_met": ratio <= OPD_STEP_GOAL, "ratio_per_trained_position": result["ratio_seconds_per_position"],
+            "arms": arms, "command": result["command"],
+            "problems": [f"an on-policy step costs {ratio:.2f}x an off-policy step per row, above the ceiling "
+                         f"{OPD_STEP_CEILING:g}x (goal {OPD_STEP_GOAL:g}x)"] if over else []}
 
 
 def final_draft(run: Path) -> Path:
@@ -857,7 +900,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else args.work)
     out_dir.mkdir(parents=True, exist_ok=True)
     judged = args.device == "cuda"
-    floors = {"mfu": MFU_FLOOR, "decode": DECODE_FLOORS, "judged": judged,
+    floors = {"mfu": MFU_FLOOR, "decode": DECODE_FLOORS, "opd_step_ceiling": OPD_STEP_CEILING, "judged": judged,
               "note": "fractions of the device's limit; a figure below its floor fails on CUDA only"}
     report = Report(out_dir / "gpu_check.json", environment(args.device), args.budget_s, floors)
     report.data["sizes"] = {"tiny": args.tiny, "big_layers": sizes.big["num_hidden_layers"], "steps": sizes.steps}
@@ -894,6 +937,8 @@ def main(argv: list[str] | None = None) -> int:
     stage("draft_opd", lambda: trained("draft_opd", "draft_opd", small,
                                        ["warmup.mode=never", "data.regenerate.enabled=false", "trainer.max_steps=1",
                                         "trainer.export_formats=[]", "objective.max_new_tokens=32"], None))
+    stage("opd_cost", lambda: opd_step_cost(args.work / "opd_cost", small, data, sizes, args.device,
+                                            max(report.left_s(), 120.0), judged))
     head = final_draft(args.work / "eagle3") if eagle3 is not None else None
     if head is None and "evaluate" not in skip:
         report.skip("evaluate", "no trained head (eagle3 skipped or failed)")

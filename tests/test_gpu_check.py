@@ -195,9 +195,14 @@ def test_the_gpu_check_passes_on_the_cpu_at_toy_sizes(gc, tmp_path, monkeypatch)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     stages = report["stages"]
     assert rc == 0 and report["ok"] and report["problems"] == [], json.dumps(report["problems"], indent=1)[:4000]
-    assert set(stages) == {"assets", "limits", "eagle3", "draft_opd", "evaluate", "lossless_fp32", "regenerate"}
+    assert set(stages) == {"assets", "limits", "eagle3", "draft_opd", "opd_cost", "evaluate", "lossless_fp32",
+                           "regenerate"}
     assert stages["eagle3"]["steps"] == 2 and stages["eagle3"]["tokens_per_s"] > 0
     assert stages["draft_opd"]["steps"] == 1
+    opd = stages["opd_cost"]
+    assert opd["step_ratio_per_row"] > 0 and not opd["judged"] and opd["problems"] == []
+    arms = opd["arms"]
+    assert arms["onpolicy"]["target_forwards_per_step"] > 0 == arms["offpolicy"]["target_forwards_per_step"]
     assert stages["evaluate"]["speedup"] > 0 and stages["evaluate"]["compiled"]["compile"]["ok"]
     assert set(report["compile"]) == {"evaluate.compiled.compile", "lossless_fp32.compile", "regenerate.compile"}
     assert all(c["graphs"] > 0 and c["graphs_after_warm_up"] == 0 for c in report["compile"].values())
