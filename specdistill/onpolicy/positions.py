@@ -66,11 +66,39 @@ class TargetLogits:
         return out.scatter_(1, self.indices, self.values)
 
     @staticmethod
-    def cat(parts: list["TargetLogits"]) -> "TargetLogits":
+    def cat(parts: list["TargetLogits | LogitRows"]) -> "TargetLogits":
+        """The parts in order; full logits (LogitRows among them) are copied once, straight into the one output."""
         if any((p.indices is None) != (parts[0].indices is None) for p in parts):
             raise ValueError("cannot mix full and top-k target logits")
-        idx = None if parts[0].indices is None else torch.cat([p.indices for p in parts])
-        return TargetLogits(torch.cat([p.values for p in parts]), idx, parts[0].vocab)
+        if parts[0].indices is not None:
+            return TargetLogits(torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts]),
+                                parts[0].vocab)
+        first = parts[0].src if isinstance(parts[0], LogitRows) else parts[0].values
+        out = torch.empty(sum(map(len, parts)), first.shape[-1], device=first.device)   # (P, V) float32
+        start = 0
+        for p in parts:
+            rows = out[start: start + len(p)]
+            if not isinstance(p, LogitRows):
+                rows.copy_(p.values)
+            elif p.src.dtype == out.dtype:
+                torch.index_select(p.src, 0, p.idx, out=rows)
+            else:
+                rows.copy_(p.src.index_select(0, p.idx))
+            start += len(p)
+        return TargetLogits(out, None, first.shape[-1])
+
+
+@dataclass
+class LogitRows:
+    """Rows idx (n,) of full raw logits src (N, V), not copied yet: TargetLogits.cat gathers them into its output (a
+    rollout's positions then copy the target's logits once, not once per round and again to join the rounds)."""
+
+    src: torch.Tensor
+    idx: torch.Tensor
+    indices = None  # full logits, as TargetLogits with indices None
+
+    def __len__(self) -> int:
+        return self.idx.shape[0]
 
 
 @dataclass
@@ -191,11 +219,11 @@ class _Positions:
     plen: torch.Tensor             # (B,) prompt lengths
     stats: RolloutStats
     parts: dict[str, list[torch.Tensor]] = field(default_factory=lambda: {k: [] for k in _KEYS + ("parent", "edge")})
-    targets: list[TargetLogits] = field(default_factory=list)
+    targets: list[TargetLogits | LogitRows] = field(default_factory=list)
     rid: int = 0                   # the next round's first round id (one per (round, row))
     count: int = 0                 # positions so far
 
-    def add(self, cols: dict[str, torch.Tensor], target: TargetLogits) -> None:
+    def add(self, cols: dict[str, torch.Tensor], target: TargetLogits | LogitRows) -> None:
         for k, v in cols.items():
             self.parts[k].append(v)
         self.targets.append(target)
@@ -262,7 +290,16 @@ def _chain_round(acc: _Positions, rnd, top_k: int, branches: bool) -> None:
     acc.add({"row": row[sel], "ctx": (base[:, None] + i)[sel], "tok": drafts[sel], "cat": category[sel],
              "acc": rnd.accepted.to(device)[sel], "rid": (acc.rid + rows[:, None].expand(R, K))[sel],
              "idx": i[sel], "alpha": rnd.alpha.to(device).float()[sel]},
-            TargetLogits.from_logits(rnd.target_logits[:, :K].to(device)[sel], top_k))
+            _round_targets(rnd.target_logits.to(device), sel, top_k))
+
+
+def _round_targets(logits: torch.Tensor, sel: tuple[torch.Tensor, torch.Tensor], top_k: int):
+    """A chain round's target logits (R, K+1, V) at the positions sel (rows, draft indices): LogitRows of the full
+    logits (copied once, when the rollout's positions are joined), or their top-k now."""
+    V = logits.shape[-1]
+    if top_k and top_k < V:
+        return TargetLogits.from_logits(logits[sel], top_k)
+    return LogitRows(logits.reshape(-1, V), sel[0] * logits.shape[1] + sel[1])
 
 
 def _tree_round(acc: _Positions, rnd, top_k: int, branches: bool) -> None:
