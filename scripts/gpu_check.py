@@ -505,7 +505,9 @@ def opd_step_cost(run: Path, target: Path, data: Path, sizes: Sizes, device: str
     head, so rollouts run near their longest) against recipe eagle3_serve's off-policy step, both reading one
     regenerated store. The figure is the on-policy step's seconds per row over the off-policy step's; above
     OPD_STEP_CEILING a CUDA run fails."""
-    regen = [f"data.regenerate.max_prompts={sizes.opd_prompts}",
+    # the check's own conversations as the prompts (the recipes' default, embedded:sharegpt, is an asset package
+    # that a GPU image does not have)
+    regen = [f"data.regenerate.prompts={data}", f"data.regenerate.max_prompts={sizes.opd_prompts}",
              f"data.regenerate.max_new_tokens={sizes.opd_new_tokens}"]
     run_python(["-m", "benchmarks.opd_cost", "--steps", "2", "--offpolicy-recipe", "eagle3_serve",
                 "--onpolicy", "draft=eagle3", "--onpolicy", "warmup.mode=never",
