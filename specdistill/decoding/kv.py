@@ -338,16 +338,17 @@ class BatchKV:
         scratch = DynamicCache() if self.max_length is None else static_cache(self.config.num_hidden_layers, T)
         out = self.model(input_ids=ids, attention_mask=masks, position_ids=positions, use_cache=True,
                          **{self._cache_kwarg: scratch}, **self._keep_last_logits, **kwargs)
+        out.past_key_values = self.cache
         at_bin, at_col = packing.target.to(device).unbind(0)                            # (B, T) each
         for i, layer in enumerate(scratch.layers):
             k, v = layer.keys[:, :, :T], layer.values[:, :, :T]                          # (N, H, T, D)
             keys = k.transpose(1, 2)[at_bin, at_col].transpose(1, 2)                    # (B, H, T, D)
             values = v.transpose(1, 2)[at_bin, at_col].transpose(1, 2)
+            layer.keys = layer.values = k = v = None  # each scratch layer goes as it is moved: the peak stays ~1x
             self.cache.update(keys.contiguous(), values.contiguous(), i)
         if getattr(out, "hidden_states", None) is not None:
             out.hidden_states = tuple(h[at_bin, at_col] * valid[..., None] for h in out.hidden_states)  # (B, T, H)
         out.logits = None
-        out.past_key_values = self.cache
         self.mask = valid.long()
         self.positions = (valid.long().cumsum(1) - 1).clamp(0, None if self.max_positions is None
                                                             else self.max_positions - 1)
