@@ -649,10 +649,10 @@ def pack_rows(lengths: list[int], width: int) -> Packing | None:
     bins: list[list[int]] = []
     room: list[int] = []
     for b in order:
-        i = next((i for i, r in enumerate(room) if r >= lengths[b]), None)
-        if i is None:
-            bins.append([]), room.append(width)
-            i = len(bins) - 1
+        i = next((i for i, r in enumerate(room) if r >= lengths[b]), len(bins))
+        if i == len(bins):  # no packed row has room: open one
+            bins.append([])
+            room.append(width)
         bins[i].append(b)
         room[i] -= lengths[b]
     if not bins or len(bins) >= len(lengths):
