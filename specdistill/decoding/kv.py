@@ -2,7 +2,8 @@
 
 Layout of BatchKV (B rows, S cache columns). A column holds one token slot for every row; `mask` (B, S) says which
 slots are real (the attention mask), and `positions` (B, S) the position id of each slot: a row's positions count its
-real tokens. Rows start left-padded.
+real tokens. Rows start left-padded (a ragged prefill computes only the real tokens, packed: prefill()); a growing
+cache can drop rows between rounds (select_rows(): decoding takes out the rows that stopped).
 Each forward appends C columns for all rows (a "tail"); commit(keep) then says, per row, which tail slots survive:
   - columns after the last slot any row keeps are cropped (one crop per layer);
   - a row that kept fewer slots gets its rejected slots masked: holes that attention skips.
