@@ -4,16 +4,18 @@
       [--onpolicy objective.max_new_tokens=128 ...] [--offpolicy objective.steps=7 ...]
 
 Two arms, each its recipe (--onpolicy-recipe draft_opd, --offpolicy-recipe eagle3) composed with the shared overrides
-(then --onpolicy / --offpolicy overrides of its own), built as train.py builds it (cached stages reused), one warm-up
-step (the first step's one-off work: allocations, the first rollout's caches and graphs; nothing here counts FLOPs,
-and the training loop's FLOP-counted first step has no counterpart among the timed ones), then --steps timed
-optimizer steps (steps 2 .. steps + 1) on the run's own micro-batches. Per arm: seconds per step (and the share spent
+(then --onpolicy / --offpolicy overrides of its own), built as train.py builds it (cached stages reused; both arms are
+built first, so the target is in memory twice), one warm-up step each (the first step's one-off work: allocations,
+the first rollout's caches and graphs; nothing here counts FLOPs, and the training loop's FLOP-counted first step
+has no counterpart among the timed ones), then --steps timed optimizer steps each (steps 2 .. steps + 1) on the run's
+own micro-batches, the arms taking them in turn (on-policy, off-policy, on-policy, ...), so that a machine whose
+speed drifts during the run slows both arms alike. Per arm: seconds per step (and the share spent
 in prepare(): Draft-OPD's rollouts), trained positions per step (the objective's num_tokens: drafted + replayed
 positions for Draft-OPD, loss tokens x unrolled steps for eagle3), seconds per trained position, and the target's
 forwards and fed tokens per step (padding included: the compute spent), and rows per step (prompts rolled out, or
 sequences trained on). The step ratio divides the arms' seconds per row: equal rows when both arms take the same
 micro-batches (shared trainer.micro_batch_size and grad_accum). Writes <out>/opd_cost.json and opd_cost.md.
-Run it on an otherwise idle machine: the two arms run one after the other.
+Run it on an otherwise idle machine.
 
 --parts N: N more on-policy steps after the timed ones, with a timer around each part of the step (the target's
 prefill and verify forwards, the draft's proposals, verification, turning rounds into positions, the loss forward and
@@ -81,41 +83,39 @@ def _clock(device) -> float:
     return time.perf_counter()
 
 
-def measure_arm(recipe: str, overrides: list[str], steps: int, out_dir: Path, parts: int = 0) -> ArmCost:
-    """Build one recipe's components and time `steps` optimizer steps after a warm-up step (then `parts` steps
-    timed part by part: PartTimers)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+class Arm:
+    """One recipe's components, built as train.py builds them, and its optimizer steps on its own micro-batches."""
 
-    from specdistill.config import CONF_DIR, register_configs
-    from specdistill.data.loader import StepBatches
-    from specdistill.pipeline.run import build_components
-    from specdistill.tensors import unwrap_target
+    def __init__(self, recipe: str, overrides: list[str], out_dir: Path):
+        from hydra import compose, initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
 
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=[f"recipe={recipe}"] + overrides +
-                      [f"trainer.output_dir={out_dir / recipe}", "trainer.measure_roofline=false"])
-    c = build_components(cfg)
-    t = cfg.trainer
-    batches = StepBatches(c.data.train, t.micro_batch_size, t.grad_accum, c.models.tokenizer.pad_token_id, t.seed)
-    obj, models, opt = c.objective, c.models, c.optimizer
-    target = unwrap_target(models.target)
-    device = next(target.parameters()).device
-    fed = {"forwards": 0, "tokens": 0}
+        from specdistill.config import CONF_DIR, register_configs
+        from specdistill.data.loader import StepBatches
+        from specdistill.pipeline.run import build_components
+        from specdistill.tensors import unwrap_target
 
-    def count(module, args, kwargs, output):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        fed["forwards"] += 1
-        fed["tokens"] += 0 if ids is None else ids.numel()
+        register_configs()
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("config", overrides=[f"recipe={recipe}"] + overrides +
+                          [f"trainer.output_dir={out_dir / recipe}", "trainer.measure_roofline=false"])
+        self.recipe, self.overrides = recipe, overrides
+        self.c = build_components(cfg)
+        t = cfg.trainer
+        self.batches = StepBatches(self.c.data.train, t.micro_batch_size, t.grad_accum,
+                                   self.c.models.tokenizer.pad_token_id, t.seed)
+        self.target = unwrap_target(self.c.models.target)
+        self.device = next(self.target.parameters()).device
+        self.timers = PartTimers(self.device)
+        self.fed = {"forwards": 0, "tokens": 0}
+        self.runs: list[tuple[float, float, int, int]] = []
 
-    timers = PartTimers(device)
-
-    def one_step(step: int) -> tuple[float, float, int, int]:
+    def step(self, step: int) -> tuple[float, float, int, int]:
         """(seconds, seconds in prepare, trained positions, rows) of one optimizer step."""
+        obj, models, opt, timers, device = self.c.objective, self.c.models, self.c.optimizer, self.timers, self.device
         t0 = _clock(device)
-        micro = list(batches.micro_batches(step))
+        micro = list(self.batches.micro_batches(step))
         p0 = _clock(device)
         obj.prepare_step(micro, models)  # the loop's order: the step-wide work, then each micro-batch
         prep_s, n, rows = _clock(device) - p0, 0, 0
@@ -139,22 +139,48 @@ def measure_arm(recipe: str, overrides: list[str], steps: int, out_dir: Path, pa
         timers.add("step", total)
         return total, prep_s, n, rows
 
-    one_step(0)  # warm-up (allocations, first rollout's caches and compiled graphs), not timed
-    hook = target.register_forward_hook(count, with_kwargs=True)
-    try:
-        runs = [one_step(s) for s in range(1, 1 + steps)]
-    finally:
-        hook.remove()
-    seconds, prep, positions, rows = (sum(r[i] for r in runs) for i in range(4))
-    by_part = {}
-    if parts:
-        with timers.timing():
-            for s in range(1 + steps, 1 + steps + parts):
-                one_step(s)
-        by_part = timers.per_step(parts)
-    return ArmCost(recipe, overrides, steps, seconds / steps, prep / steps, positions / steps,
-                   seconds / max(positions, 1), fed["forwards"] / steps, fed["tokens"] / steps, rows / steps,
-                   by_part)
+    def timed_step(self, step: int) -> None:
+        """One step counted in the arm's figures, with the target's forwards and fed tokens counted."""
+        def count(module, args, kwargs, output):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            self.fed["forwards"] += 1
+            self.fed["tokens"] += 0 if ids is None else ids.numel()
+
+        hook = self.target.register_forward_hook(count, with_kwargs=True)
+        try:
+            self.runs.append(self.step(step))
+        finally:
+            hook.remove()
+
+    def parts(self, first: int, steps: int) -> dict:
+        """`steps` more steps timed part by part (PartTimers), reported apart from the timed ones."""
+        with self.timers.timing():
+            for s in range(first, first + steps):
+                self.step(s)
+        return self.timers.per_step(steps)
+
+    def cost(self, by_part: dict) -> ArmCost:
+        steps = len(self.runs)
+        seconds, prep, positions, rows = (sum(r[i] for r in self.runs) for i in range(4))
+        return ArmCost(self.recipe, self.overrides, steps, seconds / steps, prep / steps, positions / steps,
+                       seconds / max(positions, 1), self.fed["forwards"] / steps, self.fed["tokens"] / steps,
+                       rows / steps, by_part)
+
+
+def measure_arms(arms: dict[str, tuple[str, list[str]]], steps: int, out_dir: Path, parts: int = 0
+                 ) -> dict[str, ArmCost]:
+    """Build every arm, one warm-up step each (allocations, the first rollout's caches and compiled graphs), then
+    `steps` timed steps taken in turn, one per arm (a drifting machine slows every arm alike), then `parts` steps of
+    the first arm timed part by part (PartTimers)."""
+    built = {name: Arm(recipe, overrides, out_dir) for name, (recipe, overrides) in arms.items()}
+    for arm in built.values():
+        arm.step(0)
+    for s in range(1, 1 + steps):
+        for arm in built.values():
+            arm.timed_step(s)
+    first = next(iter(built))
+    return {name: arm.cost(arm.parts(1 + steps, parts) if parts and name == first else {})
+            for name, arm in built.items()}
 
 
 # Each timed part: (label, module, attribute path); a method is timed on its class, where it is defined.
@@ -268,8 +294,8 @@ def main(argv=None) -> dict:
     command = "python -m benchmarks.opd_cost " + " ".join(shlex.quote(a) for a in argv)
     out = Path(own.out)
     out.mkdir(parents=True, exist_ok=True)
-    arms = {"onpolicy": measure_arm(own.onpolicy_recipe, shared + own.onpolicy, own.steps, out, own.parts),
-            "offpolicy": measure_arm(own.offpolicy_recipe, shared + own.offpolicy, own.steps, out)}
+    arms = measure_arms({"onpolicy": (own.onpolicy_recipe, shared + own.onpolicy),
+                         "offpolicy": (own.offpolicy_recipe, shared + own.offpolicy)}, own.steps, out, own.parts)
     ratio = arms["onpolicy"].seconds_per_position / arms["offpolicy"].seconds_per_position
     step_ratio = arms["onpolicy"].seconds_per_row / arms["offpolicy"].seconds_per_row
     result = {"command": command, "arms": {k: asdict(v) | {"seconds_per_row": v.seconds_per_row}

@@ -1,27 +1,33 @@
-"""python -m benchmarks.opd_cost on tiny models: both arms timed on their own micro-batches, the ratio is the
+"""python -m benchmarks.opd_cost on tiny models: both arms timed on their own micro-batches, in turn, the ratio is the
 ratio of the arms' seconds per trained position, and the files say so; --parts times the on-policy step part by
 part, in steps of their own."""
 import json
 
 import pytest
 
+from benchmarks import opd_cost
 from benchmarks.opd_cost import main
 from tests.conftest import tiny_overrides
 
 
 @pytest.mark.filterwarnings("ignore")
-def test_opd_cost_smoke(tiny_target_dir, tiny_data_file, tmp_path):
+def test_opd_cost_smoke(tiny_target_dir, tiny_data_file, tmp_path, monkeypatch):
     shared = tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "run", tmp_path / "cache")
     shared += ["trainer.grad_accum=1"]
     from specdistill.decoding.kv import BatchKV
     from specdistill.drafts.eagle3 import Eagle3Drafter
     before = (BatchKV.step, Eagle3Drafter.propose)
-    res = main(["--steps", "1", "--parts", "1", "--out", str(tmp_path / "cost"), "--offpolicy", "objective.steps=2",
+    order = []
+    timed_step = opd_cost.Arm.timed_step
+    monkeypatch.setattr(opd_cost.Arm, "timed_step", lambda arm, s: (order.append((arm.recipe, s)), timed_step(arm, s)))
+    res = main(["--steps", "2", "--parts", "1", "--out", str(tmp_path / "cost"), "--offpolicy", "objective.steps=2",
                 "--onpolicy", "draft=eagle3", "--onpolicy", "objective.max_new_tokens=6"] + shared)
     on, off = res["arms"]["onpolicy"], res["arms"]["offpolicy"]
     assert (on["recipe"], off["recipe"]) == ("draft_opd", "eagle3") and "draft=eagle3" in on["overrides"]
+    # the arms take their timed steps in turn
+    assert order == [("draft_opd", 1), ("eagle3", 1), ("draft_opd", 2), ("eagle3", 2)]
     for arm in (on, off):
-        assert arm["steps"] == 1 and arm["positions_per_step"] > 0 and arm["seconds_per_step"] > 0
+        assert arm["steps"] == 2 and arm["positions_per_step"] > 0 and arm["seconds_per_step"] > 0
         assert arm["seconds_per_position"] == pytest.approx(arm["seconds_per_step"] / arm["positions_per_step"])
         assert 0 <= arm["prepare_seconds_per_step"] <= arm["seconds_per_step"]
     # the on-policy step's target work is its rollout: prefill + one verify forward per round, per micro-batch
