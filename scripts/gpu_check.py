@@ -500,17 +500,19 @@ def train(run: Path, recipe: str, target: Path, data: Path, sizes: Sizes, device
 
 
 def opd_step_cost(run: Path, target: Path, data: Path, sizes: Sizes, device: str, timeout_s: float,
-                  judged: bool) -> dict:
+                  judged: bool, compiled: bool) -> dict:
     """benchmarks/opd_cost.py in a subprocess: one warm-up and two timed optimizer steps of each arm on the same
     micro-batches, the SmolLM2-shaped target in bf16: a Draft-OPD step of an EAGLE-3 head (no warm-up: a random
     head, so rollouts run near their longest) against recipe eagle3_serve's off-policy step, both reading one
-    regenerated store. The figure is the on-policy step's seconds per row over the off-policy step's; above
-    OPD_STEP_CEILING a CUDA run fails."""
+    regenerated store. compiled: the rollouts decode on compiled static caches (eval.compile=true, CUDA graphs: the
+    path a GPU user sets), else on growing caches. The figure is the on-policy step's seconds per row over the
+    off-policy step's; above OPD_STEP_CEILING a CUDA run fails."""
     # the check's own conversations as the prompts (the recipes' default, embedded:sharegpt, is an asset package
     # that a GPU image does not have)
     regen = [f"data.regenerate.prompts={data}", f"data.regenerate.max_prompts={sizes.opd_prompts}",
              f"data.regenerate.max_new_tokens={sizes.opd_new_tokens}"]
-    run_python(["-m", "benchmarks.opd_cost", "--steps", "2", "--offpolicy-recipe", "eagle3_serve",
+    decoding = ["--onpolicy", "eval.compile=true"] if compiled else []
+    run_python(["-m", "benchmarks.opd_cost", "--steps", "2", "--offpolicy-recipe", "eagle3_serve", *decoding,
                 "--onpolicy", "draft=eagle3", "--onpolicy", "warmup.mode=never",
                 "--onpolicy", f"objective.max_new_tokens={sizes.opd_new_tokens}", "--out", str(run),
                 *run_overrides(run, target, data, sizes), *regen], run.parent / f"{run.name}.log", device, timeout_s,
@@ -521,7 +523,8 @@ def opd_step_cost(run: Path, target: Path, data: Path, sizes: Sizes, device: str
     arms = {name: {k: arm[k] for k in ("seconds_per_step", "prepare_seconds_per_step", "rows_per_step",
                                       "positions_per_step", "target_forwards_per_step")}
             for name, arm in result["arms"].items()}
-    return {"step_ratio_per_row": ratio, "goal": OPD_STEP_GOAL, "ceiling": OPD_STEP_CEILING, "judged": judged,
+    return {"step_ratio_per_row": ratio, "rollout_decoding": "compiled" if compiled else "growing",
+            "goal": OPD_STEP_GOAL, "ceiling": OPD_STEP_CEILING, "judged": judged,
             "goal_met": ratio <= OPD_STEP_GOAL, "ratio_per_trained_position": result["ratio_seconds_per_position"],
             "arms": arms, "command": result["command"],
             "problems": [f"an on-policy step costs {ratio:.2f}x an off-policy step per row, above the ceiling "
@@ -953,8 +956,9 @@ def main(argv: list[str] | None = None) -> int:
     if report.left_s() < 90 and "opd_cost" not in skip:  # last: a run near its budget keeps the stages above
         report.skip("opd_cost", f"{report.left_s():.0f} s of the --budget-s left, under 90")
     else:
+        # rollouts on the compiled path on CUDA (in a subprocess: the CPU fallback's traced graphs do not reach it)
         stage("opd_cost", lambda: opd_step_cost(args.work / "opd_cost", small, data, sizes, args.device,
-                                                max(report.left_s(), 120.0), judged))
+                                                max(report.left_s(), 120.0), judged, args.device == "cuda"))
     return finish(report)
 
 

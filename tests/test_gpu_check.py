@@ -201,6 +201,7 @@ def test_the_gpu_check_passes_on_the_cpu_at_toy_sizes(gc, tmp_path, monkeypatch)
     assert stages["draft_opd"]["steps"] == 1
     opd = stages["opd_cost"]
     assert opd["step_ratio_per_row"] > 0 and not opd["judged"] and opd["problems"] == []
+    assert opd["rollout_decoding"] == "growing"  # the CPU fallback; CUDA runs the rollouts compiled
     arms = opd["arms"]
     assert arms["onpolicy"]["target_forwards_per_step"] > 0 == arms["offpolicy"]["target_forwards_per_step"]
     assert stages["evaluate"]["speedup"] > 0 and stages["evaluate"]["compiled"]["compile"]["ok"]
