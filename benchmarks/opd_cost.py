@@ -100,7 +100,7 @@ class Arm:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose("config", overrides=[f"recipe={recipe}"] + overrides +
                           [f"trainer.output_dir={out_dir / recipe}", "trainer.measure_roofline=false"])
-        self.recipe, self.overrides = recipe, overrides
+        self.recipe, self.overrides, self.cfg = recipe, overrides, cfg
         self.c = build_components(cfg)
         t = cfg.trainer
         self.batches = StepBatches(self.c.data.train, t.micro_batch_size, t.grad_accum,

@@ -3,11 +3,11 @@
   python -m benchmarks.rollout_rows draft.path=<a trained EAGLE-3 head> [Hydra overrides of recipe draft_opd]
       [--repeats 2] [--out outputs/rollout_rows]
 
-Builds recipe draft_opd as train.py does (cached stages reused), then rolls out the first micro-batch's prompts again
-and again, alternating: decoding.speculative_generate with drop_finished_rows on (what rollouts run) and off, each
-from the same rollout seed, `--repeats` times each, one warm-up rollout first. Per rollout: the decoding's seconds
-(speculative_generate, the device synchronized), rounds, the rows the target's verify forwards were fed (row-rounds)
-and the active ones among them, tokens emitted, each row's output length. Writes <out>/results.json and results.md
+Builds recipe draft_opd as train.py does (benchmarks/opd_cost.py's Arm; cached stages reused), then rolls out the
+first micro-batch's prompts again and again, alternating: decoding.speculative_generate with drop_finished_rows on
+(what rollouts run) and off, each from the same rollout seed, `--repeats` times each, one warm-up rollout first.
+Per rollout: the decoding's seconds (speculative_generate, the device synchronized), rounds, the rows the target's
+verify forwards were fed (row-rounds) and the active ones among them, tokens emitted, each row's output length. Writes <out>/results.json and results.md
 with the command. Run it on an otherwise idle machine.
 """
 from __future__ import annotations
@@ -81,27 +81,17 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
 
     import torch
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
 
-    from specdistill.config import CONF_DIR, register_configs
-    from specdistill.data.loader import StepBatches
-    from specdistill.pipeline.run import build_components
+    from benchmarks.opd_cost import Arm
 
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["recipe=draft_opd", *overrides, f"trainer.output_dir={out / 'run'}",
-                                           "trainer.measure_roofline=false"])
-    c = build_components(cfg)
-    t = cfg.trainer
-    batch = next(iter(StepBatches(c.data.train, t.micro_batch_size, 1, c.models.tokenizer.pad_token_id,
-                                  t.seed).micro_batches(0)))
+    arm = Arm("draft_opd", overrides, out)  # built as opd_cost builds its on-policy arm
+    c, seed = arm.c, arm.cfg.trainer.seed
+    batch = next(iter(arm.batches.micro_batches(0)))
     obj = c.objective
 
     def rollout(drop: bool) -> dict:
         seen: dict = {}
-        obj.state.generator = torch.Generator(device=batch["input_ids"].device).manual_seed(t.seed)
+        obj.state.generator = torch.Generator(device=batch["input_ids"].device).manual_seed(seed)
         with dropping(drop, seen):
             obj.prepare(batch, c.models)
         obj.end_step()
