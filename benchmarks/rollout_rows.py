@@ -7,8 +7,8 @@ Builds recipe draft_opd as train.py does (benchmarks/opd_cost.py's Arm; cached s
 first micro-batch's prompts again and again, alternating: decoding.speculative_generate with drop_finished_rows on
 (what rollouts run) and off, each from the same rollout seed, `--repeats` times each, one warm-up rollout first.
 Per rollout: the decoding's seconds (speculative_generate, the device synchronized), rounds, the rows the target's
-verify forwards were fed (row-rounds) and the active ones among them, tokens emitted, each row's output length. Writes <out>/results.json and results.md
-with the command. Run it on an otherwise idle machine.
+verify forwards were fed (row-rounds) and the active ones among them, tokens emitted, each row's output length.
+Writes <out>/results.json and results.md with the command. Run it on an otherwise idle machine.
 """
 from __future__ import annotations
 
