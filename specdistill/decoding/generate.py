@@ -465,7 +465,8 @@ def speculative_generate(
                      out=TokenBuffer(B, max_new_tokens, device, fill=_pad_id(eos_token_id)),
                      stats=_counters(B, widest.max_depth, device), kept=kept, pending=input_ids[:, -1],
                      active=torch.ones(B, dtype=torch.bool, device=device), record=record, score_nodes=score_nodes,
-                     drop_finished=drop_finished_rows and target.selects_rows, max_remaining=max_new_tokens,
+                     drop_finished=drop_finished_rows and target.selects_rows and drafter.selects_rows,
+                     max_remaining=max_new_tokens,
                      t_prev=_clock(device))
         t_start = call.t_prev
         while _round(call):  # steps 2-6, one target forward each
@@ -520,17 +521,16 @@ def _round(c: _Call) -> bool:
     # The round's one host sync: loop control, both commits' crop sizes and (drop_finished) which rows go on; nothing
     # syncs per token.
     remaining = torch.where(going, c.max_new_tokens - (offset + count), 0).max()
-    drop = c.drop_finished and c.drafter.selects_rows
     host = torch.cat([torch.stack([going.sum(), rnd.accepted.sum(), c.active.sum(), remaining]),
                       target_plan.sizes.to(device), draft_plan.sizes.to(device)]
-                     + ([going.long()] if drop else [])).tolist()
+                     + ([going.long()] if c.drop_finished else [])).tolist()
     n_going, n_accepted, n_active, c.max_remaining = host[:4]
     end = 7 + draft_plan.sizes.numel()
     c.target.commit_end(target_plan, host[4:7])
     c.drafter.commit_end(draft_plan, host[7:end])
     c.strategy.update(rnd.gamma * n_active, n_accepted)
     c.active = going
-    if drop and 0 < n_going < going.shape[0]:
+    if c.drop_finished and 0 < n_going < going.shape[0]:
         _drop_finished(c, torch.tensor([i for i, g in enumerate(host[end:]) if g], device=device))
     t_now = time.perf_counter()  # the .tolist() above waited for the device
     c.round_seconds.append(t_now - c.t_prev)
