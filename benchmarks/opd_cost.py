@@ -140,16 +140,31 @@ class Arm:
         return total, prep_s, n, rows
 
     def timed_step(self, step: int) -> None:
-        """One step counted in the arm's figures, with the target's forwards and fed tokens counted."""
-        def count(module, args, kwargs, output):
-            ids = kwargs.get("input_ids", args[0] if args else None)
+        """One step counted in the arm's figures, with the target's forwards and fed tokens counted: its eager
+        forwards by a forward hook, its compiled decode steps (graphs replayed, which run no module hooks) at the
+        compiled cache's run."""
+        from specdistill.decoding.compiled import _Slot
+
+        def fed(ids) -> None:
             self.fed["forwards"] += 1
             self.fed["tokens"] += 0 if ids is None else ids.numel()
 
+        def count(module, args, kwargs, output):
+            fed(kwargs.get("input_ids", args[0] if args else None))
+
+        run = _Slot.run
+
+        def counted_run(slot, input_ids, *args, **kwargs):
+            if slot.decoding.model() is self.target:
+                fed(input_ids)
+            return run(slot, input_ids, *args, **kwargs)
+
         hook = self.target.register_forward_hook(count, with_kwargs=True)
+        _Slot.run = counted_run
         try:
             self.runs.append(self.step(step))
         finally:
+            _Slot.run = run
             hook.remove()
 
     def parts(self, first: int, steps: int) -> dict:

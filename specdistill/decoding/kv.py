@@ -339,7 +339,7 @@ class BatchKV:
         scratch = DynamicCache() if self.max_length is None else static_cache(self.config.num_hidden_layers, T)
         out = self.model(input_ids=ids, attention_mask=masks, position_ids=positions, use_cache=True,
                          **{self._cache_kwarg: scratch}, **self._keep_last_logits, **kwargs)
-        out.past_key_values = self.cache
+        setattr(out, self._cache_kwarg, self.cache)  # the output's cache field has the forward's kwarg's name
         at_bin, at_col = packing.target.to(device).unbind(0)                            # (B, T) each
         for i, layer in enumerate(scratch.layers):
             k, v = layer.keys[:, :, :T], layer.values[:, :, :T]                          # (N, H, T, D)

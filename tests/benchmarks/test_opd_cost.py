@@ -51,3 +51,22 @@ def test_opd_cost_smoke(tiny_target_dir, tiny_data_file, tmp_path, monkeypatch):
     assert parts["rest of the rollout"] >= 0 and parts["rest of the step"] >= 0
     assert "| target verify forwards |" in md
     assert (BatchKV.step, Eagle3Drafter.propose) == before  # the timers are gone again
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_compiled_rollouts_count_their_target_forwards(tiny_target_dir, tiny_data_file, tmp_path, monkeypatch):
+    """Compiled decode steps replay graphs, which run no module hooks: the arm counts them at the compiled cache, so
+    a rollout on eval.compile=true reports the eager rollout's target forwards and tokens (T=0: the same rounds)."""
+    from specdistill.decoding import compiled
+    backend = compiled._backend  # dynamo's eager backend: the compiled path's plumbing without kernel builds
+    monkeypatch.setattr(compiled, "_backend", lambda name, device, count: backend("eager", device, count))
+    fed = {}
+    for mode in ("false", "true"):
+        shared = tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / f"run_{mode}", tmp_path / "cache")
+        shared += ["trainer.grad_accum=1"]
+        res = main(["--steps", "1", "--out", str(tmp_path / f"cost_{mode}"), "--offpolicy", "objective.steps=2",
+                    "--onpolicy", "draft=eagle3", "--onpolicy", "objective.max_new_tokens=6", "--onpolicy",
+                    "objective.temperature=0", "--onpolicy", f"eval.compile={mode}"] + shared)
+        on = res["arms"]["onpolicy"]
+        fed[mode] = (on["target_forwards_per_step"], on["target_tokens_per_step"])
+    assert fed["true"] == fed["false"] and fed["true"][0] >= 3  # the prefill and at least two rounds

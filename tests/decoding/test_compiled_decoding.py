@@ -3,7 +3,8 @@ a guard that fails raises instead of recompiling; static caches hand attention t
 
 The compiled tests run torch.compile with backend="eager": dynamo traces, guards and (re)compiles exactly as with
 inductor (guards and recompiles are dynamo's, independent of the backend), without inductor's C++ kernel builds,
-which take minutes on two CPU cores. The inductor path itself is checked on a GPU machine (scripts/gpu_check.py)."""
+which take minutes on two CPU cores. Inductor's kernels: test_inductor_decoding.py (C++ on the CPU) and
+scripts/gpu_check.py (a GPU's)."""
 
 import gc
 import weakref
