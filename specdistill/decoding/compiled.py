@@ -224,11 +224,39 @@ def _backend(name: str, device: torch.device, count: Callable[[], None]) -> Call
     return backend
 
 
-def _with_own_code(fn: Callable, name: str) -> Callable:
+def counting_backend(name: str, device: torch.device, stats: "CompileStats", graph: str) -> Callable:
+    """_backend counting each compile of `graph` in stats.compiles."""
+    def count() -> None:
+        stats.compiles[graph] = stats.compiles.get(graph, 0) + 1
+
+    return _backend(name, device, count)
+
+
+def own_code(fn: Callable, name: str) -> Callable:
     """fn with a code object of its own: dynamo keeps its compiled entries (and its recompile count) per code object."""
     code = fn.__code__
     code = code.replace(**{k: name for k in ("co_name", "co_qualname") if hasattr(code, k)})
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def call_graph(stats: "CompileStats", graph: str, first: bool, fn: Callable, *args):
+    """Run a compiled graph: its first call compiles (the backend must run exactly once), later ones must not (a
+    guard that fails raises RecompileError instead of compiling again or running eagerly)."""
+    stats.calls[graph] = stats.calls.get(graph, 0) + 1
+    if first:
+        out = fn(*args)
+        if stats.compiles.get(graph, 0) != 1:
+            raise RecompileError(f"compiled decoding of {stats.model}: graph {graph} compiled "
+                                 f"{stats.compiles.get(graph, 0)} times on its first call (expected 1): "
+                                 "torch.compile ran it eagerly or split it; see TORCH_LOGS=graph_breaks")
+        return out
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return fn(*args)
+    except RuntimeError as err:
+        if "fail_on_recompile" not in str(err):
+            raise
+        raise RecompileError(f"compiled decoding of {stats.model} would recompile graph {graph}: {err}") from err
 
 
 def _step_function(cache: Cache, cache_kwarg: str, hidden: bool, write_at: torch.Tensor,
@@ -345,7 +373,7 @@ class _Slot:
                 {k: padded_mask(m) for k, m in masks.items()} if isinstance(masks, dict) else padded_mask(masks))
         step = _step_function(self.cache, d.cache_kwarg, key.hidden, self.write_at,
                               d.takes_cache_position)
-        fn = torch.compile(_with_own_code(step, f"decode_step_{key}"), backend=d.backend_for(key), fullgraph=True,
+        fn = torch.compile(own_code(step, f"decode_step_{key}"), backend=d.backend_for(key), fullgraph=True,
                            dynamic=False)
         graph = _Graph(fn, *bufs)
         self.graphs[key] = graph
@@ -370,10 +398,7 @@ class CompiledDecoding:
         return sum(len(slot.graphs) for slot in self.slots)
 
     def backend_for(self, key: GraphKey) -> Callable:
-        def count() -> None:
-            self.stats.compiles[str(key)] = self.stats.compiles.get(str(key), 0) + 1
-
-        return _backend(self.backend, self.device, count)
+        return counting_backend(self.backend, self.device, self.stats, str(key))
 
     def acquire(self, owner: object, rows: int, need: int, fixed: int | None, current: _Slot | None = None) -> _Slot:
         """A free slot for `owner` (a BatchKV) of rows' bucket, holding at least `need` columns; it is free again
@@ -412,29 +437,22 @@ class CompiledDecoding:
             self.slots = [s for s in self.slots if s is not slot]
 
     def call(self, key: GraphKey, graph: _Graph):
-        """Run a graph: its first call compiles (the backend must run exactly once), later ones must not."""
-        name = str(key)
-        self.stats.calls[name] = self.stats.calls.get(name, 0) + 1
-        if graph.calls == 0:
-            out = graph.fn(self.model(), graph.input_ids, graph.positions, graph.masks)
-            if self.stats.compiles.get(name, 0) != 1:
-                raise RecompileError(f"compiled decoding of {self.name}: graph {name} compiled "
-                                     f"{self.stats.compiles.get(name, 0)} times on its first call (expected 1): "
-                                     "torch.compile ran it eagerly or split it; see TORCH_LOGS=graph_breaks")
-        else:
-            try:
-                with torch.compiler.set_stance("fail_on_recompile"):
-                    out = graph.fn(self.model(), graph.input_ids, graph.positions, graph.masks)
-            except RuntimeError as err:
-                if "fail_on_recompile" not in str(err):
-                    raise
-                raise RecompileError(f"compiled decoding of {self.name} would recompile graph {name}: {err}") from err
+        """Run a graph: its first call compiles, later ones must not (call_graph)."""
+        out = call_graph(self.stats, str(key), graph.calls == 0, graph.fn, self.model(), graph.input_ids,
+                         graph.positions, graph.masks)
         graph.calls += 1
         return out
 
 
-# model -> its CompiledDecoding, which goes with the model (a copy of the model gets its own)
+# model -> its CompiledDecoding (or a draft kind's own compiled steps: attach), which goes with the model (a copy of
+# the model gets its own)
 _DECODINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def attach(model: torch.nn.Module, decoding) -> None:
+    """Register a draft kind's own compiled steps for `model` (an object with .stats, a CompileStats, and .backend),
+    so that compile_stats(model) counts them and release(model) drops them."""
+    _DECODINGS[model] = decoding
 
 
 def compiled_decoding(model: torch.nn.Module, backend: str, cache_kwarg: str,

@@ -174,9 +174,17 @@ class CacheMode:
         if not self.is_static:
             return BatchKV
         if not self.compile:
-            return functools.partial(BatchKV, max_length=max_length, compile=False)
-        return functools.partial(BatchKV, max_length=max_length, compile=True, run_length=self.max_length,
-                                 backend=self.backend)
+            make = functools.partial(BatchKV, max_length=max_length, compile=False)
+        else:
+            make = functools.partial(BatchKV, max_length=max_length, compile=True, run_length=self.max_length,
+                                     backend=self.backend)
+        make.mode, make.max_length = self, max_length  # read by drafters that keep caches of their own (of_factory)
+        return make
+
+    @staticmethod
+    def of_factory(new_kv: Callable) -> tuple["CacheMode", int | None]:
+        """(the mode, the call's column count) a factory() result was made for; BatchKV itself: growing, None."""
+        return getattr(new_kv, "mode", CacheMode()), getattr(new_kv, "max_length", None)
 
 
 @dataclass

@@ -45,3 +45,27 @@ def test_inductor_kernels_decode_the_eager_tokens():
         stats = compile_stats(model)
         assert stats.backend == "inductor" and stats.compiles and set(stats.compiles.values()) == {1}, stats.compiles
         assert stats.total_calls > stats.total_compiles
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_inductor_kernels_run_the_eagle3_head_draft_steps():
+    """An EAGLE-3 head's compiled one-token draft steps on inductor's kernels (its fixed cache written at a device
+    column, attention over every column, masked): the eager head's drafts round for round, the target's tokens, one
+    graph compiled once."""
+    from specdistill.drafts.eagle3 import Eagle3Drafter
+    from tests.conftest import make_tiny_lm, noisy_eagle3_head
+
+    torch._dynamo.reset()
+    target = make_tiny_lm(48, layers=4, hidden=32, seed=0).eval()
+    target.lm_head.weight.data.mul_(4.0)
+    head = noisy_eagle3_head(target, 32, 0).eval()
+    ids, mask = left_padded_prompts([9, 4, 6], seed=0, vocab=48)
+    eager = speculative_generate(target, Eagle3Drafter(head), ids, mask, strategy=4, max_new_tokens=MAX_NEW * 2)
+    for _ in range(2):
+        run = speculative_generate(target, Eagle3Drafter(head), ids, mask, strategy=4, max_new_tokens=MAX_NEW * 2,
+                                   cache=CacheMode(compile=True, backend="inductor"))
+        assert torch.equal(run.sequences, eager.sequences)
+        assert [r.num_accepted.tolist() for r in run.rounds] == [r.num_accepted.tolist() for r in eager.rounds]
+    stats = compile_stats(head)
+    assert stats.backend == "inductor" and list(stats.compiles.values()) == [1] and stats.total_calls > 10

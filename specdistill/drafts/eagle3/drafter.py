@@ -22,10 +22,11 @@ import torch.nn.functional as F
 
 from specdistill.decoding.drafters import (DraftCommit, Drafter, Proposal, aux_hidden_states, check_confidence,
                                            unsure)
-from specdistill.decoding.kv import BatchKV
+from specdistill.decoding.kv import BatchKV, CacheMode
 from specdistill.decoding.sampling import Sampler
 from specdistill.decoding.tree import TreeShape, grow
 
+from .compiled import HeadSlot, compiled_head
 from .model import Eagle3Head, SlotCache
 
 
@@ -40,10 +41,10 @@ class Eagle3Drafter(Drafter):
 
     needs_hidden_states = True
     grows_trees = True
-    selects_rows = True
 
     def __init__(self, head: Eagle3Head, confidence: float = 0.0):
         self.head = head
+        self.slot: HeadSlot | None = None  # compiled draft steps' slot (eval.compile), held from start() to close()
         self.confidence = check_confidence(confidence)
         self.vocab_size = head.config.vocab_size  # V: proposals and q are over the target's vocabulary
         self.aux_layer_ids = list(head.config.aux_layer_ids)
@@ -65,13 +66,22 @@ class Eagle3Drafter(Drafter):
     # ------------------------------------------------------------------------------------------- protocol
     @torch.no_grad()
     def start(self, input_ids, attention_mask, target_hidden=None, new_kv=BatchKV) -> None:
-        """new_kv is not used: the head keeps its own one-layer cache (a SlotCache, written in place)."""
+        """The head keeps its own one-layer cache (a SlotCache, written in place). new_kv says the call's cache mode:
+        compiled (CacheMode.compile), one-token draft steps run as compiled graphs on a fixed cache (compiled.py)."""
         head = self.head
         device, dtype = head.fc.weight.device, head.fc.weight.dtype
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device).bool()
         B, T = input_ids.shape
         c = head.config
-        self.cache = SlotCache(B, c.num_attention_heads, c.head_dim, device, dtype, capacity=T + 256)  # (B, nh, S, hd)
+        self.close()
+        mode, columns = CacheMode.of_factory(new_kv)
+        if mode.compile:
+            self.compiled = compiled_head(head, mode.backend)
+            need = (columns or T + 256) + (columns or T + 256) // 4 + 128  # room for drafted columns and holes
+            self.slot = self.compiled.acquire(B, need)
+            self.cache = self.slot.cache                                    # (bucket, nh, S, hd), B rows used
+        else:
+            self.cache = SlotCache(B, c.num_attention_heads, c.head_dim, device, dtype, capacity=T + 256)
         self.mask = torch.zeros(B, 0, dtype=torch.bool, device=device)  # (B, S) real cached slots
         self.length = torch.zeros(B, dtype=torch.long, device=device)   # (B,) cached slots = next slot's position
         last = torch.full((B,), max(T - 2, 0), dtype=torch.long, device=device)
@@ -122,9 +132,13 @@ class Eagle3Drafter(Drafter):
             probs.append(q)
             if j == k - 1 or unsure(logits, draft_id, q, self.confidence):
                 break
-            key_mask = torch.cat([key_mask, ones], dim=1)
-            out = head.step(token[:, None], h, (pos + j + 1)[:, None], self.cache, key_mask)
-            h, logits = out.hidden, out.logits[:, 0]
+            if self.slot is not None:
+                h, logits = self.compiled.step(self.slot, token, h, pos + j + 1, key_mask)
+                key_mask = torch.cat([key_mask, ones], dim=1)
+            else:
+                key_mask = torch.cat([key_mask, ones], dim=1)
+                out = head.step(token[:, None], h, (pos + j + 1)[:, None], self.cache, key_mask)
+                h, logits = out.hidden, out.logits[:, 0]
         Vd = logits.shape[-1]
         self.logits = torch.stack(step_logits, 1) if k else logits.new_zeros(B, 0, Vd)  # (B, k', Vd)
         self.tokens = torch.stack(tokens, 1) if k else tokens_p.new_zeros(B, 0)           # (B, k')
@@ -171,7 +185,8 @@ class Eagle3Drafter(Drafter):
         self.mask = torch.cat([self.mask, keep[:, :last]], dim=1)
         self.length = self.length + count
         S = self.mask.shape[1]
-        if S - widest > max(32, S // 4):
+        room = 2 * (max(width, 1) + self.tokens.shape[1]) + 64  # a fixed cache: the next round's columns, and more
+        if S - widest > max(32, S // 4) or (self.cache.fixed and S + room > self.cache.capacity):
             self._compact(widest)
         # 2. New pending block: the verify forward's features for [pending, d_1 .. d_n] (positions length ..
         #    length + n) paired with [d_1 .. d_n, next_token]. Stopped rows get one slot that is fed, never kept.
@@ -182,6 +197,15 @@ class Eagle3Drafter(Drafter):
         col = torch.arange(width, device=device)
         new_keep = (col <= n[:, None]) & active[:, None]                    # (B, width)
         self._set_pending(emitted, g * new_keep[..., None], new_keep, torch.where(active, n, 0))
+
+    def close(self) -> None:
+        if self.slot is not None:
+            self.compiled.release(self.slot)
+            self.slot = None
+
+    @property
+    def selects_rows(self) -> bool:
+        return self.slot is None  # compiled draft steps keep their bucket's rows
 
     def select_rows(self, rows: torch.Tensor) -> None:
         rows = rows.to(self.length.device)

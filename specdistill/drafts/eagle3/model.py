@@ -175,28 +175,44 @@ class Eagle3StepOutput:
 
 
 class SlotCache:
-    """The head's key/value cache for decoding, written in place: (B, nh, capacity, hd) buffers whose first `length`
-    columns are in use. Appending n slots copies those n only (a torch.cat per step copies the whole cache, which
-    along a 1024-token output is most of drafting's memory traffic), and a full buffer doubles, so N slots cost O(N)
-    copies in all. Cropping sets `length`; what lies past it is overwritten by the next append."""
+    """The head's key/value cache for decoding, written in place: (R, nh, capacity, hd) buffers whose first `rows`
+    rows and first `length` columns are in use. Appending n slots copies those n only (a torch.cat per step copies the
+    whole cache, which along a 1024-token output is most of drafting's memory traffic), and a full buffer doubles, so
+    N slots cost O(N) copies in all. Cropping sets `length`; what lies past it is overwritten by the next append.
 
-    def __init__(self, batch: int, heads: int, head_dim: int, device, dtype, capacity: int = 256):
+    fixed: the buffers never move (compiled draft steps replay on them, drafts/eagle3/compiled.py): R may exceed rows
+    (a batch bucket's dummy rows), a full buffer raises instead of growing, and rows cannot be dropped."""
+
+    def __init__(self, batch: int, heads: int, head_dim: int, device, dtype, capacity: int = 256,
+                 fixed: bool = False):
         self.keys = torch.zeros(batch, heads, capacity, head_dim, device=device, dtype=dtype)
         self.values = torch.zeros_like(self.keys)
         self.length = 0
+        self.rows = batch
+        self.fixed = fixed
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def reset(self, rows: int) -> None:
+        """Empty, for a new decoding of `rows` rows (<= the buffers' rows)."""
+        if rows > self.keys.shape[0]:
+            raise ValueError(f"SlotCache of {self.keys.shape[0]} rows cannot hold {rows}")
+        self.rows, self.length = rows, 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v (B, nh, n, hd) -> the cache's keys and values after them, (B, nh, length + n, hd) views."""
         end = self.length + k.shape[2]
-        if end > self.keys.shape[2]:
+        if end > self.capacity:
             self._grow(end)
-        self.keys[:, :, self.length:end] = k
-        self.values[:, :, self.length:end] = v
+        self.keys[: self.rows, :, self.length:end] = k
+        self.values[: self.rows, :, self.length:end] = v
         self.length = end
         return self.view()
 
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+        return self.keys[: self.rows, :, : self.length], self.values[: self.rows, :, : self.length]
 
     def crop(self, length: int) -> None:
         self.length = min(length, self.length)
@@ -207,18 +223,25 @@ class SlotCache:
         keys, values = self.view()
         keys, values = keys.gather(2, idx), values.gather(2, idx)           # (B, nh, W, hd) copies, then written back
         W = columns.shape[1]
-        self.keys[:, :, :W], self.values[:, :, :W] = keys, values
+        self.keys[: self.rows, :, :W], self.values[: self.rows, :, :W] = keys, values
         self.length = W
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep the rows `rows` (R,), in that order (the buffers become R rows, capacity kept)."""
+        if self.fixed:
+            raise ValueError("SlotCache(fixed=True) keeps its rows: compiled draft steps replay on its buffers")
         self.keys, self.values = self.keys.index_select(0, rows), self.values.index_select(0, rows)
+        self.rows = rows.shape[0]
 
     def _grow(self, need: int) -> None:
-        capacity = max(need, 2 * self.keys.shape[2])
+        if self.fixed:
+            raise ValueError(f"the head's fixed cache of {self.capacity} columns overflows ({need} needed): its "
+                             "compiled draft steps cannot grow it")
+        capacity = max(need, 2 * self.capacity)
         keys = self.keys.new_zeros(*self.keys.shape[:2], capacity, self.keys.shape[-1])
         values = torch.zeros_like(keys)
-        keys[:, :, : self.length], values[:, :, : self.length] = self.view()
+        keys[:, :, : self.length], values[:, :, : self.length] = self.keys[:, :, : self.length], \
+            self.values[:, :, : self.length]
         self.keys, self.values = keys, values
 
 

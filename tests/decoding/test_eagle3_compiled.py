@@ -1,0 +1,128 @@
+"""The EAGLE-3 head's compiled draft steps (eval.compile: drafts/eagle3/compiled.py) draft what its eager steps draft,
+compile each graph once, and keep their fixed cache within its columns along long outputs.
+
+Traced with dynamo's eager backend (its guards and recompiles, no kernel builds); inductor's kernels:
+test_inductor_decoding.py."""
+
+import pytest
+import torch
+
+from specdistill.decoding import CacheMode, compile_stats, speculative_generate, target_generate
+from specdistill.decoding.compiled import release
+from specdistill.drafts.eagle3 import Eagle3Drafter
+from tests.conftest import left_padded_prompts, make_tiny_lm, noisy_eagle3_head
+
+V = 48
+COMPILED = CacheMode(compile=True, backend="eager")
+
+
+@pytest.fixture
+def no_recompiles():
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        yield
+
+
+def _models(seed=0):
+    target = make_tiny_lm(V, layers=4, hidden=32, seed=seed).eval()
+    target.lm_head.weight.data.mul_(4.0)  # peaked distributions: drafts get accepted and rejected
+    return target, noisy_eagle3_head(target, 32, seed).eval()
+
+
+def _same_rounds(a, b) -> None:
+    assert torch.equal(a.sequences, b.sequences) and torch.equal(a.num_new_tokens, b.num_new_tokens)
+    assert len(a.rounds) == len(b.rounds)
+    for ra, rb in zip(a.rounds, b.rounds):  # the same drafts accepted, round by round
+        assert torch.equal(ra.num_accepted, rb.num_accepted) and torch.equal(ra.draft_tokens, rb.draft_tokens)
+        assert torch.allclose(ra.alpha, rb.alpha, atol=1e-5)  # the draft's distribution q, through min(p, q)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_compiled_draft_steps_draft_what_the_eager_steps_draft(no_recompiles, temperature):
+    """Greedy and sampled (same generator seed), over ragged prompts: the same drafts, acceptances and tokens as the
+    eager head; its one-token draft graph compiled once per bucket and replayed every later step."""
+    target, head = _models()
+    drafter = Eagle3Drafter(head)
+    for seed, lengths in enumerate([[9, 4, 6], [3, 8, 5, 7]]):  # one bucket (4)
+        ids, mask = left_padded_prompts(lengths, seed=seed, vocab=V)
+
+        eager, compiled = (speculative_generate(target, drafter, ids, mask, strategy=4, max_new_tokens=24,
+                                                temperature=temperature, generator=torch.Generator().manual_seed(seed),
+                                                record=True, cache=cache) for cache in (CacheMode(), COMPILED))
+        _same_rounds(eager, compiled)
+    assert any(bool((r.num_accepted < r.gamma).any()) for r in compiled.rounds)       # rejections
+    assert any(bool((r.num_accepted > 0).any()) for r in compiled.rounds)             # and acceptances
+    stats = compile_stats(head)
+    assert stats.backend == "eager" and list(stats.compiles.values()) == [1], stats.compiles
+    assert stats.total_calls > 20  # replayed: two calls of several rounds of 3 one-token steps
+    assert drafter.slot is None  # freed as the call ended
+
+
+@torch.no_grad()
+def test_compiled_head_keeps_its_rows_where_rows_stop_early(no_recompiles):
+    """With drop_finished_rows a stopped row leaves growing caches; the compiled head's fixed cache keeps its rows
+    (the call decides so at its start), and the tokens stay the eager decoding's."""
+    target, head = _models()
+    ids, mask = left_padded_prompts([9, 4, 6], seed=0, vocab=V)
+    first = speculative_generate(target, Eagle3Drafter(head), ids, mask, strategy=4, max_new_tokens=24)
+    eos = int(first.sequences[0, 3])  # row 0 stops after 4 tokens, the others later or at their budget
+    eager = speculative_generate(target, Eagle3Drafter(head), ids, mask, strategy=4, max_new_tokens=24,
+                                 eos_token_id=eos, drop_finished_rows=True)
+    assert any(r.rows is not None for r in eager.rounds)  # growing caches dropped the stopped row
+    compiled = speculative_generate(target, Eagle3Drafter(head), ids, mask, strategy=4, max_new_tokens=24,
+                                    eos_token_id=eos, drop_finished_rows=True, cache=COMPILED)
+    assert all(r.rows is None for r in compiled.rounds)
+    assert torch.equal(compiled.sequences, eager.sequences)
+
+
+@torch.no_grad()
+def test_compiled_head_reuses_its_graph_across_calls_and_batch_sizes(no_recompiles):
+    """Batches of 1..4 rows with other prompt lengths after warm-up on buckets 4, 2 and 1 compile nothing more; a
+    target-only decoding between them leaves the head's graphs alone."""
+    target, head = _models(1)
+    drafter = Eagle3Drafter(head)
+    for lengths in ([7, 3, 5], [6, 2], [5]):
+        speculative_generate(target, drafter, *left_padded_prompts(lengths, seed=0, vocab=V), strategy=3,
+                             max_new_tokens=10, cache=COMPILED)
+    warm = dict(compile_stats(head).compiles)
+    assert len(warm) == 3 and set(warm.values()) == {1}
+    for seed, lengths in enumerate([[4, 9, 2, 6], [8], [3, 3], [10, 2, 5]]):
+        ids, mask = left_padded_prompts(lengths, seed=seed + 5, vocab=V)
+        target_generate(target, ids, mask, max_new_tokens=4, cache=COMPILED)
+        r = speculative_generate(target, Eagle3Drafter(head), ids, mask, strategy=3, max_new_tokens=10,
+                                 cache=COMPILED)
+        assert torch.equal(r.sequences, target_generate(target, ids, mask, max_new_tokens=10).sequences)
+    assert compile_stats(head).compiles == warm
+    release(head)
+    assert compile_stats(head).total_compiles == 0
+
+
+@torch.no_grad()
+def test_compiled_head_cache_compacts_in_place_along_a_long_output():
+    """A near-uniform target and a softened head, drafts sampled at T=1: most drafts are accepted and rows accept
+    different counts, leaving holes in the head's cache; its fixed buffers compact in place (one run length), and the
+    drafts stay the eager head's round for round."""
+    torch._dynamo.reset()
+    target = make_tiny_lm(V, layers=4, hidden=32, seed=0).eval()
+    head = noisy_eagle3_head(target, V, 0).eval()
+    head.lm_head.weight.data.mul_(0.3)
+    ids, mask = left_padded_prompts([14, 5, 1, 9], seed=1)
+    compacted = []
+
+    class Counted(Eagle3Drafter):
+        def _compact(self, widest):
+            compacted.append(self.mask.shape[1] - widest)
+            super()._compact(widest)
+
+    def run(cache):
+        return speculative_generate(target, Counted(head), ids, mask, strategy=5, max_new_tokens=160, temperature=1.0,
+                                    generator=torch.Generator().manual_seed(0), draft_policy="sample", record=True,
+                                    cache=cache)
+
+    eager = run(CacheMode())
+    n_eager = len(compacted)
+    compiled = run(COMPILED)
+    _same_rounds(eager, compiled)
+    assert n_eager >= 1 and len(compacted) == 2 * n_eager  # the same compactions, eager and compiled
+    assert len(compile_stats(head).cache_lengths) == 1
