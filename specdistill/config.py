@@ -298,7 +298,8 @@ class EvalConfig:
     # CUDA) and implies static_cache. Both decode the same tokens as the default growing caches.
     static_cache: bool = False
     # compile: on CUDA the fast path (fixed-shape graphs, one per batch bucket and step width, each compiled once and
-    # replayed as CUDA graphs: set it true there); off by default, as on CPU inductor's kernel builds take minutes
+    # replayed as CUDA graphs, the target's decode steps and an EAGLE-3 head's one-token draft steps: set it true
+    # there); off by default, as on CPU inductor's kernel builds take minutes and its kernels are no faster
     compile: bool = False
     device: str = "auto"  # scripts/evaluate.py: auto (cuda if available) | cpu | cuda | cuda:N
     # scripts/evaluate.py: torch CPU threads (null = physical cores / local processes)

@@ -77,7 +77,8 @@ class Eagle3Drafter(Drafter):
         mode, columns = CacheMode.of_factory(new_kv)
         if mode.compile:
             self.compiled = compiled_head(head, mode.backend)
-            need = (columns or T + 256) + (columns or T + 256) // 4 + 128  # room for drafted columns and holes
+            columns = mode.max_length or columns or T + 256  # the target's columns of this call (or of the run)
+            need = columns + columns // 4 + 128             # and room for drafted columns and holes
             self.slot = self.compiled.acquire(B, need)
             self.cache = self.slot.cache                                    # (bucket, nh, S, hd), B rows used
         else:
