@@ -9,6 +9,9 @@ Imports specdistill.decoding / drafts.eagle3, torch and transformers only.
   python -m benchmarks.spec_round_cost --batches 4 64 --modes growing compiled
   python -m benchmarks.spec_round_cost --batches 4 64 --modes growing --attention sdpa   # transformers' sdpa
   python -m benchmarks.spec_round_cost --device cpu --tiny --backend eager     # the script's own check
+
+--count-ops: one more call under torch.profiler, counting the operators the host issues per round outside compiled
+graphs (top-level aten operators: on a GPU each is at least one kernel launch, whose host cost bounds a small round).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--attention", default=ATTENTIONS[0], choices=ATTENTIONS,
                     help="the target's attention function (sdpa_grouped: what load_causal_lm gives it)")
+    ap.add_argument("--count-ops", action="store_true", help="host operators per round outside compiled graphs")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(args.tree.resolve()))
@@ -77,6 +81,9 @@ def main(argv=None) -> dict:
             rounds = len(roll.round_seconds)
             point = {"batch": batch, "mode": name, "rounds": rounds, "round_ms": 1e3 * roll.decode_seconds / rounds,
                      "call_s": wall, "tau": roll.mean_accept_len}
+            if args.count_ops:
+                ops, roll = host_ops(run)
+                point["host_ops_per_round"] = ops / len(roll.round_seconds)
             points.append(point)
             print(json.dumps(point), flush=True)
     import specdistill
@@ -86,6 +93,27 @@ def main(argv=None) -> dict:
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))
     return result
+
+
+def host_ops(fn):
+    """(operators the host issued outside compiled graphs while fn() ran, fn()'s result): top-level aten operators
+    (not inside another operator, nor inside a compiled region, whose graph the host launches as one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = fn()
+
+    def counted(event) -> bool:
+        if not event.name.startswith("aten::"):
+            return False
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::") or "Compiled" in parent.name or "CompiledFxGraph" in parent.name:
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    return sum(counted(e) for e in prof.events()), out
 
 
 if __name__ == "__main__":

@@ -1,18 +1,23 @@
 """The EAGLE-3 head's one-token draft steps as graphs compiled once, for `eval.compile=true` (CacheMode.compile).
 
-A chain round drafts gamma tokens: the pending block (eager: its width changes from round to round), then gamma - 1
-steps that each feed one token per row. Eager, each such step is a hundred-odd small kernels (the layer, its mask,
-the readout), launched one by one from the host; on a GPU that launch cost, not the head's arithmetic, is most of a
-round. Here those steps run as one graph per (batch bucket, cache columns), CUDA graphs on CUDA, on the same
-building blocks as the target's compiled decode steps (decoding/compiled.py):
+A chain round drafts gamma tokens: the pending block (the slots the last verify forward produced, up to gamma + 1,
+and the drafting slot), then gamma - 1 steps that each feed one token per row. Eager, each of these head forwards is
+a hundred-odd small kernels (the layer, its mask, the readout), launched one by one from the host; on a GPU that
+launch cost, not the head's arithmetic, is most of a round. Here they run as two graphs per (batch bucket, cache
+columns), CUDA graphs on CUDA, on the same building blocks as the target's compiled decode steps
+(decoding/compiled.py):
+  - the one-token draft step, and the pending block padded to a width fixed per slot (its first round's drafts + 1;
+    padding slots are seen by no slot and cropped at commit); a wider block (the prompt-long first one) runs eagerly
+    on the same cache;
   - the head's cache is a SlotCache(fixed=True) of the bucket's rows and the run's column count, kept from call to
     call with its graphs (a slot), its buffers marked as fixed addresses;
-  - the step's inputs (token, feature, position, the keys each row may see) are persistent buffers written in place,
-    the new key and value are written at a device scalar column, and attention reads every column, masked;
+  - the steps' inputs (tokens, features, positions, the keys each slot may see, the slot read out) are persistent
+    buffers written in place, the new keys and values are written at a device scalar column, and attention reads
+    every column, masked;
   - each graph has a code object of its own and replays under fail_on_recompile (decoding.RecompileError);
   - its compiles are counted in decoding.compile_stats(head), which gpu_check and the evaluator read.
-The arithmetic is the eager step's (Eagle3Head.step with n = 1): the same masked scores and fp32 softmax, over
-columns the eager step does not have, whose weight is exactly zero.
+The arithmetic is the eager step's (Eagle3Head.step): the same masked scores and fp32 softmax, over columns the eager
+step does not have, whose weight is exactly zero.
 """
 
 from __future__ import annotations
@@ -28,47 +33,77 @@ from specdistill.decoding.compiled import (CompileStats, GraphKey, RecompileErro
 from .model import Eagle3Head, SlotCache
 
 
-def _draft_step(head: Eagle3Head, tokens: torch.Tensor, g: torch.Tensor, positions: torch.Tensor,
-                allow: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, write_at: torch.Tensor):
-    """tokens (R, 1), g (R, 1, H), positions (R, 1), allow (R, 1, 1, S) bool, keys / values (R, nh, S, hd), write_at
-    () long -> h (R, 1, H), logits (R, Vd). Writes the new key and value at column write_at."""
-    scale = 1.0 / math.sqrt(head.config.head_dim)
+def _attend_fixed(keys: torch.Tensor, values: torch.Tensor, write_at: torch.Tensor, allow: torch.Tensor,
+                  scale: float):
+    """Eagle3Head._layer's attend(q, k, v) on a fixed cache: the n new keys and values written at columns write_at ..
+    write_at + n - 1, then attention over every column where allow (R, 1, n, S) permits, as Eagle3Head.step attends
+    (the same masked scores and fp32 softmax; columns it would not have get weight exactly zero)."""
 
     def attend(q, k, v):
-        at = write_at + torch.arange(1, device=k.device)
+        at = write_at + torch.arange(k.shape[2], device=k.device)
         keys.index_copy_(2, at, k)
         values.index_copy_(2, at, v)
         s = (q @ keys.transpose(-1, -2)) * scale
         s = s.masked_fill(~allow, torch.finfo(s.dtype).min)
         return s.float().softmax(-1).to(q.dtype) @ values
 
+    return attend
+
+
+def _draft_step(head: Eagle3Head, tokens: torch.Tensor, g: torch.Tensor, positions: torch.Tensor,
+                allow: torch.Tensor, readout: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                write_at: torch.Tensor):
+    """tokens (R, n), g (R, n, H), positions (R, n), allow (R, 1, n, S) bool, readout (R,) long, keys / values
+    (R, nh, S, hd), write_at () long -> h (R, 1, H) and logits (R, Vd) at slot readout of each row. Writes the n new
+    keys and values at columns write_at ..; n = 1: a draft step, n > 1: a round's pending block, padded."""
+    attend = _attend_fixed(keys, values, write_at, allow, 1.0 / math.sqrt(head.config.head_dim))
     h, _, _ = head._layer(tokens, g, positions, attend)
+    h = h[torch.arange(h.shape[0], device=h.device), readout][:, None]  # (R, 1, H)
     return h, head.readout(h)[:, 0]
 
 
+class HeadGraph:
+    """One step shape's input buffers (fixed addresses, written in place) and its graph, compiled at its first call."""
+
+    def __init__(self, slot: "HeadSlot", width: int, hidden: int, dtype, device):
+        R, L = slot.bucket, slot.length
+        self.name = f"{'draft' if width == 1 else 'pending'}_{GraphKey(R, width, None, True, L, slot.index)}"
+        self.width = width
+        self.tokens = torch.zeros(R, width, dtype=torch.long, device=device)
+        self.g = torch.zeros(R, width, hidden, dtype=dtype, device=device)
+        self.positions = torch.zeros(R, width, dtype=torch.long, device=device)
+        self.allow = torch.zeros(R, 1, width, L, dtype=torch.bool, device=device)
+        self.readout = torch.zeros(R, dtype=torch.long, device=device)
+        for t in (self.tokens, self.g, self.positions, self.allow, self.readout):
+            torch._dynamo.mark_static_address(t)
+        self.fn = None
+        self.calls = 0
+
+
 class HeadSlot:
-    """One bucket's fixed cache and step buffers, and the graph compiled on them."""
+    """One bucket's fixed cache, and the graphs compiled on it: the one-token draft step, the pending block's."""
 
     def __init__(self, head: Eagle3Head, bucket: int, length: int, index: int):
         c = head.config
-        device, dtype = head.fc.weight.device, head.fc.weight.dtype
+        self.device, self.dtype, self.hidden = head.fc.weight.device, head.fc.weight.dtype, c.hidden_size
         self.bucket, self.length, self.index = bucket, length, index
-        self.cache = SlotCache(bucket, c.num_attention_heads, c.head_dim, device, dtype, capacity=length, fixed=True)
-        self.write_at = torch.zeros((), dtype=torch.long, device=device)
-        self.tokens = torch.zeros(bucket, 1, dtype=torch.long, device=device)
-        self.g = torch.zeros(bucket, 1, c.hidden_size, dtype=dtype, device=device)
-        self.positions = torch.zeros(bucket, 1, dtype=torch.long, device=device)
-        self.allow = torch.zeros(bucket, 1, 1, length, dtype=torch.bool, device=device)
-        for t in (self.cache.keys, self.cache.values, self.write_at, self.tokens, self.g, self.positions, self.allow):
+        self.cache = SlotCache(bucket, c.num_attention_heads, c.head_dim, self.device, self.dtype, capacity=length,
+                               fixed=True)
+        self.write_at = torch.zeros((), dtype=torch.long, device=self.device)
+        for t in (self.cache.keys, self.cache.values, self.write_at):
             torch._dynamo.mark_static_address(t)
-        self.key = GraphKey(bucket, 1, None, True, length, index)
-        self.fn = None
-        self.calls = 0
+        self.graphs: dict[int, HeadGraph] = {}  # by width: 1 (draft steps) and the pending block's
+        self.pending_width: int | None = None   # the pending block's padded width, fixed at its first compiled call
         self.busy = False
+
+    def graph(self, width: int) -> HeadGraph:
+        if width not in self.graphs:
+            self.graphs[width] = HeadGraph(self, width, self.hidden, self.dtype, self.device)
+        return self.graphs[width]
 
 
 class CompiledHead:
-    """A head's compiled draft steps: its slots (one per batch bucket at the run's column count) and counters."""
+    """A head's compiled steps: its slots (one per batch bucket at the run's column count) and counters."""
 
     def __init__(self, head: Eagle3Head, backend: str):
         self.head = weakref.ref(head)
@@ -100,32 +135,44 @@ class CompiledHead:
         if slot.length != self.length:
             self.slots = [s for s in self.slots if s is not slot]
 
-    def step(self, slot: HeadSlot, token: torch.Tensor, g: torch.Tensor, position: torch.Tensor,
-             key_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step of the slot's B real rows: token (B,), g (B, 1, H), position (B,), key_mask (B, W) bool
-        the cached and drafted columns each row sees before this step's (W = the cache's length). Appends the step's
-        slot to the cache; returns h (B, 1, H) and logits (B, Vd), copied out of the graph's buffers."""
+    def pending_width(self, slot: HeadSlot, width: int, drafts: int) -> int | None:
+        """The width a pending block of `width` slots runs at compiled, or None: eagerly (wider than the slot's pending
+        graph, as a prompt-long first block is). The slot's first round fixes it at its drafts + 1 (the widest block
+        its verify forward can leave), so the graph compiles in a call's second round, not whenever a row first
+        accepts a draft."""
+        if slot.pending_width is None:
+            slot.pending_width = drafts + 1
+        return slot.pending_width if width <= slot.pending_width else None
+
+    def run(self, slot: HeadSlot, tokens: torch.Tensor, g: torch.Tensor, positions: torch.Tensor,
+            allow: torch.Tensor, readout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One compiled head forward of the slot's B real rows at width n (1, or the pending graph's): tokens (B, n),
+        g (B, n, H), positions (B, n), allow (B, n, W + n) bool the columns each new slot sees (W = the cache's length,
+        the new slots' own columns last), readout (B,) long. Appends the n slots to the cache; returns h (B, 1, H) and
+        logits (B, Vd) at each row's readout slot, copied out of the graph's buffers."""
         cache = slot.cache
-        B, W = key_mask.shape
-        if W != cache.length or W >= slot.length:
-            raise ValueError(f"compiled draft step: key mask of {W} columns against a cache of {cache.length} used of "
-                             f"{slot.length}")
-        slot.tokens[:B, 0] = token
-        slot.g[:B] = g
-        slot.positions[:B, 0] = position
-        slot.allow.zero_()
-        slot.allow[:B, 0, 0, :W] = key_mask
-        slot.allow[:B, 0, 0, W] = True
+        B, n = tokens.shape
+        W = cache.length
+        if allow.shape[-1] != W + n or W + n > slot.length:
+            raise ValueError(f"compiled head step: {n} slots seeing {allow.shape[-1]} columns against a cache of "
+                             f"{W} used of {slot.length}")
+        graph = slot.graph(n)
+        graph.tokens[:B] = tokens
+        graph.g[:B] = g
+        graph.positions[:B] = positions
+        graph.allow.zero_()
+        graph.allow[:B, 0, :, : W + n] = allow
+        graph.readout[:B] = readout
         slot.write_at.fill_(W)
-        if slot.fn is None:
-            slot.fn = torch.compile(own_code(_draft_step, f"eagle3_draft_step_{slot.key}"), fullgraph=True,
-                                    backend=counting_backend(self.backend, self.device, self.stats, str(slot.key)))
+        if graph.fn is None:
+            graph.fn = torch.compile(own_code(_draft_step, f"eagle3_{graph.name}"), fullgraph=True,
+                                     backend=counting_backend(self.backend, self.device, self.stats, graph.name))
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were copied out
-        h, logits = call_graph(self.stats, str(slot.key), slot.calls == 0, slot.fn, self.head(), slot.tokens, slot.g,
-                               slot.positions, slot.allow, cache.keys, cache.values, slot.write_at)
-        slot.calls += 1
-        cache.length = W + 1
+        h, logits = call_graph(self.stats, graph.name, graph.calls == 0, graph.fn, self.head(), graph.tokens, graph.g,
+                               graph.positions, graph.allow, graph.readout, cache.keys, cache.values, slot.write_at)
+        graph.calls += 1
+        cache.length = W + n
         return h[:B].clone(), logits[:B].clone()
 
 
@@ -140,4 +187,4 @@ def compiled_head(head: Eagle3Head, backend: str) -> CompiledHead:
     return compiled
 
 
-__all__ = ["CompiledHead", "HeadSlot", "RecompileError", "compiled_head"]
+__all__ = ["CompiledHead", "HeadGraph", "HeadSlot", "RecompileError", "compiled_head"]

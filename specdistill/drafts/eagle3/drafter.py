@@ -96,16 +96,26 @@ class Eagle3Drafter(Drafter):
         g = self._features(target_hidden)[:, -(T - 1):] * keep[..., None]   # (B, T-1, H) zero where not real
         self._set_pending(input_ids[:, 1:], g, keep, last)
 
-    def _pending_step(self):
+    def _pending_step(self, drafts: int | None = None):
         """Feed the pending block: cacheable slots, and per row the drafting slot (step 0 of the TTT unroll).
         Returns the drafting slot's logits (B, Vd), its output h (B, 1, H), its position (B,) and the usable keys
-        (B, S+P) so far."""
+        (B, S+P) so far. Compiled (a chain of `drafts` drafts): the block runs padded to its graph's width, and the
+        usable keys cover the padding (never usable)."""
         tokens_p, keep = self.pending_tokens, self.pending_keep            # (B, P)
         B, P = tokens_p.shape
         rows = torch.arange(B, device=tokens_p.device)
         is_last = torch.arange(P, device=keep.device) == self.pending_last[:, None]
         positions = (self.length[:, None] + keep.long().cumsum(1) - 1).clamp(min=0)  # (B, P)
         key_mask = torch.cat([self.mask, keep | is_last], dim=1)            # (B, S+P)
+        width = None if self.slot is None or drafts is None else self.compiled.pending_width(self.slot, P, drafts)
+        if width is not None:
+            S, pad = self.mask.shape[1], width - P
+            causal = torch.ones(P, P, dtype=torch.bool, device=keep.device).tril()
+            allow = torch.cat([self.mask[:, None, :].expand(-1, P, -1), key_mask[:, None, S:] & causal], dim=2)
+            allow = F.pad(allow, (0, pad, 0, pad))                          # (B, W, S+W): padding sees, is seen by none
+            h, logits = self.compiled.run(self.slot, F.pad(tokens_p, (0, pad)), F.pad(self.pending_g, (0, 0, 0, pad)),
+                                          F.pad(positions, (0, pad)), allow, self.pending_last)
+            return logits, h, positions[rows, self.pending_last], F.pad(key_mask, (0, pad))
         out = self.head.step(tokens_p, self.pending_g, positions, self.cache, key_mask,
                              readout_slot=self.pending_last)                # logits of the drafting slot only
         h = out.hidden[rows, self.pending_last][:, None]                    # (B, 1, H)
@@ -121,8 +131,9 @@ class Eagle3Drafter(Drafter):
         tokens_p = self.pending_tokens
         B = tokens_p.shape[0]
         # 1. The pending block.
-        logits, h, pos, key_mask = self._pending_step()                     # (B, Vd), (B, 1, H), (B,), (B, S+P)
+        logits, h, pos, key_mask = self._pending_step(k)                    # (B, Vd), (B, 1, H), (B,), (B, S+P)
         ones = torch.ones(B, 1, dtype=torch.bool, device=key_mask.device)
+        first = torch.zeros(B, dtype=torch.long, device=key_mask.device)   # a one-token step reads its slot 0
         # 2. Draft steps: step j feeds d_j with the head's own output, position + j, same slot (TTT step j).
         tokens, probs, step_logits = [], [], []
         for j in range(k):
@@ -133,11 +144,11 @@ class Eagle3Drafter(Drafter):
             probs.append(q)
             if j == k - 1 or unsure(logits, draft_id, q, self.confidence):
                 break
+            key_mask = torch.cat([key_mask, ones], dim=1)
             if self.slot is not None:
-                h, logits = self.compiled.step(self.slot, token, h, pos + j + 1, key_mask)
-                key_mask = torch.cat([key_mask, ones], dim=1)
+                h, logits = self.compiled.run(self.slot, token[:, None], h, (pos + j + 1)[:, None], key_mask[:, None],
+                                              first)
             else:
-                key_mask = torch.cat([key_mask, ones], dim=1)
                 out = head.step(token[:, None], h, (pos + j + 1)[:, None], self.cache, key_mask)
                 h, logits = out.hidden, out.logits[:, 0]
         Vd = logits.shape[-1]
