@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import types
 import weakref
 from collections.abc import Callable
@@ -191,8 +192,8 @@ class CompileStats:
     def by_bucket(self) -> dict[int, int]:
         """Batch bucket -> compiles of its graphs."""
         out: dict[int, int] = {}
-        for name, n in self.compiles.items():
-            bucket = int(name.split("_")[0].removeprefix("batch"))
+        for name, n in self.compiles.items():  # "batch4_width1_len256", or a kind's "draft_batch4_..."
+            bucket = int(re.search(r"(?:^|_)batch(\d+)_", name).group(1))
             out[bucket] = out.get(bucket, 0) + n
         return dict(sorted(out.items()))
 

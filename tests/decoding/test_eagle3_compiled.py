@@ -58,6 +58,7 @@ def test_compiled_draft_steps_draft_what_the_eager_steps_draft(no_recompiles, te
     assert stats.backend == "eager" and stats.compiles == {"draft_batch4_width1_hidden_len256": 1,
                                                            "pending_batch4_width5_hidden_len256": 1}, stats.compiles
     assert stats.calls["draft_batch4_width1_hidden_len256"] > 20  # replayed: rounds of 3 one-token steps, 2 calls
+    assert stats.as_dict()["by_bucket"] == {"4": 2}  # what the evaluator and gpu_check report
     assert drafter.slot is None  # freed as the call ended
 
 
