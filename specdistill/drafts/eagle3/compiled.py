@@ -41,8 +41,8 @@ def _attend_fixed(keys: torch.Tensor, values: torch.Tensor, write_at: torch.Tens
 
     def attend(q, k, v):
         at = write_at + torch.arange(k.shape[2], device=k.device)
-        keys.index_copy_(2, at, k)
-        values.index_copy_(2, at, v)
+        keys.index_copy_(2, at, k.to(keys.dtype))  # as SlotCache.append's assignment casts
+        values.index_copy_(2, at, v.to(values.dtype))
         s = (q @ keys.transpose(-1, -2)) * scale
         s = s.masked_fill(~allow, torch.finfo(s.dtype).min)
         return s.float().softmax(-1).to(q.dtype) @ values
