@@ -27,7 +27,7 @@ import math
 import re
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -240,10 +240,14 @@ def own_code(fn: Callable, name: str) -> Callable:
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
+_GRAPH_RUNS = [0]  # compiled graphs run so far in this process: GraphStates tells stale outputs by it
+
+
 def call_graph(stats: "CompileStats", graph: str, first: bool, fn: Callable, *args):
     """Run a compiled graph: its first call compiles (the backend must run exactly once), later ones must not (a
     guard that fails raises RecompileError instead of compiling again or running eagerly)."""
     stats.calls[graph] = stats.calls.get(graph, 0) + 1
+    _GRAPH_RUNS[0] += 1
     if first:
         out = fn(*args)
         if stats.compiles.get(graph, 0) != 1:
@@ -276,12 +280,38 @@ def _step_function(cache: Cache, cache_kwarg: str, hidden: bool, write_at: torch
     return decode_step
 
 
+class GraphStates(Sequence):
+    """A compiled step's hidden states, per layer (B, C, H) for the real rows, each copied out of the graph's buffers
+    the first time it is read: a round reads the few layers its drafter and feature capture use (an EAGLE-3 head:
+    three of a 32-layer target's 33), not all. A layer first read after any compiled graph ran again (CUDA graphs
+    may then have reused its memory) raises instead of returning what the buffers hold."""
+
+    def __init__(self, states: tuple[torch.Tensor, ...], rows: int):
+        self._states, self._rows, self._run = states, rows, _GRAPH_RUNS[0]
+        self._copies: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(len(self))[i])
+        i = range(len(self))[i]
+        if i not in self._copies:
+            if _GRAPH_RUNS[0] != self._run:
+                raise RuntimeError("a compiled step's hidden state read after a compiled graph ran again (CUDA "
+                                   "graphs reuse their output memory): read the layers a round needs before its next "
+                                   "compiled forward")
+            self._copies[i] = self._states[i][: self._rows].clone()
+        return self._copies[i]
+
+
 @dataclass
 class DecodeOutput:
     """A compiled step's outputs for the real rows, owned by the caller (copied out of the graph's buffers)."""
 
-    logits: torch.Tensor                                 # (B, C, V)
-    hidden_states: tuple[torch.Tensor, ...] | None = None  # per layer (B, C, H) where asked for
+    logits: torch.Tensor                          # (B, C, V)
+    hidden_states: GraphStates | None = None      # per layer (B, C, H) where asked for, copied when read
 
 
 def _visible(mask: torch.Tensor) -> torch.Tensor:
@@ -355,7 +385,7 @@ class _Slot:
         logits, states = self.decoding.call(key, graph)
         for layer in self.cache.layers:
             layer.start += C
-        return DecodeOutput(logits[:B].clone(), tuple(h[:B].clone() for h in states) if hidden else None)
+        return DecodeOutput(logits[:B].clone(), GraphStates(states, B) if hidden else None)
 
     def _new_graph(self, key: GraphKey, input_ids, positions, masks) -> _Graph:
         d = self.decoding
@@ -370,6 +400,8 @@ class _Slot:
         def padded_mask(m: torch.Tensor) -> torch.Tensor:
             return _visible(m.new_empty(self.bucket, *m.shape[1:])).contiguous()
 
+        if key.hidden:
+            d.prepare_hidden_states()
         bufs = (padded(input_ids), padded(positions),
                 {k: padded_mask(m) for k, m in masks.items()} if isinstance(masks, dict) else padded_mask(masks))
         step = _step_function(self.cache, d.cache_kwarg, key.hidden, self.write_at,
@@ -394,9 +426,20 @@ class CompiledDecoding:
         self.length: int | None = None
         self.slots: list[_Slot] = []
         self.stats = CompileStats(model=self.name, backend=backend)
+        self.hidden_ready = False
 
     def graph_count(self) -> int:
         return sum(len(slot.graphs) for slot in self.slots)
+
+    @torch.no_grad()
+    def prepare_hidden_states(self) -> None:
+        """One eager one-token forward with output_hidden_states before the first graph that returns them: some
+        transformers releases install their hidden-state capturing hooks at the first such forward, under a lock that
+        dynamo cannot trace (a compiled step would fail). Once per model."""
+        if not self.hidden_ready:
+            self.model()(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), use_cache=False,
+                         output_hidden_states=True)
+            self.hidden_ready = True
 
     def backend_for(self, key: GraphKey) -> Callable:
         return counting_backend(self.backend, self.device, self.stats, str(key))

@@ -240,3 +240,25 @@ def test_compiled_sliding_window_layers_keep_the_eager_tokens(no_recompiles):
     rollout = speculative_generate(target, drafter, ids, mask, strategy=3, max_new_tokens=LONG, cache=COMPILED)
     assert torch.equal(rollout.sequences, reference.sequences)
     assert set(compile_stats(target).compiles.values()) == {1}
+
+
+@torch.no_grad()
+def test_compiled_hidden_states_are_copied_when_read_and_refused_once_stale():
+    """A compiled step's hidden states equal the eager step's layer by layer, are copied only when read, and a layer
+    first read after another compiled step ran raises (CUDA graphs may have reused the memory) instead of returning
+    the newer step's states."""
+    torch._dynamo.reset()
+    model = tiny_target("llama")
+    ids, mask = _batch([6, 3], 0)
+    kvs = [COMPILED.factory(30)(model), BatchKV(model)]
+    for kv in kvs:
+        kv.prefill(ids[:, :-1], mask[:, :-1])
+    compiled, eager = (kv.step(ids[:, -1:], output_hidden_states=True) for kv in kvs)
+    assert len(compiled.hidden_states) == len(eager.hidden_states) == model.config.num_hidden_layers + 1
+    assert compiled.hidden_states._copies == {}  # nothing copied until read
+    torch.testing.assert_close(compiled.hidden_states[-1], eager.hidden_states[-1])
+    assert list(compiled.hidden_states._copies) == [model.config.num_hidden_layers]
+    kvs[0].step(ids[:, -1:], output_hidden_states=True)
+    torch.testing.assert_close(compiled.hidden_states[-1], eager.hidden_states[-1])  # copied before: still its own
+    with pytest.raises(RuntimeError, match="read after a compiled graph ran again"):
+        compiled.hidden_states[0]
