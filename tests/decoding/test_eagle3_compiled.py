@@ -129,3 +129,20 @@ def test_compiled_head_cache_compacts_in_place_along_a_long_output():
     _same_rounds(eager, compiled)
     assert n_eager >= 1 and len(compacted) == 2 * n_eager  # the same compactions, eager and compiled
     assert len(compile_stats(head).cache_lengths) == 1
+
+
+@torch.no_grad()
+def test_token_trees_on_the_compiled_head_cache_stay_eager_and_exact(no_recompiles):
+    """Token trees draft eagerly on the head's fixed cache (their widths vary): the eager head's tokens and accepted
+    paths, and no head graph compiled."""
+    from specdistill.decoding import TreeShape
+
+    target, head = _models()
+    ids, mask = left_padded_prompts([9, 4, 6], seed=0, vocab=V)
+    shape = TreeShape(topk=2, depth=3, nodes=6)
+    eager = speculative_generate(target, Eagle3Drafter(head), ids, mask, strategy=shape, max_new_tokens=20)
+    compiled = speculative_generate(target, Eagle3Drafter(head), ids, mask, strategy=shape, max_new_tokens=20,
+                                    cache=COMPILED)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert [r.num_accepted.tolist() for r in compiled.rounds] == [r.num_accepted.tolist() for r in eager.rounds]
+    assert compile_stats(head).total_compiles == 0
