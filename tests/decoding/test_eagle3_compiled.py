@@ -146,3 +146,65 @@ def test_token_trees_on_the_compiled_head_cache_stay_eager_and_exact(no_recompil
     assert torch.equal(compiled.sequences, eager.sequences)
     assert [r.num_accepted.tolist() for r in compiled.rounds] == [r.num_accepted.tolist() for r in eager.rounds]
     assert compile_stats(head).total_compiles == 0
+
+
+@torch.no_grad()
+def test_compiled_head_under_autocast_keeps_the_eager_steps_dtypes(no_recompiles):
+    """An fp32 head beside its target under bf16 autocast (Draft-OPD's rollouts, spec-eval): the features come in
+    bf16, and a compiled step keeps its residual stream in bf16 as the eager step does (its graph is the features'
+    dtype's); outputs agree up to bf16 rounding (exact drafts are not: a bf16 sum over other columns rounds
+    otherwise), and a decoding runs on that path."""
+    from specdistill.drafts.eagle3.compiled import compiled_head
+    from specdistill.drafts.eagle3.model import SlotCache
+
+    target, head = _models()
+    c = head.config
+    B, S = 3, 7
+    torch.manual_seed(0)
+    tokens = torch.randint(0, V, (B, 1))
+    keys, values = torch.randn(B, c.num_attention_heads, S, c.head_dim), torch.randn(B, c.num_attention_heads, S,
+                                                                                      c.head_dim)
+    visible = torch.rand(B, S + 1) > 0.3
+    visible[:, -1] = True
+    compiled = compiled_head(head, "eager")
+    owner = Eagle3Drafter(head)  # what holds the slot
+    slot = compiled.acquire(owner, B, 64)
+    eager_cache = SlotCache(B, c.num_attention_heads, c.head_dim, "cpu", torch.float32, capacity=16)
+    for cache in (slot.cache, eager_cache):
+        cache.append(keys, values)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        g16 = head.fc(torch.randn(B, 1, head.fc.in_features))  # features as the drafter makes them: bf16
+        eager = head.step(tokens, g16, torch.full((B, 1), S), eager_cache, visible)
+        h, logits = compiled.run(slot, tokens, g16, torch.full((B, 1), S), visible[:, None], torch.zeros(B).long())
+    assert g16.dtype == eager.hidden.dtype == h.dtype == torch.bfloat16
+    torch.testing.assert_close(h.float(), eager.hidden.float(), atol=0.05, rtol=0.02)
+    torch.testing.assert_close(logits.float(), eager.logits[:, 0].float(), atol=0.05, rtol=0.02)
+    assert list(compile_stats(head).compiles) == ["draft_batch4_width1_hidden_len256_bfloat16"]
+    ids, mask = left_padded_prompts([9, 4, 6], seed=0, vocab=V)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        r = speculative_generate(target, Eagle3Drafter(head), ids, mask, strategy=4, max_new_tokens=12,
+                                 cache=COMPILED)
+    assert r.num_new_tokens.tolist() == [12, 12, 12]  # the compiled path decodes under autocast
+
+
+@torch.no_grad()
+def test_a_dropped_drafter_frees_its_compiled_slot():
+    """A drafter started but never closed (a timing helper, an exception) frees its slot when it is garbage
+    collected: the next call reuses the slot and its graphs instead of compiling a second set."""
+    import gc
+
+    torch._dynamo.reset()
+    target, head = _models()
+    ids, mask = left_padded_prompts([9, 4, 6], seed=0, vocab=V)
+    speculative_generate(target, Eagle3Drafter(head), ids, mask, strategy=4, max_new_tokens=12, cache=COMPILED)
+    compiled = compile_stats(head).compiles.copy()
+    drafter = Eagle3Drafter(head)
+    drafter.start(ids, mask, target_hidden=target(ids, output_hidden_states=True).hidden_states,
+                  new_kv=COMPILED.factory(40))
+    assert drafter.slot.busy
+    slot = drafter.slot
+    del drafter
+    gc.collect()
+    assert not slot.busy
+    speculative_generate(target, Eagle3Drafter(head), ids, mask, strategy=4, max_new_tokens=12, cache=COMPILED)
+    assert compile_stats(head).compiles == compiled

@@ -6,9 +6,9 @@ a hundred-odd small kernels (the layer, its mask, the readout), launched one by 
 launch cost, not the head's arithmetic, is most of a round. Here they run as two graphs per (batch bucket, cache
 columns), CUDA graphs on CUDA, on the same building blocks as the target's compiled decode steps
 (decoding/compiled.py):
-  - the one-token draft step, and the pending block padded to a width fixed per slot (its first round's drafts + 1;
-    padding slots are seen by no slot and cropped at commit); a wider block (the prompt-long first one) runs eagerly
-    on the same cache;
+  - the one-token draft step, and the pending block padded to the widest block a round so far could leave (its drafts
+    + 1; padding slots are seen by no slot and cropped at commit); a wider block (the prompt-long first one) runs
+    eagerly on the same cache;
   - the head's cache is a SlotCache(fixed=True) of the bucket's rows and the run's column count, kept from call to
     call with its graphs (a slot), its buffers marked as fixed addresses;
   - the steps' inputs (tokens, features, positions, the keys each slot may see, the slot read out) are persistent
@@ -67,7 +67,9 @@ class HeadGraph:
 
     def __init__(self, slot: "HeadSlot", width: int, hidden: int, dtype, device):
         R, L = slot.bucket, slot.length
-        self.name = f"{'draft' if width == 1 else 'pending'}_{GraphKey(R, width, None, True, L, slot.index)}"
+        kind = "draft" if width == 1 else "pending"
+        dtype_tag = "" if dtype == slot.dtype else f"_{str(dtype).removeprefix('torch.')}"
+        self.name = f"{kind}_{GraphKey(R, width, None, True, L, slot.index)}{dtype_tag}"
         self.width = width
         self.tokens = torch.zeros(R, width, dtype=torch.long, device=device)
         self.g = torch.zeros(R, width, hidden, dtype=dtype, device=device)
@@ -92,14 +94,17 @@ class HeadSlot:
         self.write_at = torch.zeros((), dtype=torch.long, device=self.device)
         for t in (self.cache.keys, self.cache.values, self.write_at):
             torch._dynamo.mark_static_address(t)
-        self.graphs: dict[int, HeadGraph] = {}  # by width: 1 (draft steps) and the pending block's
-        self.pending_width: int | None = None   # the pending block's padded width, fixed at its first compiled call
+        self.graphs: dict[tuple, HeadGraph] = {}  # by (width, features' dtype): 1 (draft steps), the pending block's
+        self.pending_width = 0                    # the widest pending graph so far
         self.busy = False
+        self.lease = 0  # counts acquires and releases: a finalizer frees only the lease it was made for
 
-    def graph(self, width: int) -> HeadGraph:
-        if width not in self.graphs:
-            self.graphs[width] = HeadGraph(self, width, self.hidden, self.dtype, self.device)
-        return self.graphs[width]
+    def graph(self, width: int, dtype: torch.dtype) -> HeadGraph:
+        """The graph of `width` slots whose features come in `dtype` (the head's, or autocast's under autocast, as
+        the eager step's residual stream has it)."""
+        if (width, dtype) not in self.graphs:
+            self.graphs[width, dtype] = HeadGraph(self, width, self.hidden, dtype, self.device)
+        return self.graphs[width, dtype]
 
 
 class CompiledHead:
@@ -108,14 +113,15 @@ class CompiledHead:
     def __init__(self, head: Eagle3Head, backend: str):
         self.head = weakref.ref(head)
         self.backend = backend
-        self.device = head.fc.weight.device
+        self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
         self.stats = CompileStats(model=type(head).__name__, backend=backend)
         self.length: int | None = None
         self.slots: list[HeadSlot] = []
 
-    def acquire(self, rows: int, need: int) -> HeadSlot:
+    def acquire(self, owner: object, rows: int, need: int) -> HeadSlot:
         """A free slot of rows' bucket holding at least `need` columns (the run's count: the first call's need
-        rounded up to 256, doubled when a later call needs more)."""
+        rounded up to 256, doubled when a later call needs more), for `owner` (a drafter): free again at its
+        release(), or when the owner is garbage collected."""
         if self.length is None or need > self.length:
             self.length = max(run_length(need), 2 * self.length if self.length else 0)
             self.slots = [s for s in self.slots if s.busy]
@@ -128,20 +134,25 @@ class CompiledHead:
             self.slots.append(slot)
         slot.busy = True
         slot.cache.reset(rows)
+        slot.lease += 1
+        weakref.finalize(owner, self.release, slot, slot.lease)
         return slot
 
-    def release(self, slot: HeadSlot) -> None:
+    def release(self, slot: HeadSlot, lease: int | None = None) -> None:
+        """Free the slot (lease: only if no later acquire took it since)."""
+        if lease is not None and lease != slot.lease:
+            return
         slot.busy = False
+        slot.lease += 1
         if slot.length != self.length:
             self.slots = [s for s in self.slots if s is not slot]
 
     def pending_width(self, slot: HeadSlot, width: int, drafts: int) -> int | None:
-        """The width a pending block of `width` slots runs at compiled, or None: eagerly (wider than the slot's pending
-        graph, as a prompt-long first block is). The slot's first round fixes it at its drafts + 1 (the widest block
-        its verify forward can leave), so the graph compiles in a call's second round, not whenever a row first
-        accepts a draft."""
-        if slot.pending_width is None:
-            slot.pending_width = drafts + 1
+        """The width a pending block of `width` slots runs at compiled, or None: eagerly (wider than the round can
+        leave, as a prompt-long first block is). A round of `drafts` drafts leaves at most drafts + 1 slots; the
+        slot's pending graph is the widest such round's so far (a wider round compiles one more, at most one per
+        draft length)."""
+        slot.pending_width = max(slot.pending_width, drafts + 1)
         return slot.pending_width if width <= slot.pending_width else None
 
     def run(self, slot: HeadSlot, tokens: torch.Tensor, g: torch.Tensor, positions: torch.Tensor,
@@ -156,7 +167,7 @@ class CompiledHead:
         if allow.shape[-1] != W + n or W + n > slot.length:
             raise ValueError(f"compiled head step: {n} slots seeing {allow.shape[-1]} columns against a cache of "
                              f"{W} used of {slot.length}")
-        graph = slot.graph(n)
+        graph = slot.graph(n, g.dtype)
         graph.tokens[:B] = tokens
         graph.g[:B] = g
         graph.positions[:B] = positions
@@ -165,7 +176,7 @@ class CompiledHead:
         graph.readout[:B] = readout
         slot.write_at.fill_(W)
         if graph.fn is None:
-            graph.fn = torch.compile(own_code(_draft_step, f"eagle3_{graph.name}"), fullgraph=True,
+            graph.fn = torch.compile(own_code(_draft_step, f"eagle3_{graph.name}"), fullgraph=True, dynamic=False,
                                      backend=counting_backend(self.backend, self.device, self.stats, graph.name))
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were copied out
@@ -177,11 +188,13 @@ class CompiledHead:
 
 
 def compiled_head(head: Eagle3Head, backend: str) -> CompiledHead:
-    """The head's CompiledHead (made anew for another backend), registered where decoding.compile_stats finds it."""
+    """The head's CompiledHead (made anew for another backend, or a head moved or cast since), registered where
+    decoding.compile_stats finds it."""
     from specdistill.decoding.compiled import decoding_of
 
     compiled = decoding_of(head)
-    if not isinstance(compiled, CompiledHead) or compiled.backend != backend:
+    if (not isinstance(compiled, CompiledHead) or compiled.backend != backend
+            or (compiled.device, compiled.dtype) != (head.fc.weight.device, head.fc.weight.dtype)):
         compiled = CompiledHead(head, backend)
         attach(head, compiled)
     return compiled

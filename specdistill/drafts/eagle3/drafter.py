@@ -79,7 +79,7 @@ class Eagle3Drafter(Drafter):
             self.compiled = compiled_head(head, mode.backend)
             columns = mode.max_length or columns or T + 256  # the target's columns of this call (or of the run)
             need = columns + columns // 4 + 128             # and room for drafted columns and holes
-            self.slot = self.compiled.acquire(B, need)
+            self.slot = self.compiled.acquire(self, B, need)
             self.cache = self.slot.cache                                    # (bucket, nh, S, hd), B rows used
         else:
             self.cache = SlotCache(B, c.num_attention_heads, c.head_dim, device, dtype, capacity=T + 256)
@@ -193,11 +193,12 @@ class Eagle3Drafter(Drafter):
         S0 = self.mask.shape[1]
         # 1. Cache: keep the pending block's real slots of rows that go on; crop the rest of the block and every
         #    draft-step slot.
+        fed = self.cache.length - S0
         self.cache.crop(S0 + last)
         self.mask = torch.cat([self.mask, keep[:, :last]], dim=1)
         self.length = self.length + count
         S = self.mask.shape[1]
-        room = 2 * (max(width, 1) + self.tokens.shape[1]) + 64  # a fixed cache: the next round's columns, and more
+        room = 2 * fed + 64  # a fixed cache: twice the columns this round fed (a pending block, drafts or a tree)
         if S - widest > max(32, S // 4) or (self.cache.fixed and S + room > self.cache.capacity):
             self._compact(widest)
         # 2. New pending block: the verify forward's features for [pending, d_1 .. d_n] (positions length ..
