@@ -370,8 +370,9 @@ def counted(fn: Callable, models: tuple = ()):
 class CompileCheck:
     """A compiled path's compiles: its first calls (warm-up: compiling expected) and the calls after them with the
     same shapes, which must compile nothing. Fails when nothing compiled (the path ran eagerly: counted by the
-    decoders, else by dynamo's graphs), when dynamo hit its recompile limit (a frame then runs eagerly), or when a
-    call after the warm-up compiled (a shape outside the compiled buckets, or a cache length doubled)."""
+    decoders, else by dynamo's graphs), when dynamo hit its recompile limit (a frame then runs eagerly), when inductor
+    skipped a CUDA graph capture (its kernels then launch one by one), or when a call after the warm-up compiled (a
+    shape outside the compiled buckets, or a cache length doubled)."""
     warm: CompileCount
     timed: CompileCount
     calls: dict                    # per call: its CompileCount, for the report
@@ -385,6 +386,9 @@ class CompileCheck:
             out.append("compiled nothing: no decode graph was compiled, so the compiled path ran eagerly")
         if total.limit_hits:
             out.append(f"dynamo hit its recompile limit {total.limit_hits} time(s): past it a frame runs eagerly")
+        if total.cudagraph_skips:
+            out.append(f"inductor skipped {total.cudagraph_skips} CUDA graph capture(s): those graphs replay kernel "
+                       "by kernel from the host (TORCH_LOGS=perf_hints says why)")
         recompiled = {k: s.recompiles for k, s in (self.stats or {}).items() if s.recompiles}
         if recompiled:
             out.append(f"graphs compiled more than once (the decoders' count, by model): {recompiled}")

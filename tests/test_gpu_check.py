@@ -74,11 +74,12 @@ def test_params_read_per_step_leaves_out_an_untied_input_embedding(gc):
 
 
 # ------------------------------------------------------------------------------------------------ compiling
-def test_compile_check_fails_a_path_that_compiled_nothing_hit_the_limit_or_compiled_after_warm_up(gc):
+def test_compile_check_fails_a_path_that_compiled_nothing_hit_the_limit_skipped_cuda_graphs_or_compiled_late(gc):
     C = gc.CompileCount
     assert gc.CompileCheck(C(2, 2), C(), {}).problems() == []
     assert "compiled nothing" in gc.CompileCheck(C(), C(), {}).problems()[0]
     assert "recompile limit" in gc.CompileCheck(C(3, 3, limit_hits=1), C(), {}).problems()[0]
+    assert "CUDA graph capture" in gc.CompileCheck(C(2, 2, cudagraph_skips=1), C(), {}).problems()[0]
     after = gc.CompileCheck(C(2, 2), C(1, 1), {}).to_dict()
     assert not after["ok"] and "after the warm-up" in after["problems"][0]
     # the decoders' count decides whether anything compiled, and names graphs compiled twice
