@@ -413,7 +413,58 @@ class _Slot:
         return graph
 
 
-class CompiledDecoding:
+class SlotPool:
+    """A model's slots: each a fixed cache of one batch bucket and the graphs compiled on it, all at the run's length
+    (the first call's need rounded up to 256, or `fixed`; doubled when a later call needs more). A slot serves one
+    decoding at a time and goes back at release(), or when its holder is garbage collected. Subclasses make slots
+    (new_slot), which have bucket, length, busy and lease attributes and a start(rows) method."""
+
+    def __init__(self, stats: CompileStats):
+        self.stats = stats
+        self.length: int | None = None
+        self.slots: list = []
+
+    def new_slot(self, bucket: int, length: int, index: int):
+        raise NotImplementedError
+
+    def acquire(self, owner: object, rows: int, need: int, fixed: int | None = None, current=None):
+        """A free slot for `owner` of rows' bucket, holding at least `need` columns; it is free again when owner is
+        garbage collected or acquires another (current: the slot it holds). A call that needs more than the run's
+        length doubles it (new caches and graphs: see stats.cache_lengths)."""
+        if current is not None:
+            self._release(current)
+        if self.length is None or need > self.length:
+            self.length = max(run_length(need, fixed), 2 * self.length if self.length else 0)
+            self.slots = [slot for slot in self.slots if slot.busy]  # stale sizes go once free
+            self.stats.cache_lengths.append(self.length)
+        bucket = batch_bucket(rows)
+        mine = [s for s in self.slots if s.bucket == bucket and s.length == self.length]
+        slot = next((s for s in mine if not s.busy), None)
+        if slot is None:
+            slot = self.new_slot(bucket, self.length, len(mine))
+            self.slots.append(slot)
+        slot.busy = True
+        slot.start(rows)
+        slot.lease += 1
+        weakref.finalize(owner, self._release, slot, slot.lease)
+        return slot
+
+    def release(self, slot) -> None:
+        """Free the slot now (its holder's decoding call ended), for the next call to reuse with its warm graphs; the
+        finalizer of the lease it ends does nothing then."""
+        self._release(slot, slot.lease)
+
+    def _release(self, slot, lease: int | None = None) -> None:
+        """Free the slot (lease: only if no later acquire took it since)."""
+        if lease is not None and lease != slot.lease:
+            return
+        slot.busy = False
+        slot.lease += 1
+        if slot.length != self.length:
+            self.slots = [s for s in self.slots if s is not slot]
+
+
+class CompiledDecoding(SlotPool):
     """One model's compiled decode steps: static caches per batch bucket (slots), graphs per slot and step shape."""
 
     def __init__(self, model: torch.nn.Module, backend: str, cache_kwarg: str, takes_cache_position: bool):
@@ -423,10 +474,11 @@ class CompiledDecoding:
         self.device = next(model.parameters()).device
         self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self.cache_kwarg, self.takes_cache_position = cache_kwarg, takes_cache_position
-        self.length: int | None = None
-        self.slots: list[_Slot] = []
-        self.stats = CompileStats(model=self.name, backend=backend)
+        super().__init__(CompileStats(model=self.name, backend=backend))
         self.hidden_ready = False
+
+    def new_slot(self, bucket: int, length: int, index: int) -> _Slot:
+        return _Slot(self, bucket, length, index)
 
     def graph_count(self) -> int:
         return sum(len(slot.graphs) for slot in self.slots)
@@ -443,42 +495,6 @@ class CompiledDecoding:
 
     def backend_for(self, key: GraphKey) -> Callable:
         return counting_backend(self.backend, self.device, self.stats, str(key))
-
-    def acquire(self, owner: object, rows: int, need: int, fixed: int | None, current: _Slot | None = None) -> _Slot:
-        """A free slot for `owner` (a BatchKV) of rows' bucket, holding at least `need` columns; it is free again
-        when owner is garbage collected or acquires another (current: the slot it holds). The run's length is set by
-        the first call (or `fixed`); a call that needs more doubles it (new caches and graphs: see cache_lengths)."""
-        if current is not None:
-            self._release(current)
-        if self.length is None or need > self.length:
-            self.length = max(run_length(need, fixed), 2 * self.length if self.length else 0)
-            self.slots = [slot for slot in self.slots if slot.busy]  # stale sizes go once free
-            self.stats.cache_lengths.append(self.length)
-        bucket = batch_bucket(rows)
-        mine = [s for s in self.slots if s.bucket == bucket and s.length == self.length]
-        slot = next((s for s in mine if not s.busy), None)
-        if slot is None:
-            slot = _Slot(self, bucket, self.length, index=len(mine))
-            self.slots.append(slot)
-        slot.busy = True
-        slot.start(rows)
-        slot.lease += 1
-        weakref.finalize(owner, self._release, slot, slot.lease)
-        return slot
-
-    def release(self, slot: _Slot) -> None:
-        """Free the slot now (its holder's decoding call ended: BatchKV.close), for the next call to reuse with its
-        warm graphs; the finalizer of the lease it ends does nothing then."""
-        self._release(slot, slot.lease)
-
-    def _release(self, slot: _Slot, lease: int | None = None) -> None:
-        """Free the slot (lease: only if no later acquire took it since)."""
-        if lease is not None and lease != slot.lease:
-            return
-        slot.busy = False
-        slot.lease += 1
-        if slot.length != self.length:
-            self.slots = [s for s in self.slots if s is not slot]
 
     def call(self, key: GraphKey, graph: _Graph):
         """Run a graph: its first call compiles, later ones must not (call_graph)."""

@@ -27,8 +27,8 @@ import weakref
 
 import torch
 
-from specdistill.decoding.compiled import (CompileStats, GraphKey, RecompileError, attach, batch_bucket, call_graph,
-                                           counting_backend, own_code, run_length)
+from specdistill.decoding.compiled import (CompileStats, GraphKey, RecompileError, SlotPool, attach, call_graph,
+                                           counting_backend, own_code)
 
 from .model import Eagle3Head, SlotCache
 
@@ -99,6 +99,10 @@ class HeadSlot:
         self.busy = False
         self.lease = 0  # counts acquires and releases: a finalizer frees only the lease it was made for
 
+    def start(self, rows: int) -> None:
+        """A new decoding of `rows` real rows: the cache empty (stale columns stay, masked)."""
+        self.cache.reset(rows)
+
     def graph(self, width: int, dtype: torch.dtype) -> HeadGraph:
         """The graph of `width` slots whose features come in `dtype` (the head's, or autocast's under autocast, as
         the eager step's residual stream has it)."""
@@ -107,45 +111,17 @@ class HeadSlot:
         return self.graphs[width, dtype]
 
 
-class CompiledHead:
+class CompiledHead(SlotPool):
     """A head's compiled steps: its slots (one per batch bucket at the run's column count) and counters."""
 
     def __init__(self, head: Eagle3Head, backend: str):
         self.head = weakref.ref(head)
         self.backend = backend
         self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
-        self.stats = CompileStats(model=type(head).__name__, backend=backend)
-        self.length: int | None = None
-        self.slots: list[HeadSlot] = []
+        super().__init__(CompileStats(model=type(head).__name__, backend=backend))
 
-    def acquire(self, owner: object, rows: int, need: int) -> HeadSlot:
-        """A free slot of rows' bucket holding at least `need` columns (the run's count: the first call's need
-        rounded up to 256, doubled when a later call needs more), for `owner` (a drafter): free again at its
-        release(), or when the owner is garbage collected."""
-        if self.length is None or need > self.length:
-            self.length = max(run_length(need), 2 * self.length if self.length else 0)
-            self.slots = [s for s in self.slots if s.busy]
-            self.stats.cache_lengths.append(self.length)
-        bucket = batch_bucket(rows)
-        mine = [s for s in self.slots if s.bucket == bucket and s.length == self.length]
-        slot = next((s for s in mine if not s.busy), None)
-        if slot is None:
-            slot = HeadSlot(self.head(), bucket, self.length, index=len(mine))
-            self.slots.append(slot)
-        slot.busy = True
-        slot.cache.reset(rows)
-        slot.lease += 1
-        weakref.finalize(owner, self.release, slot, slot.lease)
-        return slot
-
-    def release(self, slot: HeadSlot, lease: int | None = None) -> None:
-        """Free the slot (lease: only if no later acquire took it since)."""
-        if lease is not None and lease != slot.lease:
-            return
-        slot.busy = False
-        slot.lease += 1
-        if slot.length != self.length:
-            self.slots = [s for s in self.slots if s is not slot]
+    def new_slot(self, bucket: int, length: int, index: int) -> HeadSlot:
+        return HeadSlot(self.head(), bucket, length, index)
 
     def pending_width(self, slot: HeadSlot, width: int, drafts: int) -> int | None:
         """The width a pending block of `width` slots runs at compiled, or None: eagerly (wider than the round can
