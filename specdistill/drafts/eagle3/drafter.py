@@ -67,7 +67,8 @@ class Eagle3Drafter(Drafter):
     @torch.no_grad()
     def start(self, input_ids, attention_mask, target_hidden=None, new_kv=BatchKV) -> None:
         """The head keeps its own one-layer cache (a SlotCache, written in place). new_kv says the call's cache mode:
-        compiled (CacheMode.compile), one-token draft steps run as compiled graphs on a fixed cache (compiled.py)."""
+        compiled (CacheMode.compile), the head's forwards of a chain round (the pending block, padded, and the
+        one-token draft steps) run as compiled graphs on a fixed cache of a slot held until close() (compiled.py)."""
         head = self.head
         device, dtype = head.fc.weight.device, head.fc.weight.dtype
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device).bool()
