@@ -7,6 +7,7 @@ one timed call, its capture of the head's aux layers on (record=True, capture_la
 Imports specdistill.decoding / drafts.eagle3, torch and transformers only.
 
   python -m benchmarks.spec_round_cost --batches 4 64 --modes growing compiled
+  python -m benchmarks.spec_round_cost --batches 4 64 --modes compiled-target compiled --count-ops  # the head's graphs
   python -m benchmarks.spec_round_cost --batches 4 64 --modes growing --attention sdpa   # transformers' sdpa
   python -m benchmarks.spec_round_cost --device cpu --tiny --backend eager     # the script's own check
 
@@ -32,7 +33,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batches", type=int, nargs="+", default=[4, 64])
-    ap.add_argument("--modes", nargs="+", default=["growing", "compiled"], choices=("growing", "static", "compiled"))
+    ap.add_argument("--modes", nargs="+", default=["growing", "compiled"],
+                    choices=("growing", "static", "compiled", "compiled-target"),
+                    help="compiled-target: the target's steps compiled, the head's forwards eager")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -48,8 +51,15 @@ def main(argv=None) -> dict:
 
     from benchmarks.decode_bandwidth import build_target
     from specdistill.decoding import CacheMode, speculative_generate
+    from specdistill.decoding.kv import BatchKV
     from specdistill.drafts.eagle3 import Eagle3Drafter
     from specdistill.drafts.eagle3.model import build_eagle3
+
+    class EagerHead(Eagle3Drafter):
+        """The head's forwards eager whatever the target's cache mode (a growing cache's factory)."""
+
+        def start(self, input_ids, attention_mask, target_hidden=None, new_kv=None):
+            super().start(input_ids, attention_mask, target_hidden=target_hidden, new_kv=BatchKV)
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     target = build_target(args.layers, args.tiny, args.device, dtype, args.attention)
@@ -67,10 +77,12 @@ def main(argv=None) -> dict:
         mask = torch.ones_like(ids)
         for name in args.modes:
             mode = {"growing": CacheMode(), "static": CacheMode(static=True),
-                    "compiled": CacheMode(compile=True, backend=args.backend)}[name]
+                    "compiled": CacheMode(compile=True, backend=args.backend),
+                    "compiled-target": CacheMode(compile=True, backend=args.backend)}[name]
+            drafter_kind = EagerHead if name == "compiled-target" else Eagle3Drafter
 
             def run():
-                return speculative_generate(target, Eagle3Drafter(head), ids, mask, **{key: args.gamma},  # noqa: B023
+                return speculative_generate(target, drafter_kind(head), ids, mask, **{key: args.gamma},  # noqa: B023
                                             max_new_tokens=args.new_tokens, record=True, capture_layers=aux,
                                             cache=mode)  # noqa: B023
 
