@@ -1,16 +1,17 @@
-"""The EAGLE-3 head's one-token draft steps as graphs compiled once, for `eval.compile=true` (CacheMode.compile).
+"""The EAGLE-3 head's forwards of a chain round as graphs compiled once, for `eval.compile=true` (CacheMode.compile).
 
 A chain round drafts gamma tokens: the pending block (the slots the last verify forward produced, up to gamma + 1,
 and the drafting slot), then gamma - 1 steps that each feed one token per row. Eager, each of these head forwards is
 a hundred-odd small kernels (the layer, its mask, the readout), launched one by one from the host; on a GPU that
 launch cost, not the head's arithmetic, is most of a round. Here they run as two graphs per (batch bucket, cache
-columns), CUDA graphs on CUDA, on the same building blocks as the target's compiled decode steps
-(decoding/compiled.py):
+columns, and under autocast per features' dtype), CUDA graphs on CUDA, on the same building blocks as the target's
+compiled decode steps (decoding/compiled.py):
   - the one-token draft step, and the pending block padded to the widest block a round so far could leave (its drafts
     + 1; padding slots are seen by no slot and cropped at commit); a wider block (the prompt-long first one) runs
     eagerly on the same cache;
   - the head's cache is a SlotCache(fixed=True) of the bucket's rows and the run's column count, kept from call to
-    call with its graphs (a slot), its buffers marked as fixed addresses;
+    call with its graphs (a slot of a decoding.SlotPool), its buffers marked as fixed addresses; a row that stops
+    keeps its place (rows are not dropped while compiled);
   - the steps' inputs (tokens, features, positions, the keys each slot may see, the slot read out) are persistent
     buffers written in place, the new keys and values are written at a device scalar column, and attention reads
     every column, masked;
