@@ -303,12 +303,18 @@ def markdown(arms: dict[str, ArmCost], ratio: float, step_ratio: float, command:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> dict:
+def start(module: str, parse, argv=None):
+    """A benchmark's start: (its own arguments, the Hydra overrides, the command line that reproduces it, its output
+    folder, made)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    own, shared = parse_args(argv)
-    command = "python -m benchmarks.opd_cost " + " ".join(shlex.quote(a) for a in argv)
+    own, overrides = parse(argv)
     out = Path(own.out)
     out.mkdir(parents=True, exist_ok=True)
+    return own, overrides, f"python -m {module} " + " ".join(shlex.quote(a) for a in argv), out
+
+
+def main(argv=None) -> dict:
+    own, shared, command, out = start("benchmarks.opd_cost", parse_args, argv)
     arms = measure_arms({"onpolicy": (own.onpolicy_recipe, shared + own.onpolicy),
                          "offpolicy": (own.offpolicy_recipe, shared + own.offpolicy)}, own.steps, out, own.parts)
     ratio = arms["onpolicy"].seconds_per_position / arms["offpolicy"].seconds_per_position

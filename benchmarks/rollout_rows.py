@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 
 def parse_args(argv):
@@ -74,15 +71,11 @@ def markdown(runs: list[dict], command: str) -> str:
 
 
 def main(argv=None) -> dict:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    own, overrides = parse_args(argv)
-    command = "python -m benchmarks.rollout_rows " + " ".join(shlex.quote(a) for a in argv)
-    out = Path(own.out)
-    out.mkdir(parents=True, exist_ok=True)
+    from benchmarks.opd_cost import Arm, start
+
+    own, overrides, command, out = start("benchmarks.rollout_rows", parse_args, argv)
 
     import torch
-
-    from benchmarks.opd_cost import Arm
 
     arm = Arm("draft_opd", overrides, out)  # built as opd_cost builds its on-policy arm
     c, seed = arm.c, arm.cfg.trainer.seed

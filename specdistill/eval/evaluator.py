@@ -388,7 +388,7 @@ def _environment(dec: _Decoders, load_before: Optional[float]) -> dict:
         env["draft_params"] = sum(p.numel() for p in dec.drafter.model.parameters())
     if dec.cfg.compile:  # compiles per graph of the compiled decode steps (each should be 1: decoding.CompileStats)
         env["compile_stats"] = {"target": compile_stats(model).as_dict()}
-        draft = getattr(dec.drafter, "model", None) or getattr(dec.drafter, "head", None)  # an LM draft, a head
+        draft = getattr(dec.drafter, "model", getattr(dec.drafter, "head", None))  # an LM draft's model, a head
         if draft is not None:
             env["compile_stats"]["draft"] = compile_stats(draft).as_dict()
     return env

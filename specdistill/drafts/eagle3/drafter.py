@@ -82,6 +82,7 @@ class Eagle3Drafter(Drafter):
             need = columns + columns // 4 + 128             # and room for drafted columns and holes
             self.slot = self.compiled.acquire(self, B, need)
             self.cache = self.slot.cache                                    # (bucket, nh, S, hd), B rows used
+            self.first_slot = torch.zeros(B, dtype=torch.long, device=device)  # a one-token step reads its slot 0
         else:
             self.cache = SlotCache(B, c.num_attention_heads, c.head_dim, device, dtype, capacity=T + 256)
         self.mask = torch.zeros(B, 0, dtype=torch.bool, device=device)  # (B, S) real cached slots
@@ -134,7 +135,6 @@ class Eagle3Drafter(Drafter):
         # 1. The pending block.
         logits, h, pos, key_mask = self._pending_step(k)                    # (B, Vd), (B, 1, H), (B,), (B, S+P)
         ones = torch.ones(B, 1, dtype=torch.bool, device=key_mask.device)
-        first = torch.zeros(B, dtype=torch.long, device=key_mask.device)   # a one-token step reads its slot 0
         # 2. Draft steps: step j feeds d_j with the head's own output, position + j, same slot (TTT step j).
         tokens, probs, step_logits = [], [], []
         for j in range(k):
@@ -148,7 +148,7 @@ class Eagle3Drafter(Drafter):
             key_mask = torch.cat([key_mask, ones], dim=1)
             if self.slot is not None:
                 h, logits = self.compiled.run(self.slot, token[:, None], h, (pos + j + 1)[:, None], key_mask[:, None],
-                                              first)
+                                              self.first_slot)
             else:
                 out = head.step(token[:, None], h, (pos + j + 1)[:, None], self.cache, key_mask)
                 h, logits = out.hidden, out.logits[:, 0]
