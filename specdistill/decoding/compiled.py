@@ -11,7 +11,9 @@ What keeps torch._dynamo from recompiling (each of these, left varying, adds a g
     object: dynamo keeps compiled entries, and counts recompiles against its limit, per code object, so one graph per
     code object never meets the limit, and a new model gets new code objects (nothing carried over from the last);
   - the step's inputs are persistent contiguous buffers written in place (input ids, position ids, masks, the write
-    column), and its kwarg set is fixed;
+    column), and its kwarg set is fixed; a chain step of a full-attention model takes the columns each row sees
+    (SeenColumns, (B, S)) and builds its 4D mask inside the graph (column_mask), so the host writes one small buffer
+    instead of building the mask kernel by kernel;
   - the cache length is fixed per run (CacheMode.max_length, else the first call's need, doubled only when a later
     call needs more), not sized per call.
 Every step after a graph's first runs under torch.compiler.set_stance("fail_on_recompile"): a guard that fails
@@ -67,6 +69,61 @@ def run_length(need: int, fixed: int | None = None) -> int:
 
 class RecompileError(RuntimeError):
     """A compiled decode step met inputs its graph was not compiled for (dynamo would recompile)."""
+
+
+# ----------------------------------------------------------------------------------------------- masks in the graph
+def column_mask(seen: torch.Tensor, write_at: torch.Tensor, width: int, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """The 4D mask of `width` queries written at columns write_at .. write_at + width - 1: query i sees column j when
+    seen[r, j] and j <= write_at + i (causal AND padding, by cache column, as transformers' masks for a full-attention
+    layer). seen (R, L) bool, write_at () long -> (R, 1, width, L): bool (True: attend), or for a float dtype additive
+    (0 where seen, the dtype's min elsewhere). Traceable with fixed shapes: compiled steps build their masks with it."""
+    L = seen.shape[1]
+    query_col = write_at + torch.arange(width, device=seen.device)                  # (width,)
+    causal = torch.arange(L, device=seen.device) <= query_col[:, None]             # (width, L)
+    allow = seen[:, None, None, :] & causal                                         # (R, 1, width, L)
+    if dtype == torch.bool:
+        return allow
+    return torch.zeros(allow.shape, dtype=dtype, device=seen.device).masked_fill(~allow, torch.finfo(dtype).min)
+
+
+@dataclass
+class SeenColumns:
+    """A compiled chain step's mask given as the columns each real row sees: seen (B, S) (S: the columns in use, the
+    step's own included); the graph builds the 4D mask (column_mask) in the format of MaskFormat."""
+
+    seen: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MaskFormat:
+    """How a model takes its 4D masks: their dtype (bool, or a float for additive masks), and the layer types of a
+    config that lists them (a dict of one mask per type, all alike for full attention), or None (one mask)."""
+
+    dtype: torch.dtype
+    layer_types: tuple[str, ...] | None
+
+    @staticmethod
+    def learn(built, seen: torch.Tensor, width: int) -> "MaskFormat | None":
+        """The format that gives `built` (what the model's mask function built for a step of `width` queries: 4D
+        (B, 1, width, L), or a dict of them), or None where column_mask cannot reproduce it exactly: seen (B, S) the
+        columns in use."""
+        masks = built if isinstance(built, dict) else {None: built}
+        first = next(iter(masks.values()))
+        if not all(isinstance(m, torch.Tensor) and m.dim() == 4 and torch.equal(m, first) for m in masks.values()):
+            return None
+        if first.dtype != torch.bool and not first.dtype.is_floating_point:
+            return None
+        B, _, C, L = first.shape
+        write_at = torch.tensor(seen.shape[1] - width, device=seen.device)
+        padded = torch.nn.functional.pad(seen.bool(), (0, L - seen.shape[1]))
+        if (C != width or seen.shape[0] != B
+                or not torch.equal(column_mask(padded, write_at, width, first.dtype), first)):
+            return None
+        return MaskFormat(first.dtype, tuple(masks) if isinstance(built, dict) else None)
+
+    def build(self, seen: torch.Tensor, write_at: torch.Tensor, width: int):
+        mask = column_mask(seen, write_at, width, self.dtype)
+        return mask if self.layer_types is None else {t: mask for t in self.layer_types}
 
 
 # ----------------------------------------------------------------------------------------------- the cache layer
@@ -157,6 +214,7 @@ class GraphKey:
     hidden: bool        # the step returns hidden states (output_hidden_states=True)
     length: int         # cache columns
     slot: int = 0       # which of the model's caches of this bucket (two live decodings of one model: 0 and 1)
+    seen: bool = False  # the mask comes as SeenColumns, built in the graph (a model's chain steps always or never)
 
     def __str__(self) -> str:
         tail = "" if self.tail is None else f"_tail{self.tail}"
@@ -265,11 +323,14 @@ def call_graph(stats: "CompileStats", graph: str, first: bool, fn: Callable, *ar
 
 
 def _step_function(cache: Cache, cache_kwarg: str, hidden: bool, write_at: torch.Tensor,
-                   takes_cache_position: bool) -> Callable:
+                   takes_cache_position: bool, mask_format: MaskFormat | None = None) -> Callable:
     """The decode step: one forward, a fixed kwarg set (cache_position only for models whose forward takes it). The
-    model is an argument, not a closure cell: the step holds no reference that would keep a dropped model alive."""
+    model is an argument, not a closure cell: the step holds no reference that would keep a dropped model alive.
+    mask_format: attention_mask is the (bucket, length) columns each row sees, made into the model's 4D masks here."""
 
     def decode_step(model, input_ids, position_ids, attention_mask):
+        if mask_format is not None:
+            attention_mask = mask_format.build(attention_mask, write_at, input_ids.shape[1])
         extra = {}
         if takes_cache_position:
             extra["cache_position"] = write_at + torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -333,11 +394,14 @@ class _Graph:
         return [self.input_ids, self.positions, *masks]
 
     def write(self, input_ids: torch.Tensor, positions: torch.Tensor, masks) -> None:
-        """Real rows' inputs into the first B rows of the buffers (dummy rows keep what they hold)."""
+        """Real rows' inputs into the first B rows of the buffers (dummy rows keep what they hold). SeenColumns go
+        into the first S columns of the (bucket, length) buffer: the columns past S are never seen (causal)."""
         B = input_ids.shape[0]
         self.input_ids[:B].copy_(input_ids)
         self.positions[:B].copy_(positions)
-        if isinstance(masks, dict):
+        if isinstance(masks, SeenColumns):
+            self.masks[:B, : masks.seen.shape[1]].copy_(masks.seen)
+        elif isinstance(masks, dict):
             for name, m in masks.items():
                 self.masks[name][:B].copy_(m)
         else:
@@ -371,12 +435,13 @@ class _Slot:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, masks, hidden: bool,
             tail: int | None) -> DecodeOutput:
-        """input_ids, positions (B, C); masks: 4D (B, 1, C, length) or a dict of them per layer type."""
+        """input_ids, positions (B, C); masks: 4D (B, 1, C, length) or a dict of them per layer type, or SeenColumns
+        (the graph builds the mask)."""
         B, C = input_ids.shape
         column = self.cache.layers[0].start
         if column + C > self.length:
             raise ValueError(f"compiled KV cache of {self.length} columns overflows ({column} used, {C} fed)")
-        key = GraphKey(self.bucket, C, tail, hidden, self.length, self.index)
+        key = GraphKey(self.bucket, C, tail, hidden, self.length, self.index, isinstance(masks, SeenColumns))
         graph = self.graphs.get(key) or self._new_graph(key, input_ids, positions, masks)
         graph.write(input_ids, positions, masks)
         self.write_at.fill_(column)
@@ -402,10 +467,19 @@ class _Slot:
 
         if key.hidden:
             d.prepare_hidden_states()
-        bufs = (padded(input_ids), padded(positions),
-                {k: padded_mask(m) for k, m in masks.items()} if isinstance(masks, dict) else padded_mask(masks))
-        step = _step_function(self.cache, d.cache_kwarg, key.hidden, self.write_at,
-                              d.takes_cache_position)
+        seen = isinstance(masks, SeenColumns)
+        if seen and d.mask_format is None:
+            raise ValueError("SeenColumns for a model whose mask format is not known: CompiledDecoding.mask_format is "
+                             "set (MaskFormat.learn) before a step passes them")
+        if seen:  # dummy rows see every column up to their query's (their outputs are never read)
+            bufs_mask = torch.ones(self.bucket, self.length, dtype=torch.bool, device=d.device)
+        elif isinstance(masks, dict):
+            bufs_mask = {k: padded_mask(m) for k, m in masks.items()}
+        else:
+            bufs_mask = padded_mask(masks)
+        bufs = (padded(input_ids), padded(positions), bufs_mask)
+        step = _step_function(self.cache, d.cache_kwarg, key.hidden, self.write_at, d.takes_cache_position,
+                              d.mask_format if seen else None)
         fn = torch.compile(own_code(step, f"decode_step_{key}"), backend=d.backend_for(key), fullgraph=True,
                            dynamic=False)
         graph = _Graph(fn, *bufs)
@@ -476,6 +550,8 @@ class CompiledDecoding(SlotPool):
         self.cache_kwarg, self.takes_cache_position = cache_kwarg, takes_cache_position
         super().__init__(CompileStats(model=self.name, backend=backend))
         self.hidden_ready = False
+        self.mask_format: MaskFormat | None = None  # how chain steps' masks are built in the graph (BatchKV learns it)
+        self.mask_format_known = False              # learned (mask_format None then: the model's masks come built)
 
     def new_slot(self, bucket: int, length: int, index: int) -> _Slot:
         return _Slot(self, bucket, length, index)

@@ -41,7 +41,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, and_masks, 
 
 from specdistill.models.attention import GROUPED_SDPA
 
-from .compiled import compiled_decoding, static_cache, width_bucket
+from .compiled import MaskFormat, SeenColumns, compiled_decoding, static_cache, width_bucket
 
 # Layer types whose attention BatchKV can mask per row (config layer_types, as transformers' cache_utils names them).
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -404,8 +404,7 @@ class BatchKV:
                 raise ValueError(f"compiled decode steps take a fixed kwarg set (output_hidden_states only), got "
                                  f"{sorted(kwargs)}: pass eager=True for such a step")
             tail = None if tail_visible is None else tail_visible.shape[-1]
-            out = self.slot.run(input_ids, positions, self._attention_mask(C, tail_visible, width=self.max_length),
-                                hidden, tail)
+            out = self.slot.run(input_ids, positions, self._compiled_masks(C, tail_visible), hidden, tail)
         else:
             out = self.model(input_ids=input_ids, attention_mask=self._attention_mask(C, tail_visible),
                              position_ids=positions, use_cache=True, **{self._cache_kwarg: self.cache}, **kwargs)
@@ -449,6 +448,20 @@ class BatchKV:
         if self.mask.shape[1] + C > self.max_length:
             raise ValueError(f"static KV cache of {self.max_length} columns cannot hold {self.mask.shape[1]} real "
                              f"tokens plus {C} new ones: build BatchKV with a larger max_length (or None)")
+
+    def _compiled_masks(self, C: int, tail_visible: torch.Tensor | None):
+        """A compiled step's masks: the columns each row sees (SeenColumns), which the graph makes into the 4D mask,
+        for a chain step of a full-attention model whose mask format compiled.column_mask reproduces (learned once per
+        model from one mask built here); else ready 4D masks over every column of the cache."""
+        if tail_visible is None and not self.sliding:
+            compiled = self.compiled
+            if not compiled.mask_format_known:
+                compiled.mask_format = MaskFormat.learn(self._attention_mask(C, None, width=self.max_length),
+                                                        self.mask, C)
+                compiled.mask_format_known = True
+            if compiled.mask_format is not None:
+                return SeenColumns(self.mask)
+        return self._attention_mask(C, tail_visible, width=self.max_length)
 
     def _attention_mask(self, C: int, tail_visible: torch.Tensor | None = None, width: int | None = None):
         """The 2D padding mask (B, S + C) for full-attention models; else ready 4D masks (B, 1, C, S + C), one per
