@@ -72,7 +72,8 @@ class RecompileError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------------------------- masks in the graph
-def column_mask(seen: torch.Tensor, write_at: torch.Tensor, width: int, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+def column_mask(seen: torch.Tensor, write_at: torch.Tensor, width: int,
+                dtype: torch.dtype = torch.bool) -> torch.Tensor:
     """The 4D mask of `width` queries written at columns write_at .. write_at + width - 1: query i sees column j when
     seen[r, j] and j <= write_at + i (causal AND padding, by cache column, as transformers' masks for a full-attention
     layer). seen (R, L) bool, write_at () long -> (R, 1, width, L): bool (True: attend), or for a float dtype additive
