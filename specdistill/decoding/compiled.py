@@ -398,15 +398,16 @@ class _Graph:
         """Real rows' inputs into the first B rows of the buffers (dummy rows keep what they hold). SeenColumns go
         into the first S columns of the (bucket, length) buffer: the columns past S are never seen (causal)."""
         B = input_ids.shape[0]
-        self.input_ids[:B].copy_(input_ids)
-        self.positions[:B].copy_(positions)
+        rows = slice(None) if B == self.input_ids.shape[0] else slice(B)   # every row: no view to make
+        self.input_ids[rows].copy_(input_ids)
+        self.positions[rows].copy_(positions)
         if isinstance(masks, SeenColumns):
-            self.masks[:B, : masks.seen.shape[1]].copy_(masks.seen)
+            self.masks[rows, : masks.seen.shape[1]].copy_(masks.seen)
         elif isinstance(masks, dict):
             for name, m in masks.items():
-                self.masks[name][:B].copy_(m)
+                self.masks[name][rows].copy_(m)
         else:
-            self.masks[:B].copy_(masks)
+            self.masks[rows].copy_(masks)
 
 
 class _Slot:

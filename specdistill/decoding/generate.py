@@ -578,9 +578,7 @@ def target_generate(
     B = input_ids.shape[0]
     eos = _eos(eos_token_id, device)
     out = TokenBuffer(B, max_new_tokens, device, fill=_pad_id(eos_token_id))
-    stats = _counters(B, 0, device)
     round_seconds: list[float] = []
-    one = torch.ones(B, dtype=torch.long, device=device)
 
     hidden = {"output_hidden_states": True} if capture_layers else {}
     captured: list[torch.Tensor] = []
@@ -600,15 +598,14 @@ def target_generate(
         while True:
             o = target.step(pending[:, None], **hidden)
             keep(o)
-            logits = o.logits[:, -1]                                            # (B, V)
-            token, _ = sampler.draw(logits)                                     # (B,)
-            count, done = _emit_counts(token[:, None], one, out.length, max_new_tokens, eos, active)
-            out.append(token[:, None], count)
-            # Stopped rows keep decoding garbage that is never emitted: cheaper than a per-row rollback here.
+            token, _ = sampler.draw(o.logits[:, -1])                            # (B,)
+            # An active row emits its token (it has room: a row stops when its budget is spent) and stops at EOS or
+            # at the budget; stopped rows keep decoding garbage that is never emitted (cheaper than a rollback).
+            out.append_one(token, active)
             target.commit_all()
-            stats["target_forwards"] += active.long()
-            stats["accept_hist"] += active.sum()
-            active = active & ~done
+            active = active & (out.length < max_new_tokens)
+            if eos is not None:
+                active = active & ~torch.isin(token, eos)
             pending = token
             steps += 1
             if steps % sync_every and steps < max_new_tokens:  # every row stops within max_new_tokens steps
@@ -621,6 +618,9 @@ def target_generate(
             if not still:
                 break
 
+        # One forward per emitted token: a row's forwards are its tokens, and every one is "accepted with 0 drafts".
+        stats = _counters(B, 0, device)
+        stats["target_forwards"], stats["accept_hist"] = out.length.clone(), out.length.sum()[None]
         return Rollout(sequences=out.tokens[:, :max_new_tokens], num_new_tokens=out.length, rounds=[],
                        prefill_seconds=t_start - t0, round_seconds=round_seconds,
                        hidden=torch.cat(captured, dim=1) if captured else None, **stats)

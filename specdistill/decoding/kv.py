@@ -278,6 +278,8 @@ class BatchKV:
         self.positions: torch.Tensor | None = None  # (B, S) long, position id of each slot (padding: any)
         self.length: torch.Tensor | None = None     # (B,) real tokens per row, tail included = next position id
         self.committed = 0                          # columns before the uncommitted tail
+        self._tail_real = True                      # every uncommitted tail slot is a real token (commit's fast path)
+        self._constants: dict[tuple, torch.Tensor] = {}
         self._committed_length: torch.Tensor | None = None  # (B,) real tokens per row before the tail
 
     def close(self) -> None:
@@ -312,6 +314,7 @@ class BatchKV:
         self.length = torch.zeros(B, dtype=torch.long, device=device)
         self._committed_length = self.length
         self.committed = 0
+        self._tail_real = True
         if self.compiled is not None:  # the model's cache of this batch's bucket, which earlier calls' graphs know
             self.slot = self.compiled.acquire(self, B, self._need, self._run_length, current=self.slot)
             self.cache, self.max_length = self.slot.cache, self.slot.length
@@ -380,24 +383,31 @@ class BatchKV:
             raise ValueError("BatchKV.step after close(): the decoding call that held this cache ended (its compiled "
                              "cache may serve another call now); prefill() again to start a new decoding")
         device = device_of(self.model)
-        input_ids = input_ids.to(device)
-        valid = torch.ones_like(input_ids, dtype=torch.bool) if valid is None else valid.to(device)
+        input_ids = input_ids if input_ids.device == device else input_ids.to(device)
+        B, C = input_ids.shape
+        every = valid is None  # every slot real: positions, mask and lengths from host constants (fewer kernels)
         if self.slot is not None and not eager and tail_visible is not None and self.slot.ready:
-            pad = width_bucket(input_ids.shape[1]) - input_ids.shape[1]
+            pad = width_bucket(C) - C
             if pad:
+                valid = torch.ones_like(input_ids, dtype=torch.bool) if every else valid.to(device)
                 return self._padded_step(input_ids, valid, positions, tail_visible.to(device), pad, **kwargs)
         if self.max_length is not None:
             self._make_room(input_ids.shape[1])
         tail = self.mask.shape[1] + input_ids.shape[1] - self.committed     # uncommitted columns once these are fed
         if tail_visible is not None and tail_visible.shape[-1] != tail:
             raise ValueError(f"tail_visible {tuple(tail_visible.shape)} must cover the {tail} uncommitted tail columns")
-        if positions is None:
-            positions = self.length[:, None] + valid.long().cumsum(1) - 1  # (B, C); padding repeats a position
+        if every:
+            real = self._constant("ones", B, C, device)                    # (B, C) long
+        else:
+            valid = valid if valid.device == device else valid.to(device)
+            real = valid.long()
+        if positions is None:  # (B, C); padding repeats a position
+            positions = self.length[:, None] + (self._constant("arange", 1, C, device) if every else real.cumsum(1) - 1)
         # Clamping only touches tokens past the row's budget: their outputs are never used, and they are not kept.
         positions = positions.clamp(0, None if self.max_positions is None else self.max_positions - 1)
-        self.mask = torch.cat([self.mask, valid.long()], dim=1)            # (B, S + C)
+        self.mask = torch.cat([self.mask, real], dim=1)                     # (B, S + C)
         self.positions = torch.cat([self.positions, positions], dim=1)     # (B, S + C)
-        C = input_ids.shape[1]
+        self._tail_real = self._tail_real and every
         if self.slot is not None and not eager and self.slot.ready:
             hidden = bool(kwargs.pop("output_hidden_states", False))
             if kwargs:
@@ -408,8 +418,17 @@ class BatchKV:
         else:
             out = self.model(input_ids=input_ids, attention_mask=self._attention_mask(C, tail_visible),
                              position_ids=positions, use_cache=True, **{self._cache_kwarg: self.cache}, **kwargs)
-        self.length = self.length + valid.sum(1)
+        self.length = self.length + (C if every else real.sum(1))
         return out
+
+    def _constant(self, kind: str, B: int, C: int, device) -> torch.Tensor:
+        """Host-shaped constants a step reuses rather than building: "ones" (B, C) long, "arange" (1, C) long 0..C-1.
+        Never written to (every use makes a new tensor of it)."""
+        key = (kind, B, C, device)
+        if key not in self._constants:
+            self._constants[key] = (torch.ones(B, C, dtype=torch.long, device=device) if kind == "ones"
+                                    else torch.arange(C, device=device)[None])
+        return self._constants[key]
 
     def _padded_step(self, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor | None,
                      tail_visible: torch.Tensor, pad: int, **kwargs):
@@ -503,6 +522,7 @@ class BatchKV:
         """Keep the whole tail as fed (no host sync)."""
         self.committed = self.mask.shape[1]
         self._committed_length = self.length
+        self._tail_real = True
 
     @torch.no_grad()
     def commit(self, keep: torch.Tensor | None = None) -> None:
@@ -520,11 +540,19 @@ class BatchKV:
         """commit()'s device work, no host sync: the new mask and lengths, and the crop sizes as a device tensor
         (CommitPlan.sizes) that the caller brings to the host with whatever else it syncs, then commit_end()."""
         S0, S = self.committed, self.mask.shape[1]
-        real = self.mask[:, S0:].bool()                                     # (B, C)
-        keep = real if keep is None else keep.to(real.device) & real
-        kept_cols = torch.where(keep.any(0), torch.arange(S - S0, device=keep.device) + 1, 0)
-        last = kept_cols.max() if S > S0 else kept_cols.new_zeros(())      # tail columns any row keeps
-        length = self._committed_length + keep.sum(1)                       # (B,)
+        if self._tail_real and keep is not None and S > S0:
+            # Every tail slot is real, so a row's kept slots are a prefix of the tail's columns: the last kept column
+            # is the longest row's count (the same sizes as below, in fewer kernels).
+            keep = keep if keep.device == self.mask.device else keep.to(self.mask.device)
+            count = keep.sum(1)                                             # (B,)
+            last = count.max()
+        else:
+            real = self.mask[:, S0:].bool()                                 # (B, C)
+            keep = real if keep is None else keep.to(real.device) & real
+            kept_cols = torch.where(keep.any(0), torch.arange(S - S0, device=keep.device) + 1, 0)
+            last = kept_cols.max() if S > S0 else kept_cols.new_zeros(())  # tail columns any row keeps
+            count = keep.sum(1)
+        length = self._committed_length + count                             # (B,)
         mask = torch.cat([self.mask[:, :S0], keep.long()], dim=1)           # (B, S)
         if self.dead_behind is not None:  # no later query (position >= length) can see these keys
             mask = mask * (self.positions > (length - self.dead_behind)[:, None])
@@ -545,6 +573,7 @@ class BatchKV:
         self.mask, self.positions = plan.mask[:, : S0 + last], self.positions[:, : S0 + last]
         self.committed = S0 + last
         self._committed_length = self.length
+        self._tail_real = True
         if self.committed - widest > max(32, self.committed // 4):
             self.compact(widest)
         elif any(self._crops_front) and first - self.front > max(32, self.committed // 4):
@@ -730,6 +759,18 @@ class TokenBuffer:
         out = TokenBuffer.__new__(TokenBuffer)
         out.fill, out._data, out.length, out._upper = self.fill, self._data[rows], self.length[rows], self._upper
         return out
+
+    def append_one(self, token: torch.Tensor, where: torch.Tensor) -> None:
+        """Append token[b] (B,) to the rows b where `where` (B,) bool holds: append(token[:, None], where) in fewer
+        kernels (one token per row: a target-only decode step)."""
+        capacity = self._data.shape[1] - 1
+        if self._upper + 1 > capacity:
+            self.append(token[:, None], where.long())
+            return
+        idx = torch.where(where, self.length, capacity)                     # (B,) unwritten -> trash column
+        self._data.scatter_(1, idx[:, None], token[:, None])
+        self.length = self.length + where
+        self._upper += 1
 
     def append(self, new: torch.Tensor, count: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Append the first count[b] tokens of new[b] (B, C) to row b; rows (R,): new and count (R, ...) are those

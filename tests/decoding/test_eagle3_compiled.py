@@ -175,7 +175,7 @@ def test_compiled_head_under_autocast_keeps_the_eager_steps_dtypes(no_recompiles
     with torch.autocast("cpu", dtype=torch.bfloat16):
         g16 = head.fc(torch.randn(B, 1, head.fc.in_features))  # features as the drafter makes them: bf16
         eager = head.step(tokens, g16, torch.full((B, 1), S), eager_cache, visible)
-        h, logits = compiled.run(slot, tokens, g16, torch.full((B, 1), S), visible[:, None], torch.zeros(B).long())
+        h, logits = compiled.run(slot, tokens, g16, torch.full((B, 1), S), visible, torch.zeros(B).long())
     assert g16.dtype == eager.hidden.dtype == h.dtype == torch.bfloat16
     torch.testing.assert_close(h.float(), eager.hidden.float(), atol=0.05, rtol=0.02)
     torch.testing.assert_close(logits.float(), eager.logits[:, 0].float(), atol=0.05, rtol=0.02)

@@ -12,9 +12,9 @@ compiled decode steps (decoding/compiled.py):
   - the head's cache is a SlotCache(fixed=True) of the bucket's rows and the run's column count, kept from call to
     call with its graphs (a slot of a decoding.SlotPool), its buffers marked as fixed addresses; a row that stops
     keeps its place (rows are not dropped while compiled);
-  - the steps' inputs (tokens, features, positions, the keys each slot may see, the slot read out) are persistent
+  - the steps' inputs (tokens, features, positions, the columns each row sees, the slot read out) are persistent
     buffers written in place, the new keys and values are written at a device scalar column, and attention reads
-    every column, masked;
+    every column, masked by decoding.compiled.column_mask (causal AND seen, built in the graph);
   - each graph has a code object of its own and replays under fail_on_recompile (decoding.RecompileError);
   - its compiles are counted in decoding.compile_stats(head), which gpu_check and the evaluator read.
 The arithmetic is the eager step's (Eagle3Head.step): the same masked scores and fp32 softmax, over columns the eager
@@ -29,21 +29,23 @@ import weakref
 import torch
 
 from specdistill.decoding.compiled import (CompileStats, GraphKey, RecompileError, SlotPool, attach, call_graph,
-                                           counting_backend, own_code)
+                                           column_mask, counting_backend, own_code)
 
 from .model import Eagle3Head, SlotCache
 
 
-def _attend_fixed(keys: torch.Tensor, values: torch.Tensor, write_at: torch.Tensor, allow: torch.Tensor,
+def _attend_fixed(keys: torch.Tensor, values: torch.Tensor, write_at: torch.Tensor, seen: torch.Tensor,
                   scale: float):
     """Eagle3Head._layer's attend(q, k, v) on a fixed cache: the n new keys and values written at columns write_at ..
-    write_at + n - 1, then attention over every column where allow (R, 1, n, S) permits, as Eagle3Head.step attends
-    (the same masked scores and fp32 softmax; columns it would not have get weight exactly zero)."""
+    write_at + n - 1, then attention of new slot i over the columns j <= write_at + i that seen (R, S) marks, as
+    Eagle3Head.step attends (the same masked scores and fp32 softmax; columns it would not have get weight exactly
+    zero)."""
 
     def attend(q, k, v):
         at = write_at + torch.arange(k.shape[2], device=k.device)
         keys.index_copy_(2, at, k.to(keys.dtype))  # as SlotCache.append's assignment casts
         values.index_copy_(2, at, v.to(values.dtype))
+        allow = column_mask(seen, write_at, k.shape[2])                     # (R, 1, n, S)
         s = (q @ keys.transpose(-1, -2)) * scale
         s = s.masked_fill(~allow, torch.finfo(s.dtype).min)
         return s.float().softmax(-1).to(q.dtype) @ values
@@ -52,12 +54,12 @@ def _attend_fixed(keys: torch.Tensor, values: torch.Tensor, write_at: torch.Tens
 
 
 def _draft_step(head: Eagle3Head, tokens: torch.Tensor, g: torch.Tensor, positions: torch.Tensor,
-                allow: torch.Tensor, readout: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                seen: torch.Tensor, readout: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 write_at: torch.Tensor):
-    """tokens (R, n), g (R, n, H), positions (R, n), allow (R, 1, n, S) bool, readout (R,) long, keys / values
+    """tokens (R, n), g (R, n, H), positions (R, n), seen (R, S) bool, readout (R,) long, keys / values
     (R, nh, S, hd), write_at () long -> h (R, 1, H) and logits (R, Vd) at slot readout of each row. Writes the n new
     keys and values at columns write_at ..; n = 1: a draft step, n > 1: a round's pending block, padded."""
-    attend = _attend_fixed(keys, values, write_at, allow, 1.0 / math.sqrt(head.config.head_dim))
+    attend = _attend_fixed(keys, values, write_at, seen, 1.0 / math.sqrt(head.config.head_dim))
     h, _, _ = head._layer(tokens, g, positions, attend)
     h = h[torch.arange(h.shape[0], device=h.device), readout][:, None]  # (R, 1, H)
     return h, head.readout(h)[:, 0]
@@ -75,9 +77,9 @@ class HeadGraph:
         self.tokens = torch.zeros(R, width, dtype=torch.long, device=device)
         self.g = torch.zeros(R, width, hidden, dtype=dtype, device=device)
         self.positions = torch.zeros(R, width, dtype=torch.long, device=device)
-        self.allow = torch.zeros(R, 1, width, L, dtype=torch.bool, device=device)
+        self.seen = torch.ones(R, L, dtype=torch.bool, device=device)  # dummy rows see every column before theirs
         self.readout = torch.zeros(R, dtype=torch.long, device=device)
-        for t in (self.tokens, self.g, self.positions, self.allow, self.readout):
+        for t in (self.tokens, self.g, self.positions, self.seen, self.readout):
             torch._dynamo.mark_static_address(t)
         self.fn = None
         self.calls = 0
@@ -133,23 +135,23 @@ class CompiledHead(SlotPool):
         return slot.pending_width if width <= slot.pending_width else None
 
     def run(self, slot: HeadSlot, tokens: torch.Tensor, g: torch.Tensor, positions: torch.Tensor,
-            allow: torch.Tensor, readout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            seen: torch.Tensor, readout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One compiled head forward of the slot's B real rows at width n (1, or the pending graph's): tokens (B, n),
-        g (B, n, H), positions (B, n), allow (B, n, W + n) bool the columns each new slot sees (W = the cache's length,
-        the new slots' own columns last), readout (B,) long. Appends the n slots to the cache; returns h (B, 1, H) and
-        logits (B, Vd) at each row's readout slot, copied out of the graph's buffers."""
+        g (B, n, H), positions (B, n), seen (B, W + n) bool the columns the new slots may see (W = the cache's length,
+        the new slots' own columns last; slot i sees those up to its own), readout (B,) long. Appends the n slots to
+        the cache; returns h (B, 1, H) and logits (B, Vd) at each row's readout slot, copied out of the graph's
+        buffers."""
         cache = slot.cache
         B, n = tokens.shape
         W = cache.length
-        if allow.shape[-1] != W + n or W + n > slot.length:
-            raise ValueError(f"compiled head step: {n} slots seeing {allow.shape[-1]} columns against a cache of "
+        if seen.shape[-1] != W + n or W + n > slot.length:
+            raise ValueError(f"compiled head step: {n} slots seeing {seen.shape[-1]} columns against a cache of "
                              f"{W} used of {slot.length}")
         graph = slot.graph(n, g.dtype)
         graph.tokens[:B] = tokens
         graph.g[:B] = g
         graph.positions[:B] = positions
-        graph.allow.zero_()
-        graph.allow[:B, 0, :, : W + n] = allow
+        graph.seen[:B, : W + n] = seen  # the columns past W + n are never seen (causal): stale is fine
         graph.readout[:B] = readout
         slot.write_at.fill_(W)
         if graph.fn is None:
@@ -158,7 +160,7 @@ class CompiledHead(SlotPool):
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were copied out
         h, logits = call_graph(self.stats, graph.name, graph.calls == 0, graph.fn, self.head(), graph.tokens, graph.g,
-                               graph.positions, graph.allow, graph.readout, cache.keys, cache.values, slot.write_at)
+                               graph.positions, graph.seen, graph.readout, cache.keys, cache.values, slot.write_at)
         graph.calls += 1
         cache.length = W + n
         return h[:B].clone(), logits[:B].clone()

@@ -111,13 +111,11 @@ class Eagle3Drafter(Drafter):
         key_mask = torch.cat([self.mask, keep | is_last], dim=1)            # (B, S+P)
         width = None if self.slot is None or drafts is None else self.compiled.pending_width(self.slot, P, drafts)
         if width is not None:
-            S, pad = self.mask.shape[1], width - P
-            causal = torch.ones(P, P, dtype=torch.bool, device=keep.device).tril()
-            allow = torch.cat([self.mask[:, None, :].expand(-1, P, -1), key_mask[:, None, S:] & causal], dim=2)
-            allow = F.pad(allow, (0, pad, 0, pad))                          # (B, W, S+W): padding sees, is seen by none
+            pad = width - P
+            key_mask = F.pad(key_mask, (0, pad))                            # (B, S+W): padding is seen by no real slot
             h, logits = self.compiled.run(self.slot, F.pad(tokens_p, (0, pad)), F.pad(self.pending_g, (0, 0, 0, pad)),
-                                          F.pad(positions, (0, pad)), allow, self.pending_last)
-            return logits, h, positions[rows, self.pending_last], F.pad(key_mask, (0, pad))
+                                          F.pad(positions, (0, pad)), key_mask, self.pending_last)
+            return logits, h, positions[rows, self.pending_last], key_mask
         out = self.head.step(tokens_p, self.pending_g, positions, self.cache, key_mask,
                              readout_slot=self.pending_last)                # logits of the drafting slot only
         h = out.hidden[rows, self.pending_last][:, None]                    # (B, 1, H)
@@ -147,7 +145,7 @@ class Eagle3Drafter(Drafter):
                 break
             key_mask = torch.cat([key_mask, ones], dim=1)
             if self.slot is not None:
-                h, logits = self.compiled.run(self.slot, token[:, None], h, (pos + j + 1)[:, None], key_mask[:, None],
+                h, logits = self.compiled.run(self.slot, token[:, None], h, (pos + j + 1)[:, None], key_mask,
                                               self.first_slot)
             else:
                 out = head.step(token[:, None], h, (pos + j + 1)[:, None], self.cache, key_mask)
