@@ -398,16 +398,18 @@ class _Graph:
         """Real rows' inputs into the first B rows of the buffers (dummy rows keep what they hold). SeenColumns go
         into the first S columns of the (bucket, length) buffer: the columns past S are never seen (causal)."""
         B = input_ids.shape[0]
-        rows = slice(None) if B == self.input_ids.shape[0] else slice(B)   # every row: no view to make
-        self.input_ids[rows].copy_(input_ids)
-        self.positions[rows].copy_(positions)
+        def rows(buffer: torch.Tensor) -> torch.Tensor:  # every row: no view to make
+            return buffer if B == buffer.shape[0] else buffer[:B]
+
+        rows(self.input_ids).copy_(input_ids)
+        rows(self.positions).copy_(positions)
         if isinstance(masks, SeenColumns):
-            self.masks[rows, : masks.seen.shape[1]].copy_(masks.seen)
+            rows(self.masks)[:, : masks.seen.shape[1]].copy_(masks.seen)
         elif isinstance(masks, dict):
             for name, m in masks.items():
-                self.masks[name][rows].copy_(m)
+                rows(self.masks[name]).copy_(m)
         else:
-            self.masks[rows].copy_(masks)
+            rows(self.masks).copy_(masks)
 
 
 class _Slot:

@@ -43,9 +43,12 @@ class Strategy(Protocol):
 
     def update(self, proposed: int, accepted: int) -> None: ...  # drafts proposed / accepted in the last round
 
+    adapts: bool  # update() uses what it is given (False: the loop skips bringing those counts to the host)
+
 
 class GammaPolicy(Protocol):
     max_gamma: int
+    adapts: bool
 
     def gamma(self) -> int: ...
 
@@ -76,6 +79,8 @@ class FixedGamma(_Chains):
     def max_gamma(self) -> int:
         return self.k
 
+    adapts = False
+
     def gamma(self) -> int:
         return self.k
 
@@ -96,6 +101,7 @@ class DynamicGamma(_Chains):
     grow_above: float = 0.8
     shrink_below: float = 0.4
     ema: float | None = field(default=None, init=False)
+    adapts = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_gamma <= self.init <= self.max_gamma:
@@ -257,16 +263,15 @@ def _eos(eos_token_id, device) -> torch.Tensor | None:
 
 def _emit_counts(tokens, num_emitted, generated, max_new_tokens, eos, active):
     """tokens (B, C): how many to append per row (cut after EOS and at the budget), and which rows are done."""
-    count = torch.minimum(num_emitted, max_new_tokens - generated)          # (B,)
-    if eos is not None:
-        is_eos = torch.isin(tokens, eos) & (torch.arange(tokens.shape[1], device=tokens.device) < count[:, None])
-        hit = is_eos.any(1)
-        count = torch.where(hit, is_eos.long().argmax(1) + 1, count)       # keep the EOS itself
-    else:
-        hit = torch.zeros_like(active)
-    count = count * active
-    done = active & (hit | (generated + count >= max_new_tokens))
-    return count, done
+    room = max_new_tokens - generated                                       # (B,)
+    count = torch.minimum(num_emitted, room)
+    if eos is None:
+        count = count * active
+        return count, active & (count >= room)
+    is_eos = torch.isin(tokens, eos) & (torch.arange(tokens.shape[1], device=tokens.device) < count[:, None])
+    hit = is_eos.any(1)
+    count = torch.where(hit, is_eos.long().argmax(1) + 1, count) * active  # keep the EOS itself
+    return count, active & (hit | (count >= room))
 
 
 def _pad_id(eos_token_id) -> int:
@@ -346,7 +351,10 @@ def _count(stats: dict[str, torch.Tensor], rnd: RoundRecord) -> None:
     else:
         depth = rnd.proposal.depth.max(1).values                            # (B,) each row's tree depth
         proposed = ((torch.arange(K, device=depth.device) < depth[:, None]) & active[:, None]).sum(0)  # (K,)
-    stats["target_forwards"].index_add_(0, rnd.row_ids(), active.long())
+    if rnd.rows is None:
+        stats["target_forwards"] += active
+    else:
+        stats["target_forwards"].index_add_(0, rnd.rows, active.long())
     stats["accept_hist"].scatter_add_(0, rnd.num_accepted, active.long())
     stats["position_proposed"][:K] += proposed
     stats["position_accepted"][:K] += rnd.accepted.sum(0)
@@ -518,20 +526,28 @@ def _round(c: _Call) -> bool:
     c.rounds.append(rnd)
     _count(c.stats, rnd)
 
-    # The round's one host sync: loop control, both commits' crop sizes and (drop_finished) which rows go on; nothing
+    # The round's one host sync: loop control (the most tokens a going row may still emit: 0 once none goes), both
+    # commits' crop sizes, the acceptance a dynamic gamma adapts to, and (drop_finished) which rows go on; nothing
     # syncs per token.
-    remaining = torch.where(going, c.max_new_tokens - (offset + count), 0).max()
-    host = torch.cat([torch.stack([going.sum(), rnd.accepted.sum(), c.active.sum(), remaining]),
-                      target_plan.sizes.to(device), draft_plan.sizes.to(device)]
+    remaining = torch.where(going, c.max_new_tokens - c.out.length if c.rows is None else
+                            c.max_new_tokens - (offset + count), 0).max()
+    counts = [torch.stack([rnd.accepted.sum(), c.active.sum()])] if getattr(c.strategy, "adapts", True) else []
+    host = torch.cat([remaining[None], target_plan.sizes.to(device), draft_plan.sizes.to(device), *counts]
                      + ([going.long()] if c.drop_finished else [])).tolist()
-    n_going, n_accepted, n_active, c.max_remaining = host[:4]
-    end = 7 + draft_plan.sizes.numel()
-    c.target.commit_end(target_plan, host[4:7])
-    c.drafter.commit_end(draft_plan, host[7:end])
-    c.strategy.update(rnd.gamma * n_active, n_accepted)
+    c.max_remaining = host[0]
+    end = 4 + draft_plan.sizes.numel()
+    c.target.commit_end(target_plan, host[1:4])
+    c.drafter.commit_end(draft_plan, host[4:end])
+    if getattr(c.strategy, "adapts", True):
+        n_accepted, n_active = host[end: end + 2]
+        c.strategy.update(rnd.gamma * n_active, n_accepted)
+        end += 2
     c.active = going
-    if c.drop_finished and 0 < n_going < going.shape[0]:
-        _drop_finished(c, torch.tensor([i for i, g in enumerate(host[end:]) if g], device=device))
+    if c.drop_finished:
+        rows_going = [i for i, g in enumerate(host[end:]) if g]
+        if 0 < len(rows_going) < going.shape[0]:
+            _drop_finished(c, torch.tensor(rows_going, device=device))
+    n_going = c.max_remaining > 0  # a going row has room for at least one more token
     t_now = time.perf_counter()  # the .tolist() above waited for the device
     c.round_seconds.append(t_now - c.t_prev)
     c.t_prev = t_now

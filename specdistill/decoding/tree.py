@@ -96,6 +96,8 @@ class TreeShape:
     def next_shape(self, remaining: int) -> TreeShape:
         return self.at_most(max(min(self.max_depth, remaining - 1), 1))
 
+    adapts = False  # update() learns nothing: the decoding loop need not bring the round's acceptance to the host
+
     def update(self, proposed: int, accepted: int) -> None:
         pass
 
