@@ -143,11 +143,12 @@ class Eagle3Drafter(Drafter):
             probs.append(q)
             if j == k - 1 or unsure(logits, draft_id, q, self.confidence):
                 break
-            key_mask = torch.cat([key_mask, ones], dim=1)
-            if self.slot is not None:
-                h, logits = self.compiled.run(self.slot, token[:, None], h, (pos + j + 1)[:, None], key_mask,
-                                              self.first_slot)
+            if self.slot is not None:  # the first draft step writes every draft step's columns; slot 0 reads out
+                seen = torch.cat([key_mask, ones.expand(-1, k - 1)], dim=1) if j == 0 else None
+                h, logits = self.compiled.run(self.slot, token[:, None], h, (pos + j + 1)[:, None], seen,
+                                              self.first_slot if j == 0 else None)
             else:
+                key_mask = torch.cat([key_mask, ones], dim=1)
                 out = head.step(token[:, None], h, (pos + j + 1)[:, None], self.cache, key_mask)
                 h, logits = out.hidden, out.logits[:, 0]
         Vd = logits.shape[-1]
