@@ -9,6 +9,11 @@ specdistill.decoding, torch and transformers only.
 
   python -m benchmarks.decode_bandwidth --batches 1 128 --modes growing compiled --out decode_bandwidth.json
   python -m benchmarks.decode_bandwidth --device cpu --tiny     # the script's own check, seconds
+  python -m benchmarks.decode_bandwidth --batches 1 128 --modes compiled --sync-every 8 --count-ops
+
+--count-ops: one more call under torch.profiler, counting the operators the host issues per step outside compiled
+graphs, and of them those that compute (HostOps): on a GPU each of those is a kernel launch, whose host time bounds a
+small step.
 """
 from __future__ import annotations
 
@@ -34,9 +39,48 @@ class Point:
     tokens_per_s: float       # generated tokens over the decode time
     compiles: int             # the compiled mode's graphs compiled (warm-up and timed call together)
     compiles_in_timed_call: int
+    host_ops_per_step: float | None = None      # --count-ops: operators the host issued per step (HostOps)
+    host_kernels_per_step: float | None = None  # of them, the ones that compute (not views or no-op casts)
 
 
 ATTENTIONS = ("sdpa_grouped", "sdpa")  # what load_causal_lm gives a grouped-query model, and transformers' own sdpa
+
+# Operators that only make a view of a tensor or read its metadata (no device kernel on a GPU), and casts that return
+# their input: counted apart from the operators that compute.
+VIEW_OPS = frozenset(f"aten::{name}" for name in (
+    "slice", "select", "unsqueeze", "squeeze", "expand", "view", "alias", "as_strided", "t", "transpose", "permute",
+    "reshape", "_unsafe_view", "detach", "to", "lift_fresh", "empty", "resolve_conj", "resolve_neg", "result_type",
+    "item", "_local_scalar_dense", "is_nonzero", "size", "stride", "numel", "dim"))
+
+
+@dataclass
+class HostOps:
+    """The operators the host issued outside compiled graphs while a function ran: top-level aten operators (not
+    inside another operator, nor inside a compiled region, whose graph the host launches as one)."""
+
+    ops: int      # all of them
+    kernels: int  # those that compute (on a GPU at least one kernel launch each, ~5-20 us of host time): not VIEW_OPS
+
+
+def host_ops(fn):
+    """(HostOps of fn(), fn()'s result), counted under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = fn()
+
+    def counted(event) -> bool:
+        if not event.name.startswith("aten::"):
+            return False
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::") or "Compiled" in parent.name:
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    top = [e.name for e in prof.events() if counted(e)]
+    return HostOps(len(top), sum(name not in VIEW_OPS for name in top)), out
 
 
 def build_target(layers: int, tiny: bool, device: str, dtype, attention: str = ATTENTIONS[0]):
@@ -81,7 +125,7 @@ def step_bytes(model, batch: int, context: float) -> float:
 
 
 def measure(model, batch: int, mode_name: str, prompt: int, new_tokens: int, bandwidth: float, backend: str,
-            profile: bool = False, sync_every: int = 1) -> Point:
+            profile: bool = False, sync_every: int = 1, count_ops: bool = False) -> Point:
     import torch
 
     from specdistill.decoding import CacheMode, compile_stats, target_generate
@@ -112,9 +156,14 @@ def measure(model, batch: int, mode_name: str, prompt: int, new_tokens: int, ban
     steps = len(roll.round_seconds)
     step_s = roll.decode_seconds / steps
     floor_s = step_bytes(model, batch, prompt + (new_tokens - 1) / 2) / bandwidth
-    return Point(batch, mode_name, sync_every, steps, 1e3 * step_s, 1e3 * floor_s, floor_s / step_s,
-                 int(roll.num_new_tokens.sum()) / roll.decode_seconds, compile_stats(model).total_compiles,
-                 compiles_timed)
+    point = Point(batch, mode_name, sync_every, steps, 1e3 * step_s, 1e3 * floor_s, floor_s / step_s,
+                  int(roll.num_new_tokens.sum()) / roll.decode_seconds, compile_stats(model).total_compiles,
+                  compiles_timed)
+    if count_ops:  # one more call, counted (the prefill's operators shared out over the steps)
+        ops, counted = host_ops(run)
+        point.host_ops_per_step = ops.ops / len(counted.round_seconds)
+        point.host_kernels_per_step = ops.kernels / len(counted.round_seconds)
+    return point
 
 
 def main(argv=None) -> dict:
@@ -133,6 +182,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--profile", action="store_true", help="print where a call's time goes (torch.profiler)")
     ap.add_argument("--sync-every", type=int, nargs="+", default=[1], help="target_generate's sync_every values")
+    ap.add_argument("--count-ops", action="store_true", help="host operators per step outside compiled graphs")
     args = ap.parse_args(argv)
     import torch
 
@@ -143,12 +193,15 @@ def main(argv=None) -> dict:
     for batch in args.batches:
         for mode, sync_every in ((m, k) for m in args.modes for k in args.sync_every):
             p = measure(model, batch, mode, args.prompt, args.new_tokens, args.bandwidth, args.backend,
-                        args.profile, sync_every)
+                        args.profile, sync_every, args.count_ops)
             points.append(p)
             print(f"batch {p.batch:4d} {p.mode:9s} sync_every {p.sync_every} step {p.step_ms:8.3f} ms  "
                   f"floor {p.floor_ms:7.3f} ms  "
                   f"fraction {p.fraction:6.3f}  {p.tokens_per_s:9.0f} tok/s  compiles {p.compiles} "
-                  f"(timed call: {p.compiles_in_timed_call})", flush=True)
+                  f"(timed call: {p.compiles_in_timed_call})"
+                  + ("" if p.host_ops_per_step is None else
+                     f"  host ops/step {p.host_ops_per_step:.1f} ({p.host_kernels_per_step:.1f} computing)"),
+                  flush=True)
     result = {"command": "python -m benchmarks.decode_bandwidth " + " ".join(sys.argv[1:] if argv is None else argv),
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "torch": torch.__version__, "attention": args.attention, "seconds": time.perf_counter() - t0,

@@ -3,6 +3,8 @@
 A random-weight Llama-3.1-8B-shaped target (--layers of its 32) and a fresh EAGLE-3 head over a --draft-vocab id
 subset decode --new-tokens tokens after --prompt random tokens, per batch size and cache mode: one warm-up call, then
 one timed call, its capture of the head's aux layers on (record=True, capture_layers: what a rollout asks for).
+--drafter oracle: the target's own greedy continuation replayed (drafters.OracleDrafter: every draft accepted, drafting
+free), the speculative loop's own cost; --drafter none: target-only decode steps (target_generate; a round is a step).
 --tree points at the source tree to import specdistill from (another checkout: the same measurement of other code).
 Imports specdistill.decoding / drafts.eagle3, torch and transformers only.
 
@@ -10,9 +12,11 @@ Imports specdistill.decoding / drafts.eagle3, torch and transformers only.
   python -m benchmarks.spec_round_cost --batches 4 64 --modes compiled-target compiled --count-ops  # the head's graphs
   python -m benchmarks.spec_round_cost --batches 4 64 --modes growing --attention sdpa   # transformers' sdpa
   python -m benchmarks.spec_round_cost --device cpu --tiny --backend eager     # the script's own check
+  python -m benchmarks.spec_round_cost --batches 1 --modes compiled --drafter oracle --count-ops
 
 --count-ops: one more call under torch.profiler, counting the operators the host issues per round outside compiled
-graphs (top-level aten operators: on a GPU each is at least one kernel launch, whose host cost bounds a small round).
+graphs (top-level aten operators), and of them those that compute (decode_bandwidth.HostOps: on a GPU each is a
+kernel launch, whose host cost bounds a small round).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.decode_bandwidth import ATTENTIONS
+from benchmarks.decode_bandwidth import ATTENTIONS, host_ops
 
 
 def main(argv=None) -> dict:
@@ -43,6 +47,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--attention", default=ATTENTIONS[0], choices=ATTENTIONS,
                     help="the target's attention function (sdpa_grouped: what load_causal_lm gives it)")
+    ap.add_argument("--drafter", default="eagle3", choices=("eagle3", "oracle", "none"),
+                    help="oracle: the target's greedy output replayed; none: target-only steps")
     ap.add_argument("--count-ops", action="store_true", help="host operators per round outside compiled graphs")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -50,7 +56,8 @@ def main(argv=None) -> dict:
     import torch
 
     from benchmarks.decode_bandwidth import build_target
-    from specdistill.decoding import CacheMode, speculative_generate
+    from specdistill.decoding import CacheMode, speculative_generate, target_generate
+    from specdistill.decoding.drafters import OracleDrafter
     from specdistill.decoding.kv import BatchKV
     from specdistill.drafts.eagle3 import Eagle3Drafter
     from specdistill.drafts.eagle3.model import build_eagle3
@@ -80,8 +87,17 @@ def main(argv=None) -> dict:
                     "compiled": CacheMode(compile=True, backend=args.backend),
                     "compiled-target": CacheMode(compile=True, backend=args.backend)}[name]
             drafter_kind = EagerHead if name == "compiled-target" else Eagle3Drafter
+            if args.drafter == "oracle":  # the continuation decoded once, before anything is timed
+                oracle = OracleDrafter(target, args.new_tokens, cache=mode)
+                oracle.prepare(ids, mask)
 
             def run():
+                if args.drafter == "none":
+                    return target_generate(target, ids, mask, max_new_tokens=args.new_tokens,  # noqa: B023
+                                           cache=mode)  # noqa: B023
+                if args.drafter == "oracle":
+                    return speculative_generate(target, oracle, ids, mask, **{key: args.gamma},  # noqa: B023
+                                                max_new_tokens=args.new_tokens, cache=mode)  # noqa: B023
                 return speculative_generate(target, drafter_kind(head), ids, mask, **{key: args.gamma},  # noqa: B023
                                             max_new_tokens=args.new_tokens, record=True, capture_layers=aux,
                                             cache=mode)  # noqa: B023
@@ -95,37 +111,19 @@ def main(argv=None) -> dict:
                      "call_s": wall, "tau": roll.mean_accept_len}
             if args.count_ops:
                 ops, roll = host_ops(run)
-                point["host_ops_per_round"] = ops / len(roll.round_seconds)
+                point["host_ops_per_round"] = ops.ops / len(roll.round_seconds)
+                point["host_kernels_per_round"] = ops.kernels / len(roll.round_seconds)
             points.append(point)
             print(json.dumps(point), flush=True)
     import specdistill
 
-    result = {"tree": str(args.tree), "imported": specdistill.__file__, "attention": args.attention, "points": points}
+    result = {"command": "python -m benchmarks.spec_round_cost " + " ".join(sys.argv[1:] if argv is None else argv),
+              "tree": str(args.tree), "imported": specdistill.__file__, "attention": args.attention,
+              "drafter": args.drafter, "points": points}
     print("specdistill from", specdistill.__file__)
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))
     return result
-
-
-def host_ops(fn):
-    """(operators the host issued outside compiled graphs while fn() ran, fn()'s result): top-level aten operators
-    (not inside another operator, nor inside a compiled region, whose graph the host launches as one)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        out = fn()
-
-    def counted(event) -> bool:
-        if not event.name.startswith("aten::"):
-            return False
-        parent = event.cpu_parent
-        while parent is not None:
-            if parent.name.startswith("aten::") or "Compiled" in parent.name or "CompiledFxGraph" in parent.name:
-                return False
-            parent = parent.cpu_parent
-        return True
-
-    return sum(counted(e) for e in prof.events()), out
 
 
 if __name__ == "__main__":
