@@ -91,12 +91,14 @@ class Eagle3Drafter(Drafter):
         if T == 1:  # no target features at all: one feature-less slot for the pending token (drafts are guesses)
             g = torch.zeros(B, 1, c.hidden_size, device=device, dtype=dtype)
             self._set_pending(input_ids, g, torch.zeros(B, 1, dtype=torch.bool, device=device), last)
+            self.pending_is_prefix = True
             return
         # Slot c (column c of the left-padded prompt) pairs the prefill feature at c with the token at c+1; real
         # iff the token at c is (left padding). A row of one token has no slot, only its pending token.
         keep = attention_mask[:, :-1]                                       # (B, T-1)
         g = self._features(target_hidden)[:, -(T - 1):] * keep[..., None]   # (B, T-1, H) zero where not real
         self._set_pending(input_ids[:, 1:], g, keep, last)
+        self.pending_is_prefix = False  # left padding: a row's real slots end the block
 
     def _pending_step(self, drafts: int | None = None):
         """Feed the pending block: cacheable slots, and per row the drafting slot (step 0 of the TTT unroll).
@@ -178,11 +180,15 @@ class Eagle3Drafter(Drafter):
         n, next_token, active = num_accepted.to(device), next_token.to(device), active.to(device)
         keep = self.pending_keep & active[:, None]                          # (B, P)
         P = keep.shape[1]
-        kept_cols = torch.where(keep.any(0), torch.arange(P, device=device) + 1, 0)
         count = keep.sum(1)                                                 # (B,)
-        widest = (self.mask.sum(1) + count).max()
-        width = torch.where(active, n + 1, 0).max()                         # the new pending block's width
-        sizes = torch.stack([kept_cols.max() if P else kept_cols.new_zeros(()), widest, width])  # (3,)
+        if self.pending_is_prefix:  # a row's real slots lead the block: the last kept column is the longest row's
+            last = count.max()
+        else:                       # the prompt's block, left-padded
+            kept_cols = torch.where(keep.any(0), torch.arange(P, device=device) + 1, 0)
+            last = kept_cols.max() if P else kept_cols.new_zeros(())
+        widest = (self.length + count).max()                                # length: each row's real cached slots
+        width = ((n + 1) * active).max()                                    # the new pending block's width
+        sizes = torch.stack([last, widest, width])                          # (3,)
         return DraftCommit(sizes, (n, next_token, active, keep, count, target_hidden))
 
     @torch.no_grad()
@@ -210,6 +216,7 @@ class Eagle3Drafter(Drafter):
         col = torch.arange(width, device=device)
         new_keep = (col <= n[:, None]) & active[:, None]                    # (B, width)
         self._set_pending(emitted, g * new_keep[..., None], new_keep, torch.where(active, n, 0))
+        self.pending_is_prefix = True
 
     def close(self) -> None:
         if self.slot is not None:
