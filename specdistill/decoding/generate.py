@@ -361,6 +361,31 @@ def _count(stats: dict[str, torch.Tensor], rnd: RoundRecord) -> None:
     stats["position_alpha"][:K] += rnd.alpha.sum(0)
 
 
+def _count_rounds(stats: dict[str, torch.Tensor], rounds: list[RoundRecord]) -> None:
+    """Add a call's rounds to the counters once it ends: each run of consecutive chain rounds of one gamma over every
+    row (the usual call) in a few kernels for the whole run, other rounds one by one (_count). The same sums, the
+    floats' up to the order they are added in."""
+    i = 0
+    while i < len(rounds):
+        first, j = rounds[i], i + 1
+        if first.proposal.is_chain and first.rows is None:
+            while (j < len(rounds) and rounds[j].proposal.is_chain and rounds[j].rows is None
+                   and rounds[j].gamma == first.gamma):
+                j += 1
+        if j - i == 1:
+            _count(stats, first)
+        else:
+            run, K = rounds[i:j], first.gamma
+            active = torch.stack([r.active for r in run])                   # (R, B) bool
+            stats["target_forwards"] += active.sum(0)
+            stats["accept_hist"].scatter_add_(0, torch.stack([r.num_accepted for r in run]).flatten(),
+                                              active.flatten().long())
+            stats["position_proposed"][:K] += active.sum()                  # every active row drafted K
+            stats["position_accepted"][:K] += torch.stack([r.accepted for r in run]).sum((0, 1))
+            stats["position_alpha"][:K] += torch.stack([r.alpha for r in run]).sum((0, 1))
+        i = j
+
+
 def _record(proposal: Proposal, verdict: Verdict, logits, probs, active, offset, count, rows, *, record: bool,
             score_nodes: bool) -> RoundRecord:
     """The round's RoundRecord: logits (B, N+1, V) the verify forward's, probs their processed p (None: greedy)."""
@@ -479,6 +504,7 @@ def speculative_generate(
         t_start = call.t_prev
         while _round(call):  # steps 2-6, one target forward each
             pass
+        _count_rounds(call.stats, call.rounds)
         return Rollout(sequences=call.out.tokens[:, :max_new_tokens], num_new_tokens=call.out.length,
                        rounds=call.rounds, prefill_seconds=t_start - t0, round_seconds=call.round_seconds,
                        hidden=None if kept is None else kept.result(), **call.stats)
@@ -520,11 +546,10 @@ def _round(c: _Call) -> bool:
     draft_plan = c.drafter.commit_begin(n, verdict.next_token, going, target_hidden=path_hidden, path=verdict.path)
     c.pending = torch.where(going, verdict.next_token, c.pending)
 
-    # 6. The round's record and the counters.
+    # 6. The round's record (the counters sum the records once the call ends).
     rnd = _record(proposal, verdict, logits, probs, c.active, offset, count, c.rows, record=c.record,
                   score_nodes=c.score_nodes)
     c.rounds.append(rnd)
-    _count(c.stats, rnd)
 
     # The round's one host sync: loop control (the most tokens a going row may still emit: 0 once none goes), both
     # commits' crop sizes, the acceptance a dynamic gamma adapts to, and (drop_finished) which rows go on; nothing
