@@ -135,33 +135,37 @@ class CompiledHead(SlotPool):
         return slot.pending_width if width <= slot.pending_width else None
 
     def run(self, slot: HeadSlot, tokens: torch.Tensor, g: torch.Tensor, positions: torch.Tensor,
-            seen: torch.Tensor | None, readout: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One compiled head forward of the slot's B real rows at width n (1, or the pending graph's): tokens (B, n),
-        g (B, n, H), positions (B, n), seen (B, >= W + n) bool the columns the new slots may see (W = the cache's
-        length, the new slots' own columns next; slot i sees those up to its own, so columns past W + n may be
-        written ahead), readout (B,) long the slot each row reads out. seen or readout None: the graph's buffer
-        holds them already (the round's later draft steps: their columns written by the first, slot 0 always).
-        Appends the n slots to the cache; returns h (B, 1, H), a view of the graph's output that the next compiled
-        run overwrites (the round feeds it to the next step at once), and logits (B, Vd) at each row's readout slot,
-        copied out."""
+            seen: torch.Tensor | None, readout: torch.Tensor | None,
+            width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One compiled head forward of the slot's B real rows at width n (1, or the pending graph's): tokens (B, P),
+        g (B, P, H), positions (B, P) of the P <= n slots fed (width: n, when the block is padded: the padding slots
+        keep whatever the buffers hold, are seen by no slot fed and cropped at commit), seen (B, >= W + P) bool the
+        columns the slots may see (W = the cache's length, the slots' own columns next; slot i sees those up to its
+        own, so columns past W + P may be written ahead), readout (B,) long the slot each row reads out. seen or
+        readout None: the graph's buffer holds them already (the round's later draft steps: their columns written by
+        the first, slot 0 always). Appends the n slots to the cache; returns h (B, 1, H), a view of the graph's output
+        that the next compiled run overwrites (the round feeds it to the next step at once), and logits (B, Vd) at
+        each row's readout slot, copied out."""
         cache = slot.cache
-        B, n = tokens.shape
+        B, P = tokens.shape
+        n = width or P
         W = cache.length
-        if W + n > slot.length or (seen is not None and not W + n <= seen.shape[-1] <= slot.length):
-            raise ValueError(f"compiled head step: {n} slots seeing {None if seen is None else seen.shape[-1]} "
-                             f"columns against a cache of {W} used of {slot.length}")
+        if P > n or W + n > slot.length or (seen is not None and not W + P <= seen.shape[-1] <= slot.length):
+            raise ValueError(f"compiled head step: {P} slots of {n} seeing {None if seen is None else seen.shape[-1]}"
+                             f" columns against a cache of {W} used of {slot.length}")
         graph = slot.graph(n, g.dtype)
 
-        def rows(buffer: torch.Tensor) -> torch.Tensor:  # every row: no view to make
-            return buffer if B == buffer.shape[0] else buffer[:B]
+        def rows(buffer: torch.Tensor) -> torch.Tensor:  # the slots fed of the real rows (every one: no view)
+            buffer = buffer if B == buffer.shape[0] else buffer[:B]
+            return buffer if P == n else buffer[:, :P]
 
         rows(graph.tokens).copy_(tokens)
         rows(graph.g).copy_(g)
         rows(graph.positions).copy_(positions)
         if seen is not None:  # the columns past seen's are never seen (causal): stale is fine
-            rows(graph.seen)[:, : seen.shape[-1]].copy_(seen)
+            (graph.seen if B == graph.seen.shape[0] else graph.seen[:B])[:, : seen.shape[-1]].copy_(seen)
         if readout is not None:
-            rows(graph.readout).copy_(readout)
+            (graph.readout if B == graph.readout.shape[0] else graph.readout[:B]).copy_(readout)
         slot.write_at.fill_(W)
         if graph.fn is None:
             graph.fn = torch.compile(own_code(_draft_step, f"eagle3_{graph.name}"), fullgraph=True, dynamic=False,
@@ -172,7 +176,7 @@ class CompiledHead(SlotPool):
                                graph.positions, graph.seen, graph.readout, cache.keys, cache.values, slot.write_at)
         graph.calls += 1
         cache.length = W + n
-        return rows(h), rows(logits).clone()
+        return (h, logits.clone()) if B == h.shape[0] else (h[:B], logits[:B].clone())
 
 
 def compiled_head(head: Eagle3Head, backend: str) -> CompiledHead:

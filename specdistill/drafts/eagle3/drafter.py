@@ -103,8 +103,8 @@ class Eagle3Drafter(Drafter):
     def _pending_step(self, drafts: int | None = None):
         """Feed the pending block: cacheable slots, and per row the drafting slot (step 0 of the TTT unroll).
         Returns the drafting slot's logits (B, Vd), its output h (B, 1, H), its position (B,) and the usable keys
-        (B, S+P) so far. Compiled (a chain of `drafts` drafts): the block runs padded to its graph's width, and the
-        usable keys cover the padding (never usable)."""
+        (B, S+P) so far. Compiled (a chain of `drafts` drafts): the block runs padded to its graph's width
+        (self.pending_pad slots after the P fed, never usable)."""
         tokens_p, keep = self.pending_tokens, self.pending_keep            # (B, P)
         B, P = tokens_p.shape
         rows = torch.arange(B, device=tokens_p.device)
@@ -112,11 +112,10 @@ class Eagle3Drafter(Drafter):
         positions = (self.length[:, None] + keep.long().cumsum(1) - 1).clamp(min=0)  # (B, P)
         key_mask = torch.cat([self.mask, keep | is_last], dim=1)            # (B, S+P)
         width = None if self.slot is None or drafts is None else self.compiled.pending_width(self.slot, P, drafts)
+        self.pending_pad = 0 if width is None else width - P  # an eager block (the prompt's) is fed unpadded
         if width is not None:
-            pad = width - P
-            key_mask = F.pad(key_mask, (0, pad))                            # (B, S+W): padding is seen by no real slot
-            h, logits = self.compiled.run(self.slot, F.pad(tokens_p, (0, pad)), F.pad(self.pending_g, (0, 0, 0, pad)),
-                                          F.pad(positions, (0, pad)), key_mask, self.pending_last)
+            h, logits = self.compiled.run(self.slot, tokens_p, self.pending_g, positions, key_mask, self.pending_last,
+                                          width=width)
             return logits, h, positions[rows, self.pending_last], key_mask
         out = self.head.step(tokens_p, self.pending_g, positions, self.cache, key_mask,
                              readout_slot=self.pending_last)                # logits of the drafting slot only
@@ -127,6 +126,13 @@ class Eagle3Drafter(Drafter):
     def propose(self, shape: TreeShape, sampler: Sampler) -> Proposal:
         return self._chain(shape.size, sampler) if shape.is_chain else self._tree(shape)
 
+    def _column(self, value: bool, B: int, device) -> torch.Tensor:
+        """A (B, 1) bool column of `value`, made once per batch size (never written to)."""
+        columns = self.__dict__.setdefault("_columns", {})
+        if (value, B) not in columns:
+            columns[value, B] = torch.full((B, 1), value, dtype=torch.bool, device=device)
+        return columns[value, B]
+
     def _chain(self, k: int, sampler: Sampler) -> Proposal:
         """k drafts: the pending block, then one TTT step per further draft."""
         head = self.head
@@ -134,7 +140,7 @@ class Eagle3Drafter(Drafter):
         B = tokens_p.shape[0]
         # 1. The pending block.
         logits, h, pos, key_mask = self._pending_step(k)                    # (B, Vd), (B, 1, H), (B,), (B, S+P)
-        ones = torch.ones(B, 1, dtype=torch.bool, device=key_mask.device)
+        ones, zeros = self._column(True, B, key_mask.device), self._column(False, B, key_mask.device)  # (B, 1) bool
         # 2. Draft steps: step j feeds d_j with the head's own output, position + j, same slot (TTT step j).
         tokens, probs, step_logits = [], [], []
         for j in range(k):
@@ -146,7 +152,8 @@ class Eagle3Drafter(Drafter):
             if j == k - 1 or unsure(logits, draft_id, q, self.confidence):
                 break
             if self.slot is not None:  # the first draft step writes every draft step's columns; slot 0 reads out
-                seen = torch.cat([key_mask, ones.expand(-1, k - 1)], dim=1) if j == 0 else None
+                seen = None if j else torch.cat([key_mask, zeros.expand(-1, self.pending_pad),
+                                                 ones.expand(-1, k - 1)], dim=1)  # (B, S+W+k-1): padding unseen
                 h, logits = self.compiled.run(self.slot, token[:, None], h, (pos + j + 1)[:, None], seen,
                                               self.first_slot if j == 0 else None)
             else:
