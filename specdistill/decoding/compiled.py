@@ -432,10 +432,14 @@ class _Slot:
         return all(layer.is_initialized for layer in self.cache.layers)
 
     def start(self, rows: int) -> None:
-        """A new decoding of `rows` real rows: every layer empty (stale columns stay, masked)."""
+        """A new decoding of `rows` real rows: every layer empty (stale columns stay, masked), and the dummy rows past
+        them seeing every column again (a seen buffer's rows keep what an earlier, wider call wrote)."""
         for layer in self.cache.layers:
             layer.start = 0
         self.rows = rows
+        for key, graph in self.graphs.items():
+            if key.seen:
+                graph.masks[rows:].fill_(True)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, masks, hidden: bool,
             tail: int | None) -> DecodeOutput:
@@ -475,7 +479,7 @@ class _Slot:
         if seen and d.mask_format is None:
             raise ValueError("SeenColumns for a model whose mask format is not known: CompiledDecoding.mask_format is "
                              "set (MaskFormat.learn) before a step passes them")
-        if seen:  # dummy rows see every column up to their query's (their outputs are never read)
+        if seen:  # dummy rows see every column up to their query's (their outputs are never read; start() resets)
             bufs_mask = torch.ones(self.bucket, self.length, dtype=torch.bool, device=d.device)
         elif isinstance(masks, dict):
             bufs_mask = {k: padded_mask(m) for k, m in masks.items()}
@@ -555,7 +559,8 @@ class CompiledDecoding(SlotPool):
         super().__init__(CompileStats(model=self.name, backend=backend))
         self.hidden_ready = False
         self.mask_format: MaskFormat | None = None  # how chain steps' masks are built in the graph (BatchKV learns it)
-        self.mask_format_known = False              # learned (mask_format None then: the model's masks come built)
+        self.mask_format_for: str | None = None     # the attention implementation it was learned for (None: not yet;
+        #                                             mask_format None then: the model's masks come built)
 
     def new_slot(self, bucket: int, length: int, index: int) -> _Slot:
         return _Slot(self, bucket, length, index)

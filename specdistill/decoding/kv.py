@@ -471,13 +471,13 @@ class BatchKV:
     def _compiled_masks(self, C: int, tail_visible: torch.Tensor | None):
         """A compiled step's masks: the columns each row sees (SeenColumns), which the graph makes into the 4D mask,
         for a chain step of a full-attention model whose mask format compiled.column_mask reproduces (learned once per
-        model from one mask built here); else ready 4D masks over every column of the cache."""
+        model and attention implementation from one mask built here); else ready 4D masks over every column."""
         if tail_visible is None and not self.sliding:
-            compiled = self.compiled
-            if not compiled.mask_format_known:
+            compiled, implementation = self.compiled, self.config._attn_implementation
+            if compiled.mask_format_for != implementation:  # learned per attention implementation
                 compiled.mask_format = MaskFormat.learn(self._attention_mask(C, None, width=self.max_length),
                                                         self.mask, C)
-                compiled.mask_format_known = True
+                compiled.mask_format_for = implementation
             if compiled.mask_format is not None:
                 return SeenColumns(self.mask)
         return self._attention_mask(C, tail_visible, width=self.max_length)

@@ -57,7 +57,7 @@ def test_full_attention_chain_steps_build_their_masks_in_the_graph_and_keep_the_
     assert any((rnd.num_accepted < rnd.gamma).any() for rnd in r.rounds)  # rejections left holes
     for model in (target, draft):
         decoding = decoding_of(model)
-        assert decoding.mask_format_known and decoding.mask_format is not None
+        assert decoding.mask_format_for == attn and decoding.mask_format is not None
         assert decoding.mask_format.dtype == (torch.bool if attn == "sdpa" else model.dtype)
         graphs = [key for slot in decoding.slots for key in slot.graphs]
         assert graphs and all(key.seen for key in graphs)
@@ -73,7 +73,7 @@ def test_sliding_window_models_keep_ready_built_masks(arch):
     assert torch.equal(target_generate(target, ids, mask, max_new_tokens=MAX_NEW, cache=COMPILED).sequences,
                        reference.sequences)
     decoding = decoding_of(target)
-    assert not decoding.mask_format_known
+    assert decoding.mask_format_for is None
     assert not any(key.seen for slot in decoding.slots for key in slot.graphs)
 
 
@@ -91,3 +91,27 @@ def test_a_mask_format_column_mask_cannot_reproduce_is_not_learned():
     assert MaskFormat.learn(built.long(), seen, 2) is None              # neither bool nor additive
     assert MaskFormat.learn(None, seen, 2) is None                      # masks the model builds itself
     assert isinstance(SeenColumns(seen).seen, torch.Tensor)
+
+
+@torch.no_grad()
+def test_dummy_rows_see_every_column_whatever_an_earlier_call_left():
+    """A call of fewer rows in the same bucket: the rows past them (dummy rows, never read) see every column again,
+    in the target's and the EAGLE-3 head's seen buffers, rather than a wider call's leftover padding (a dummy row that
+    sees nothing would attend over no column at all); the tokens stay the eager ones."""
+    from specdistill.drafts.eagle3 import Eagle3Drafter
+    from tests.conftest import left_padded_prompts, noisy_eagle3_head
+
+    torch._dynamo.reset()
+    target = tiny_target("llama")
+    head = noisy_eagle3_head(target, 64)
+    wide = left_padded_prompts([30, 30, 30, 2], seed=0)   # row 3: mostly left padding
+    narrow = left_padded_prompts([5, 6, 4], seed=1)       # the same bucket (4), row 3 a dummy row
+    for ids, mask in (wide, narrow):
+        r = speculative_generate(target, Eagle3Drafter(head), ids, mask, strategy=3, max_new_tokens=8,
+                                 cache=COMPILED)
+        assert torch.equal(r.sequences, target_generate(target, ids, mask, max_new_tokens=8).sequences)
+    for decoding in (decoding_of(target), decoding_of(head)):
+        (slot,) = [s for s in decoding.slots if s.bucket == 4]
+        buffers = [g.masks for key, g in slot.graphs.items() if key.seen] if decoding is decoding_of(target) else \
+            [g.seen for g in slot.graphs.values()]
+        assert buffers and all(bool(b[3].all()) for b in buffers)

@@ -78,6 +78,7 @@ class HeadGraph:
         self.g = torch.zeros(R, width, hidden, dtype=dtype, device=device)
         self.positions = torch.zeros(R, width, dtype=torch.long, device=device)
         self.seen = torch.ones(R, L, dtype=torch.bool, device=device)  # dummy rows see every column before theirs
+        #                                                                 (HeadSlot.start resets them)
         self.readout = torch.zeros(R, dtype=torch.long, device=device)
         for t in (self.tokens, self.g, self.positions, self.seen, self.readout):
             torch._dynamo.mark_static_address(t)
@@ -103,8 +104,11 @@ class HeadSlot:
         self.lease = 0  # counts acquires and releases: a finalizer frees only the lease it was made for
 
     def start(self, rows: int) -> None:
-        """A new decoding of `rows` real rows: the cache empty (stale columns stay, masked)."""
+        """A new decoding of `rows` real rows: the cache empty (stale columns stay, masked), and the dummy rows past
+        them seeing every column again (their seen rows keep what an earlier, wider call wrote)."""
         self.cache.reset(rows)
+        for graph in self.graphs.values():
+            graph.seen[rows:].fill_(True)
 
     def graph(self, width: int, dtype: torch.dtype) -> HeadGraph:
         """The graph of `width` slots whose features come in `dtype` (the head's, or autocast's under autocast, as

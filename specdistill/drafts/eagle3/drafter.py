@@ -129,9 +129,10 @@ class Eagle3Drafter(Drafter):
     def _column(self, value: bool, B: int, device) -> torch.Tensor:
         """A (B, 1) bool column of `value`, made once per batch size (never written to)."""
         columns = self.__dict__.setdefault("_columns", {})
-        if (value, B) not in columns:
-            columns[value, B] = torch.full((B, 1), value, dtype=torch.bool, device=device)
-        return columns[value, B]
+        key = (value, B, torch.device(device))
+        if key not in columns:
+            columns[key] = torch.full((B, 1), value, dtype=torch.bool, device=device)
+        return columns[key]
 
     def _chain(self, k: int, sampler: Sampler) -> Proposal:
         """k drafts: the pending block, then one TTT step per further draft."""
