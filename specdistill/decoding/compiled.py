@@ -71,6 +71,12 @@ class RecompileError(RuntimeError):
     """A compiled decode step met inputs its graph was not compiled for (dynamo would recompile)."""
 
 
+def first_rows(buffer: torch.Tensor, rows: int) -> torch.Tensor:
+    """A graph buffer's first `rows` rows (the real rows of a batch bucket): the buffer itself when it has no more, so
+    no view is made (one host operator fewer per write)."""
+    return buffer if rows == buffer.shape[0] else buffer[:rows]
+
+
 # ----------------------------------------------------------------------------------------------- masks in the graph
 def column_mask(seen: torch.Tensor, write_at: torch.Tensor, width: int,
                 dtype: torch.dtype = torch.bool) -> torch.Tensor:
@@ -398,18 +404,15 @@ class _Graph:
         """Real rows' inputs into the first B rows of the buffers (dummy rows keep what they hold). SeenColumns go
         into the first S columns of the (bucket, length) buffer: the columns past S are never seen (causal)."""
         B = input_ids.shape[0]
-        def rows(buffer: torch.Tensor) -> torch.Tensor:  # every row: no view to make
-            return buffer if B == buffer.shape[0] else buffer[:B]
-
-        rows(self.input_ids).copy_(input_ids)
-        rows(self.positions).copy_(positions)
+        first_rows(self.input_ids, B).copy_(input_ids)
+        first_rows(self.positions, B).copy_(positions)
         if isinstance(masks, SeenColumns):
-            rows(self.masks)[:, : masks.seen.shape[1]].copy_(masks.seen)
+            first_rows(self.masks, B)[:, : masks.seen.shape[1]].copy_(masks.seen)
         elif isinstance(masks, dict):
             for name, m in masks.items():
-                rows(self.masks[name]).copy_(m)
+                first_rows(self.masks[name], B).copy_(m)
         else:
-            rows(self.masks).copy_(masks)
+            first_rows(self.masks, B).copy_(masks)
 
 
 class _Slot:

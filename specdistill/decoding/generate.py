@@ -342,47 +342,33 @@ def _check_strategy(shape: TreeShape, draft_policy: str) -> None:
                          "(draft_policy='greedy'); sampled drafts are verified along chains only")
 
 
-def _count(stats: dict[str, torch.Tensor], rnd: RoundRecord) -> None:
-    """Add one round to the counters, from sums over active rows (ratios are taken from these sums, never averaged):
-    by draft position, a tree's by depth."""
-    K, active = rnd.gamma, rnd.active
-    if rnd.proposal.is_chain:
-        proposed = active.sum()                                             # every active row drafted K
-    else:
-        depth = rnd.proposal.depth.max(1).values                            # (B,) each row's tree depth
-        proposed = ((torch.arange(K, device=depth.device) < depth[:, None]) & active[:, None]).sum(0)  # (K,)
-    if rnd.rows is None:
-        stats["target_forwards"] += active
-    else:
-        stats["target_forwards"].index_add_(0, rnd.rows, active.long())
-    stats["accept_hist"].scatter_add_(0, rnd.num_accepted, active.long())
-    stats["position_proposed"][:K] += proposed
-    stats["position_accepted"][:K] += rnd.accepted.sum(0)
-    stats["position_alpha"][:K] += rnd.alpha.sum(0)
-
-
 def _count_rounds(stats: dict[str, torch.Tensor], rounds: list[RoundRecord]) -> None:
-    """Add a call's rounds to the counters once it ends: each run of consecutive chain rounds of one gamma over every
-    row (the usual call) in a few kernels for the whole run, other rounds one by one (_count). The same sums, the
-    floats' up to the order they are added in."""
+    """Add a call's rounds to the counters once it ends, from sums over active rows (ratios are taken from these sums,
+    never averaged), by draft position (a tree's by depth): each run of consecutive rounds of one shape over the same
+    rows (the usual call: one run, or two where the budget shortens the last round) in a few kernels."""
     i = 0
     while i < len(rounds):
         first, j = rounds[i], i + 1
-        if first.proposal.is_chain and first.rows is None:
-            while (j < len(rounds) and rounds[j].proposal.is_chain and rounds[j].rows is None
-                   and rounds[j].gamma == first.gamma):
-                j += 1
-        if j - i == 1:
-            _count(stats, first)
+        shape = (first.gamma, first.proposal.is_chain, first.proposal.tokens.shape[1])
+        while (j < len(rounds) and rounds[j].rows is first.rows
+               and (rounds[j].gamma, rounds[j].proposal.is_chain, rounds[j].proposal.tokens.shape[1]) == shape):
+            j += 1
+        run, K = rounds[i:j], first.gamma
+        active = torch.stack([r.active for r in run])                       # (R, B) bool
+        if first.proposal.is_chain:
+            proposed = active.sum()                                         # every active row drafted K
         else:
-            run, K = rounds[i:j], first.gamma
-            active = torch.stack([r.active for r in run])                   # (R, B) bool
+            depth = torch.stack([r.proposal.depth.max(1).values for r in run])  # (R, B) each row's tree depth
+            proposed = ((torch.arange(K, device=depth.device) < depth[..., None]) & active[..., None]).sum((0, 1))
+        if first.rows is None:
             stats["target_forwards"] += active.sum(0)
-            stats["accept_hist"].scatter_add_(0, torch.stack([r.num_accepted for r in run]).flatten(),
-                                              active.flatten().long())
-            stats["position_proposed"][:K] += active.sum()                  # every active row drafted K
-            stats["position_accepted"][:K] += torch.stack([r.accepted for r in run]).sum((0, 1))
-            stats["position_alpha"][:K] += torch.stack([r.alpha for r in run]).sum((0, 1))
+        else:
+            stats["target_forwards"].index_add_(0, first.rows, active.sum(0))
+        stats["accept_hist"].scatter_add_(0, torch.stack([r.num_accepted for r in run]).flatten(),
+                                          active.flatten().long())
+        stats["position_proposed"][:K] += proposed
+        stats["position_accepted"][:K] += torch.stack([r.accepted for r in run]).sum((0, 1))
+        stats["position_alpha"][:K] += torch.stack([r.alpha for r in run]).sum((0, 1))
         i = j
 
 

@@ -1,12 +1,12 @@
 """A call's counters (Rollout.target_forwards, accept_hist, position_*) are its rounds' sums, whichever way they are
-added: runs of equal chain rounds at once at the end of the call, or round by round; and target-only decoding counts
+added: runs of rounds of one shape at once at the end of the call, or round by round; and target-only decoding counts
 one forward per emitted token."""
 
 import pytest
 import torch
 
 from specdistill.decoding import DynamicGamma, LMDrafter, TreeShape, speculative_generate, target_generate
-from specdistill.decoding.generate import _count, _counters
+from specdistill.decoding.generate import _count_rounds, _counters
 from tests.conftest import left_padded_prompts
 from tests.decoding.test_architectures import _perturbed
 from tests.tiny_archs import tiny_target
@@ -31,7 +31,7 @@ def test_counters_are_the_sums_of_the_rounds(case):
     max_depth = r.position_proposed.shape[0]
     one_by_one = _counters(ids.shape[0], max_depth, ids.device)
     for rnd in r.rounds:
-        _count(one_by_one, rnd)
+        _count_rounds(one_by_one, [rnd])
     for name, value in one_by_one.items():
         torch.testing.assert_close(getattr(r, name), value, msg=f"{case}: {name}")
     assert int(r.accept_hist.sum()) == int(r.target_forwards.sum()) == sum(int(x.active.sum()) for x in r.rounds)

@@ -29,7 +29,7 @@ import weakref
 import torch
 
 from specdistill.decoding.compiled import (CompileStats, GraphKey, RecompileError, SlotPool, attach, call_graph,
-                                           column_mask, counting_backend, own_code)
+                                           column_mask, counting_backend, first_rows, own_code)
 
 from .model import Eagle3Head, SlotCache
 
@@ -159,17 +159,17 @@ class CompiledHead(SlotPool):
                              f" columns against a cache of {W} used of {slot.length}")
         graph = slot.graph(n, g.dtype)
 
-        def rows(buffer: torch.Tensor) -> torch.Tensor:  # the slots fed of the real rows (every one: no view)
-            buffer = buffer if B == buffer.shape[0] else buffer[:B]
+        def fed(buffer: torch.Tensor) -> torch.Tensor:  # the slots fed of the real rows
+            buffer = first_rows(buffer, B)
             return buffer if P == n else buffer[:, :P]
 
-        rows(graph.tokens).copy_(tokens)
-        rows(graph.g).copy_(g)
-        rows(graph.positions).copy_(positions)
+        fed(graph.tokens).copy_(tokens)
+        fed(graph.g).copy_(g)
+        fed(graph.positions).copy_(positions)
         if seen is not None:  # the columns past seen's are never seen (causal): stale is fine
-            (graph.seen if B == graph.seen.shape[0] else graph.seen[:B])[:, : seen.shape[-1]].copy_(seen)
+            first_rows(graph.seen, B)[:, : seen.shape[-1]].copy_(seen)
         if readout is not None:
-            (graph.readout if B == graph.readout.shape[0] else graph.readout[:B]).copy_(readout)
+            first_rows(graph.readout, B).copy_(readout)
         slot.write_at.fill_(W)
         if graph.fn is None:
             graph.fn = torch.compile(own_code(_draft_step, f"eagle3_{graph.name}"), fullgraph=True, dynamic=False,
@@ -180,7 +180,7 @@ class CompiledHead(SlotPool):
                                graph.positions, graph.seen, graph.readout, cache.keys, cache.values, slot.write_at)
         graph.calls += 1
         cache.length = W + n
-        return (h, logits.clone()) if B == h.shape[0] else (h[:B], logits[:B].clone())
+        return first_rows(h, B), first_rows(logits, B).clone()
 
 
 def compiled_head(head: Eagle3Head, backend: str) -> CompiledHead:

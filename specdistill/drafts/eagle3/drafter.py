@@ -49,6 +49,7 @@ class Eagle3Drafter(Drafter):
         self.vocab_size = head.config.vocab_size  # V: proposals and q are over the target's vocabulary
         self.aux_layer_ids = list(head.config.aux_layer_ids)
         self.logits: torch.Tensor | None = None
+        self._columns: dict[tuple, torch.Tensor] = {}  # (value, B, device) -> a (B, 1) bool column (_column)
 
     # ------------------------------------------------------------------------------------------- features
     def _features(self, target_hidden) -> torch.Tensor:
@@ -128,11 +129,10 @@ class Eagle3Drafter(Drafter):
 
     def _column(self, value: bool, B: int, device) -> torch.Tensor:
         """A (B, 1) bool column of `value`, made once per batch size (never written to)."""
-        columns = self.__dict__.setdefault("_columns", {})
         key = (value, B, torch.device(device))
-        if key not in columns:
-            columns[key] = torch.full((B, 1), value, dtype=torch.bool, device=device)
-        return columns[key]
+        if key not in self._columns:
+            self._columns[key] = torch.full((B, 1), value, dtype=torch.bool, device=device)
+        return self._columns[key]
 
     def _chain(self, k: int, sampler: Sampler) -> Proposal:
         """k drafts: the pending block, then one TTT step per further draft."""
