@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lowest-versions job: installs specdistill against constraints/lowest.txt (the lowest transformers, accelerate,
 # datasets, huggingface_hub, hydra and safetensors pyproject.toml declares) in a venv of its own, .venv-lowest, and runs
-# the decoding tests, every recipe's smoke test and the GPU check's CPU fallback there. About 5 minutes on 2 cores.
+# the decoding tests, every recipe's smoke test and the GPU check's CPU fallback there. About 3 minutes on 2 cores.
 #   bash scripts/test_lowest.sh [pytest arguments]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,8 @@ PY=${PYTHON:-python3}
 torch.__version__, '| transformers', transformers.__version__, '| accelerate', accelerate.__version__, '| datasets', \
 datasets.__version__, '| huggingface_hub', huggingface_hub.__version__)"
 export WANDB_MODE=offline HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-"$VENV/bin/python" -m pytest tests/decoding tests/test_optim.py \
+# two workers, as scripts/test.sh runs them (it says why the OpenMP settings)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+"$VENV/bin/python" -m pytest -n "${SPECDISTILL_TEST_WORKERS:-2}" --dist loadfile tests/decoding tests/test_optim.py \
   "tests/test_train.py::test_every_recipe_trains_and_writes_a_checkpoint" "$@"
 OUT=$(mktemp -d) PYTHON="$VENV/bin/python" bash scripts/gpu_check.sh --device cpu --tiny
