@@ -104,7 +104,7 @@ def tiny_sizes() -> Sizes:
                 num_key_value_heads=2)
     small = dict(base, hidden_size=64, intermediate_size=128, num_hidden_layers=2, tie_word_embeddings=True)
     big = dict(base, hidden_size=128, intermediate_size=256, num_hidden_layers=4, tie_word_embeddings=False)
-    return Sizes(small, big, rows=40, answer_words=(20, 40), max_length=96, micro_batch=2, steps=2, draft_vocab=256,
+    return Sizes(small, big, rows=40, answer_words=(20, 40), max_length=96, micro_batch=2, steps=4, draft_vocab=256,
                  eval_prompts=2, eval_new_tokens=12, compile_prompts=1, regen_batches=(2, 4), regen_prompt=8,
                  regen_new_tokens=8, opd_new_tokens=8, opd_prompts=8)
 
@@ -500,7 +500,20 @@ def train(run: Path, recipe: str, target: Path, data: Path, sizes: Sizes, device
             "tokens_per_s": mean("train/tokens_per_s"), "input_tokens_per_s": mean("train/input_tokens_per_s"),
             "achieved_flops_per_s": mean("train/achieved_tflops", 1e12) or mean("train/achieved_gflops", 1e9),
             "logged_mfu": mean("train/mfu"), "peak_mem_mb": last.get("train/peak_mem_mb"),
-            "device_peak": json.loads(summary.read_text()).get("device_peak") if summary.exists() else None}
+            "device_peak": json.loads(summary.read_text()).get("device_peak") if summary.exists() else None,
+            "profile": profile_breakdown(run / "profile.json")}
+
+
+def profile_breakdown(path: Path) -> Optional[dict]:
+    """trainer.profile_steps' profile.json, its headline: where the device's time went and MFU's factors."""
+    if not path.exists():
+        return None
+    p = json.loads(path.read_text())
+    busy = max(p["busy_s"], 1e-12)
+    return {"steps": p["steps"], "wall_s": p["wall_s"], "busy_fraction": p["busy_fraction"], "factors": p["factors"],
+            "share_of_busy": {g: s / busy for g, s in p["groups_s"].items()},
+            "top": [{k: t[k] for k in ("name", "group", "seconds", "calls")} for t in p["top"][:8]],
+            "file": str(path)}
 
 
 def opd_step_cost(run: Path, target: Path, data: Path, sizes: Sizes, device: str, timeout_s: float,
@@ -941,8 +954,9 @@ def main(argv: list[str] | None = None) -> int:
             return None
         return report.stage(name, fn, args.device)
 
-    eagle3 = stage("eagle3", lambda: trained("eagle3", "eagle3", big, [f"trainer.max_steps={sizes.steps}"],
-                                             MFU_FLOOR))
+    # steps 2-4 profiled (kept out of the logged rates): where the device's time goes, MFU's factors
+    eagle3 = stage("eagle3", lambda: trained("eagle3", "eagle3", big, [f"trainer.max_steps={sizes.steps}",
+                                                                       "trainer.profile_steps=3"], MFU_FLOOR))
     # one on-policy step, its time mostly decoding: MFU reported, not judged
     stage("draft_opd", lambda: trained("draft_opd", "draft_opd", small,
                                        ["warmup.mode=never", "data.regenerate.enabled=false", "trainer.max_steps=1",

@@ -208,6 +208,11 @@ class TrainerConfig:
     # Log FLOPs per real token (counted on the first step), achieved TFLOP/s and their fraction of the device's dense
     # matmul peak (train/mfu; train/throughput.py: device_peak); costs a ~1 s microbenchmark at start.
     measure_roofline: bool = True
+    # Profile this many optimizer steps (torch.profiler; CUDA kernels on CUDA) from the run's third step on (after the
+    # warm-up and the FLOP-counted steps): profile.json / profile.md in the output folder say where the device's time
+    # goes and split train/mfu into matmul kernel rate x matmul share x device busy fraction (train/profile.py). The
+    # profiled steps' time is kept out of the logged rates (the profiler slows them). 0 = off.
+    profile_steps: int = bounded(0, ">= 0")
     # torch CPU threads per process (null = physical cores / local processes)
     threads: Optional[int] = bounded(None, ">= 1")
     # EAGLE-3 heads: serving exports written from the final checkpoint into <output_dir>/export/<format>

@@ -198,7 +198,9 @@ def test_the_gpu_check_passes_on_the_cpu_at_toy_sizes(gc, tmp_path, monkeypatch)
     assert rc == 0 and report["ok"] and report["problems"] == [], json.dumps(report["problems"], indent=1)[:4000]
     assert set(stages) == {"assets", "limits", "eagle3", "draft_opd", "opd_cost", "evaluate", "lossless_fp32",
                            "regenerate"}
-    assert stages["eagle3"]["steps"] == 2 and stages["eagle3"]["tokens_per_s"] > 0
+    assert stages["eagle3"]["steps"] == 4 and stages["eagle3"]["tokens_per_s"] > 0
+    profile = stages["eagle3"]["profile"]  # steps 2-3 profiled: where the time went, MFU's factors
+    assert profile["steps"] == 2 and profile["share_of_busy"]["matmul"] > 0 and set(profile["factors"]) >= {"mfu"}
     assert stages["draft_opd"]["steps"] == 1
     opd = stages["opd_cost"]
     assert opd["step_ratio_per_row"] > 0 and not opd["judged"] and opd["problems"] == []

@@ -16,7 +16,9 @@ import json
 import math
 import os
 import resource
+import shlex
 import signal
+import sys
 import threading
 import time
 from contextlib import nullcontext
@@ -36,6 +38,7 @@ from specdistill.eval.simulated import simulated_acceptance
 from specdistill.train.accelerate_compat import set_gradient_sync
 from specdistill.train.checkpoint import check_resume_config, list_checkpoints, load_checkpoint, save_checkpoint
 from specdistill.train.integrity import select_resume
+from specdistill.train import profile as step_profile
 from specdistill.train.results import drop_replayed, finished_run, nothing_to_do_message
 from specdistill.train.throughput import DevicePeak, Mfu, count_flops, device_peak, step_flops
 
@@ -161,6 +164,7 @@ class RunState:
     peak: Optional[DevicePeak] = None  # one device's dense matmul peak (trainer.measure_roofline)
     mfu: Optional[Mfu] = None  # counted on a phase's first step
     last_taken: Optional[StepTaken] = None  # the latest step's lr and grad norm (a stop logs the open window with it)
+    profiled: Optional["Profiled"] = None  # trainer.profile_steps: the steps profiled so far
 
     def wall_s(self) -> float:
         """Training wall seconds, carried across resumes (the learning curves' x axis)."""
@@ -195,7 +199,8 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
             _enter_phase(c, s)
             if _stopped(c, s, stop):
                 break
-            taken = _train_step(c, s, batches)
+            taken = (_profiled_step(c, s, batches) if s.profiled is not None and s.step in s.profiled.steps
+                     else _train_step(c, s, batches))
             _after_step(c, s, taken, epoch_end_hooks, checkpoint_hooks)
         # A signal during the last step or its save: the checkpoint is whole, but the run stops here (no final
         # evaluation or export), as at any other step; trainer.resume=auto finishes them.
@@ -277,8 +282,60 @@ def _start_state(c: Components, resume_from: Optional[Path], config_yaml: str) -
         s.peak = device_peak(acc.device, _train_dtype(acc))
         acc.print(f"[train] {s.peak.describe()}; train/mfu is a fraction of {s.peak.flops_per_s / 1e12:.4g} TFLOP/s "
                   f"({s.peak.source}) x {acc.num_processes} process(es)")
+    if t.profile_steps:
+        first = s.step + 2  # after the warm-up step and the FLOP-counted one
+        s.profiled = Profiled(range(first, min(first + t.profile_steps, c.phases.total_steps)))
     s.window = Window()  # the first log window starts here (the wall clock at the state's creation)
     return s
+
+
+@dataclass
+class Profiled:
+    """trainer.profile_steps: which steps are profiled, and the profiled work so far (summed over the steps)."""
+    steps: range
+    work: dict = field(default_factory=dict)  # name -> (seconds, calls)
+    wall_s: float = 0.0
+    taken: int = 0
+    input_tokens: float = 0.0
+
+
+def _profiled_step(c: Components, s: RunState, batches: Prefetcher) -> StepTaken:
+    """_train_step under torch.profiler; its time, tokens and data wait leave the log window (the profiler slows the
+    step), and profile.json / profile.md are rewritten with every profiled step so far."""
+    acc, p = c.accelerator, s.profiled
+    if acc.device.type == "cuda":
+        torch.cuda.synchronize(acc.device)  # the steps before finish inside the log window
+    t_enter = time.perf_counter()  # from here to the return: the profiler's own start, step, stop and summary
+    tokens_before, wait_before = s.window.tokens, s.window.data_wait_s
+    input_before = s.sums.get("input_tokens", 0)
+    with step_profile.profiling(acc.device) as box:
+        taken = _train_step(c, s, batches)
+    prof, wall = box
+    step_input = float(s.sums["input_tokens"] - input_before)
+    s.window.tokens, s.window.steps, s.window.data_wait_s = tokens_before, s.window.steps - 1, wait_before
+    s.sums["input_tokens"] = s.sums["input_tokens"] - step_input
+    p.wall_s, p.taken, p.input_tokens = p.wall_s + wall, p.taken + 1, p.input_tokens + step_input
+    for w in step_profile.profiled_work(prof, acc.device.type):
+        seconds, calls = p.work.get(w.name, (0.0, 0))
+        p.work[w.name] = (seconds + w.seconds, calls + w.calls)
+    if acc.is_main_process:
+        # this rank's device: its own real tokens' FLOPs over one device's peak
+        flops = s.mfu.flops_per_token * p.input_tokens if s.mfu is not None else None
+        summary = step_profile.summarize([step_profile.Work(n, sec, k) for n, (sec, k) in p.work.items()],
+                                         acc.device.type, p.taken, p.wall_s, flops=flops,
+                                         peak_flops_per_s=s.peak.flops_per_s if s.peak is not None else None)
+        extra = {"steps_profiled": [p.steps.start, p.steps.start + p.taken],
+                 "peak": s.peak.as_dict() if s.peak is not None else None}
+        step_profile.write(c.output_dir, summary, command=shlex.join(["python", *sys.argv]), extra=extra)
+        if p.taken == len(p.steps):
+            factors = summary.factors
+            acc.print(f"[train] profiled steps {p.steps.start}-{p.steps.stop - 1}: the device busy "
+                      f"{100 * summary.busy_fraction:.0f}% of the wall time"
+                      + (f", matmul kernels at {100 * factors['matmul_rate_of_peak']:.0f}% of the peak and "
+                         f"{100 * factors['matmul_share_of_busy']:.0f}% of the device's work" if factors else "")
+                      + f"; {c.output_dir / 'profile.md'}")
+    s.window.t0 += time.perf_counter() - t_enter
+    return taken
 
 
 def _prefetcher(c: Components, start: int) -> Prefetcher:
@@ -405,26 +462,28 @@ def _log_window(c: Components, s: RunState, taken: StepTaken) -> None:
     red = dict(zip(keys, totals.tolist()))
     ntok = max(red.pop("tokens"), 1.0)
     n_input = red.pop("input_tokens")
-    elapsed = w.elapsed()
+    elapsed = max(w.elapsed(), 1e-9)
     s.latest = ratios(red, ntok)
-    s.latest.update({"train/lr": taken.lr, "train/tokens_per_s": w.tokens / elapsed,
-                     "train/input_tokens_per_s": n_input / elapsed,
-                     "train/s_per_step": elapsed / w.steps,
-                     "train/data_wait_fraction": w.data_wait_s / elapsed,
+    s.latest.update({"train/lr": taken.lr,
                      "train/grad_norm": float(taken.grad_norm) if taken.grad_norm is not None else math.nan,
                      "train/peak_mem_mb": peak_memory_mb(acc.device), "step": s.step,
                      "epoch": c.phases.epoch_of(s.step - 1), "tokens_seen": s.tokens_seen,
-                     "wall_s": s.wall_s(), "phase": phase.name, "phase_step": phase.local(s.step),
-                     "eta_phase_s": elapsed / w.steps * (phase.end - s.step)})
+                     "wall_s": s.wall_s(), "phase": phase.name, "phase_step": phase.local(s.step)})
+    if w.steps:  # rates: none for a window of profiled steps only (their time is not training's: _profiled_step)
+        s.latest.update({"train/tokens_per_s": w.tokens / elapsed, "train/input_tokens_per_s": n_input / elapsed,
+                         "train/s_per_step": elapsed / w.steps, "train/data_wait_fraction": w.data_wait_s / elapsed,
+                         "eta_phase_s": elapsed / w.steps * (phase.end - s.step)})
+    else:
+        s.latest["train/profiled"] = True
     budget = {}
     if c.trainer.max_minutes is not None:  # a wall-time budget ends the run first: the bar's step ETA is not the ETA
         left = max(60 * c.trainer.max_minutes - s.wall_s(), 0.0)
-        s.latest["eta_phase_s"] = min(s.latest["eta_phase_s"], left)
+        s.latest["eta_phase_s"] = min(s.latest.get("eta_phase_s", left), left)
         budget = {"time_left": f"{int(left // 60)}:{int(left % 60):02d}"}
-    if s.mfu is not None:
+    if s.mfu is not None and w.steps:
         s.latest.update(s.mfu.metrics(s.latest["train/input_tokens_per_s"]))
     s.bar.set_postfix(loss=f"{s.latest.get('train/loss', math.nan):.4f}",
-                      tok_s=f"{s.latest['train/tokens_per_s']:.0f}", **budget)
+                      tok_s=f"{s.latest.get('train/tokens_per_s', math.nan):.0f}", **budget)
     s.result.history.append(s.latest)
     _log(acc, s.latest, s.step, s.metrics_file)
     s.sums, s.window = {}, Window()
