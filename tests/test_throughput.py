@@ -19,6 +19,43 @@ def test_count_flops_of_a_linear_forward_backward_is_6_b_in_out():
     assert counted.flops == 6 * B * n_in * n_out
 
 
+def test_recomputation_of_checkpointed_regions_is_not_model_work():
+    """MFU counts each FLOP of the model once: a region checkpointed with checkpoint_contexts counts as if it kept
+    its activations, and what its backward recomputed is reported apart; without the contexts torch counts it."""
+    from contextlib import nullcontext
+
+    from torch.utils.checkpoint import checkpoint
+
+    from specdistill.flops import checkpoint_contexts
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    x = torch.randn(8, 16, requires_grad=True)
+    plain = count_flops(lambda: mlp(x).sum().backward())
+    ours = count_flops(lambda: checkpoint(mlp, x, use_reentrant=False, context_fn=checkpoint_contexts).sum().backward())
+    torchs = count_flops(lambda: checkpoint(mlp, x, use_reentrant=False,
+                                            context_fn=lambda: (nullcontext(), nullcontext())).sum().backward())
+    assert plain.recomputed == 0 and ours.flops == plain.flops
+    assert ours.recomputed == 2 * 8 * 16 * 64  # the first linear's forward again (the GELU's input), nothing else
+    assert torchs.flops == plain.flops + ours.recomputed  # the counter alone counts the recomputation
+
+
+def test_the_eagle3_step_counts_the_same_flops_with_and_without_checkpointed_steps(tiny_target_dir, tiny_data_file,
+                                                                                   tmp_path):
+    from specdistill.build import build
+    from tests.conftest import compose, tiny_overrides
+
+    c = build(compose("eagle3", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "run", tmp_path / "cache")))
+    objective = c.phases.at(0).objective
+    batch = c.phases.at(0).batches.micro_batches(0)[0]
+    counts = {}
+    for ckpt in (False, True):
+        objective.checkpoint_steps = ckpt
+        counts[ckpt] = count_flops(lambda: objective(batch, c.models).loss.sum().backward())
+    assert counts[True].flops == counts[False].flops and counts[False].recomputed == 0
+    assert counts[True].recomputed > 0.1 * counts[True].flops  # the unrolled layers ran again in backward
+
+
 def rows(lengths: list[int]) -> list[dict]:
     return [{"input_ids": [3 + (7 * i + j) % 40 for j in range(n)], "loss_mask": [j % 2 for j in range(n)]}
             for i, n in enumerate(lengths)]

@@ -402,8 +402,10 @@ def _train_step(c: Components, s: RunState, batches: Prefetcher) -> StepTaken:
         n_local, n_global = counted.result
         flops = step_flops(counted.flops, micro)  # per real token: padding slots do no useful work
         s.mfu = Mfu(s.peak.flops_per_s * acc.num_processes, flops.flops_per_token)
+        per_slot = counted.recomputed / max(flops.slots, 1) / 1e6
+        recomputed = f"; {per_slot:.1f} more recomputed by checkpointed layers, not counted" if per_slot else ""
         acc.print(f"[train] {flops.flops_per_token / 1e6:.1f} MFLOP per real token (forward + backward, torch's "
-                  f"FlopCounterMode; {flops.tokens} real tokens in {flops.slots} slots)")
+                  f"FlopCounterMode; {flops.tokens} real tokens in {flops.slots} slots{recomputed})")
     else:
         n_local, n_global = accumulate(c, micro, s.sums, objective)
     s.sums["tokens"] = s.sums.get("tokens", 0) + n_local.float()

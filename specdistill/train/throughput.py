@@ -1,7 +1,7 @@
 """Model FLOPs utilisation (MFU) of training: FLOPs per real token counted once, the device's dense peak measured once.
 
-The FLOPs come from torch's own counter (torch.utils.flop_counter.FlopCounterMode, which counts every matmul and
-convolution of forward and backward at dispatch), run over one optimizer step and restated per real token (padding
+The FLOPs come from torch's own counter (specdistill/flops.py: every matmul and convolution of forward and backward,
+less what activation checkpointing recomputes), run over one optimizer step and restated per real token (padding
 slots excluded). The peak is the dense matmul rate of the training dtype on the training device, timed on products
 large enough that the device's own time, not the host's launch cost, sets the rate. Their ratio to the achieved rate
 says how much of the machine a step uses, so "make it faster" starts from where the time goes, not from a guess.
@@ -16,19 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 
 
-@dataclass
-class FlopCount:
-    result: Any
-    flops: int  # forward + backward FLOPs of the counted call (a multiply-add is 2 FLOPs)
-
-
-def count_flops(fn: Callable[[], Any]) -> FlopCount:
-    """Run fn() once under torch's FLOP counter."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
-        result = fn()
-    return FlopCount(result, int(counter.get_total_flops()))
+from specdistill.flops import FlopCount, count_flops  # noqa: F401  (the loop's FLOP count: model work, no recompute)
 
 
 # ---- the device's dense peak ------------------------------------------------------------------------------------
@@ -212,7 +200,7 @@ class StepFlops:
     micro-batches; a padding slot costs what a real token costs and does no useful work, so the useful FLOPs are
     the real tokens' share. Exact for per-token work (every linear layer); attention's cost grows with the row's
     length and the loss-position head's does not grow with padding, so those parts are estimated to first order."""
-    flops: int   # executed FLOPs (FlopCounterMode), padding slots included
+    flops: int   # counted FLOPs (specdistill.flops: no recomputation), padding slots included
     slots: int   # sum of B x T over the step's micro-batches
     tokens: int  # real tokens among them (attention_mask.sum())
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from specdistill.flops import checkpoint_contexts
 from specdistill.models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin
 from specdistill.models.layers import rope_inv_freq as layers_rope_inv_freq
 from specdistill.models.vocab import DraftVocabMaps
@@ -454,8 +455,9 @@ class Eagle3Head(DraftVocabMaps, nn.Module):
             if j == 1:
                 ext = TTTKeys.of(keys[0], values[0], steps - 1)
             args = (mask, scale, tokens, g, rows.positions + j, list(keys), list(values), ext)
-            g, k, v = (torch.utils.checkpoint.checkpoint(self._ttt_step, *args, use_reentrant=False) if checkpoint
-                       else self._ttt_step(*args))
+            g, k, v = (torch.utils.checkpoint.checkpoint(self._ttt_step, *args, use_reentrant=False,
+                                                         context_fn=checkpoint_contexts)  # recompute: not MFU's
+                       if checkpoint else self._ttt_step(*args))
             keys.append(k), values.append(v)
             h = g if readout_at is None else g[readout_at[j]]
             logits.append(self.readout(h) if score is None else score(j, self.norm(h), self.lm_head.weight))
