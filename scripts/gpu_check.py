@@ -4,7 +4,7 @@ Random-weight models of real shapes, built from configs (no model hub): SmolLM2-
 target with a few layers. Stages, each timed and recorded, a failure recorded without stopping the others:
   1. eagle3         recipe=eagle3 on the 8B-shaped target, bf16 mixed precision, 20 steps (train.py, a subprocess):
                     tokens/s, and MFU against the device's dense bf16 peak
-  2. draft_opd      recipe=draft_opd, one on-policy step of an EAGLE-3 head on the SmolLM2-shaped target, bf16
+  2. draft_opd      recipe=draft_opd, two on-policy steps of an EAGLE-3 head on the SmolLM2-shaped target, bf16
   3. evaluate       the evaluator in bf16 on the 8B-shaped target with the head of stage 1 (speedup, tau); speculative
                     against target-only decoding judged lossless (eval/lossless.py: each divergence's fp32 margin
                     against the paths' measured bf16 noise); then the same with compiled static caches (CUDA graphs),
@@ -957,9 +957,9 @@ def main(argv: list[str] | None = None) -> int:
     # steps 2-4 profiled (kept out of the logged rates): where the device's time goes, MFU's factors
     eagle3 = stage("eagle3", lambda: trained("eagle3", "eagle3", big, [f"trainer.max_steps={sizes.steps}",
                                                                        "trainer.profile_steps=3"], MFU_FLOOR))
-    # one on-policy step, its time mostly decoding: MFU reported, not judged
+    # two on-policy steps (the first FLOP-counted, the second timed), mostly decoding: MFU reported, not judged
     stage("draft_opd", lambda: trained("draft_opd", "draft_opd", small,
-                                       ["warmup.mode=never", "data.regenerate.enabled=false", "trainer.max_steps=1",
+                                       ["warmup.mode=never", "data.regenerate.enabled=false", "trainer.max_steps=2",
                                         "trainer.export_formats=[]", "objective.max_new_tokens=32"], None))
     head = final_draft(args.work / "eagle3") if eagle3 is not None else None
     if head is None and "evaluate" not in skip:

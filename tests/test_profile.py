@@ -92,3 +92,27 @@ def test_profiled_steps_write_the_breakdown_and_stay_out_of_the_logged_rates(tin
     # under the profiler's pause)
     assert all(r["train/s_per_step"] < pause / 2 for r in train), [r["train/s_per_step"] for r in train]
     assert all(0 < r["train/mfu"] < 1 for r in train)
+
+
+def test_the_flop_counted_step_stays_out_of_the_logged_rates(tiny_target_dir, tiny_data_file, tmp_path, monkeypatch):
+    """The first step runs under torch's FLOP counter, which slows it (on-policy steps by half on a CPU): its row
+    logs the loss but no rate, and the later windows' rates are the plain steps'."""
+    from specdistill.build import build
+    from specdistill.train import loop
+    from tests.conftest import compose, tiny_overrides
+
+    real, pause = loop.count_flops, 1.5
+
+    def slow_count(fn):
+        time.sleep(pause)
+        return real(fn)
+
+    monkeypatch.setattr(loop, "count_flops", slow_count)
+    out = tmp_path / "run"
+    cfg = compose("kd", tiny_overrides(tiny_target_dir, tiny_data_file, out, tmp_path / "cache")
+                  + ["trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=0"])
+    fit_result = loop.fit(build(cfg))
+    train = [h for h in fit_result.history if "train/loss" in h]
+    assert [h["step"] for h in train] == [1, 2, 3]
+    assert train[0]["train/instrumented"] and "train/tokens_per_s" not in train[0] and "train/mfu" not in train[0]
+    assert all(h["train/s_per_step"] < pause / 2 and 0 < h["train/mfu"] < 1 for h in train[1:])

@@ -216,7 +216,8 @@ def test_a_wall_time_budget_bounds_the_logged_eta(tiny_target_dir, tiny_data_fil
     assert 0 < res.step < 100000
     for h in res.history:
         assert h["eta_phase_s"] <= max(budget_s - h["wall_s"], 0.0) + 1e-6
-        assert h["train/s_per_step"] * (100000 - h["step"]) > budget_s  # the steps' own ETA is far beyond it
+        if h["step"] > 1:  # the first step, FLOP-counted, logs no rate (tests/test_profile.py)
+            assert h["train/s_per_step"] * (100000 - h["step"]) > budget_s  # the steps' own ETA is far beyond it
 
 
 def test_a_run_stopped_between_log_steps_logs_its_last_steps(tiny_target_dir, tiny_data_file, tmp_path):

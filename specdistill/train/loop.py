@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -199,8 +199,10 @@ def fit(c: Components, epoch_end_hooks: tuple[Callable[[Components, int, int], d
             _enter_phase(c, s)
             if _stopped(c, s, stop):
                 break
-            taken = (_profiled_step(c, s, batches) if s.profiled is not None and s.step in s.profiled.steps
-                     else _train_step(c, s, batches))
+            profiled = s.profiled is not None and s.step in s.profiled.steps
+            counted = s.peak is not None and s.mfu is None  # this step's FLOPs are counted (_train_step)
+            with _outside_log_window(c, s) if profiled or counted else nullcontext():
+                taken = _profiled_step(c, s, batches) if profiled else _train_step(c, s, batches)
             _after_step(c, s, taken, epoch_end_hooks, checkpoint_hooks)
         # A signal during the last step or its save: the checkpoint is whole, but the run stops here (no final
         # evaluation or export), as at any other step; trainer.resume=auto finishes them.
@@ -299,21 +301,29 @@ class Profiled:
     input_tokens: float = 0.0
 
 
+@contextmanager
+def _outside_log_window(c: Components, s: RunState):
+    """A step that the FLOP counter or the profiler slows: its time, tokens and data wait stay out of the log window's
+    rates (a window of such steps only logs none: _log_window)."""
+    if c.accelerator.device.type == "cuda":
+        torch.cuda.synchronize(c.accelerator.device)  # the steps before finish inside the log window
+    t_enter = time.perf_counter()
+    tokens, steps, wait = s.window.tokens, s.window.steps, s.window.data_wait_s
+    input_before = s.sums.get("input_tokens", 0)
+    yield
+    s.sums["input_tokens"] = input_before  # the loss sums keep the step (its loss is logged with the window's)
+    s.window.tokens, s.window.steps, s.window.data_wait_s = tokens, steps, wait
+    s.window.t0 += time.perf_counter() - t_enter
+
+
 def _profiled_step(c: Components, s: RunState, batches: Prefetcher) -> StepTaken:
-    """_train_step under torch.profiler; its time, tokens and data wait leave the log window (the profiler slows the
-    step), and profile.json / profile.md are rewritten with every profiled step so far."""
+    """_train_step under torch.profiler; profile.json / profile.md are rewritten with every profiled step so far."""
     acc, p = c.accelerator, s.profiled
-    if acc.device.type == "cuda":
-        torch.cuda.synchronize(acc.device)  # the steps before finish inside the log window
-    t_enter = time.perf_counter()  # from here to the return: the profiler's own start, step, stop and summary
-    tokens_before, wait_before = s.window.tokens, s.window.data_wait_s
     input_before = s.sums.get("input_tokens", 0)
     with step_profile.profiling(acc.device) as box:
         taken = _train_step(c, s, batches)
     prof, wall = box
     step_input = float(s.sums["input_tokens"] - input_before)
-    s.window.tokens, s.window.steps, s.window.data_wait_s = tokens_before, s.window.steps - 1, wait_before
-    s.sums["input_tokens"] = s.sums["input_tokens"] - step_input
     p.wall_s, p.taken, p.input_tokens = p.wall_s + wall, p.taken + 1, p.input_tokens + step_input
     for w in step_profile.profiled_work(prof, acc.device.type):
         seconds, calls = p.work.get(w.name, (0.0, 0))
@@ -334,7 +344,6 @@ def _profiled_step(c: Components, s: RunState, batches: Prefetcher) -> StepTaken
                       + (f", matmul kernels at {100 * factors['matmul_rate_of_peak']:.0f}% of the peak and "
                          f"{100 * factors['matmul_share_of_busy']:.0f}% of the device's work" if factors else "")
                       + f"; {c.output_dir / 'profile.md'}")
-    s.window.t0 += time.perf_counter() - t_enter
     return taken
 
 
@@ -471,19 +480,21 @@ def _log_window(c: Components, s: RunState, taken: StepTaken) -> None:
                      "train/peak_mem_mb": peak_memory_mb(acc.device), "step": s.step,
                      "epoch": c.phases.epoch_of(s.step - 1), "tokens_seen": s.tokens_seen,
                      "wall_s": s.wall_s(), "phase": phase.name, "phase_step": phase.local(s.step)})
-    if w.steps:  # rates: none for a window of profiled steps only (their time is not training's: _profiled_step)
+    if w.steps:  # rates: none for a window of FLOP-counted or profiled steps only (_outside_log_window)
         s.latest.update({"train/tokens_per_s": w.tokens / elapsed, "train/input_tokens_per_s": n_input / elapsed,
                          "train/s_per_step": elapsed / w.steps, "train/data_wait_fraction": w.data_wait_s / elapsed,
                          "eta_phase_s": elapsed / w.steps * (phase.end - s.step)})
     else:
-        s.latest["train/profiled"] = True
+        s.latest["train/instrumented"] = True
     budget = {}
     if c.trainer.max_minutes is not None:  # a wall-time budget ends the run first: the bar's step ETA is not the ETA
         left = max(60 * c.trainer.max_minutes - s.wall_s(), 0.0)
         s.latest["eta_phase_s"] = min(s.latest.get("eta_phase_s", left), left)
         budget = {"time_left": f"{int(left // 60)}:{int(left % 60):02d}"}
-    if s.mfu is not None and w.steps:
-        s.latest.update(s.mfu.metrics(s.latest["train/input_tokens_per_s"]))
+    if s.mfu is not None:
+        s.latest["train/flops_per_token"] = s.mfu.flops_per_token
+        if w.steps:
+            s.latest.update(s.mfu.metrics(s.latest["train/input_tokens_per_s"]))
     s.bar.set_postfix(loss=f"{s.latest.get('train/loss', math.nan):.4f}",
                       tok_s=f"{s.latest.get('train/tokens_per_s', math.nan):.0f}", **budget)
     s.result.history.append(s.latest)
