@@ -42,6 +42,13 @@ class _Recomputation:
         return False
 
 
+def counting() -> bool:
+    """Whether count_flops is running: torch.compile'd code first called under its counter (a dispatch mode) would
+    stay eager for good, so compiled kernels run their eager form meanwhile (the matmuls, and so the count, are the
+    same)."""
+    return _recomputed is not None
+
+
 def checkpoint_contexts():
     """torch.utils.checkpoint.checkpoint's context_fn: (the forward's context, the recomputation's context)."""
     return nullcontext(), _Recomputation()

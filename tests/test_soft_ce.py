@@ -29,13 +29,13 @@ def _inputs(N=11, H=16, Vd=37, M=20, seed=0):
     return h, w, p_logits, rows, mask
 
 
-@pytest.mark.parametrize("chunk", [1, 4, None])
-def test_fused_equals_plain_in_loss_and_gradients(chunk):
+@pytest.mark.parametrize("chunk,compiled", [(1, False), (4, False), (None, False), (4, True), (None, True)])
+def test_fused_equals_plain_in_loss_and_gradients(chunk, compiled):
     h, w, p_logits, rows, mask = _inputs()
     up = torch.rand(h.shape[0], generator=torch.Generator().manual_seed(1))  # a per-token upstream gradient
     plain = soft_cross_entropy(F.linear(h, w), p_logits, rows, mask)
     grads_plain = torch.autograd.grad((plain.loss * up).sum(), (h, w))
-    fused = linear_soft_cross_entropy(h, w, p_logits, rows, mask, chunk=chunk)
+    fused = linear_soft_cross_entropy(h, w, p_logits, rows, mask, chunk=chunk, compiled=compiled)
     grads_fused = torch.autograd.grad((fused.loss * up).sum(), (h, w))
     torch.testing.assert_close(fused.loss, plain.loss, rtol=1e-6, atol=1e-6)
     assert torch.equal(fused.q_argmax, plain.q_argmax)
@@ -44,6 +44,29 @@ def test_fused_equals_plain_in_loss_and_gradients(chunk):
     # masked tokens: no loss, no gradient into their features
     assert torch.equal(fused.loss[~mask], torch.zeros(int((~mask).sum())))
     assert torch.equal(grads_fused[0][~mask], torch.zeros_like(h[~mask]))
+
+
+def test_compiled_kernels_take_any_chunk_and_vocabulary_and_a_failing_compiler_falls_back_with_a_warning(
+        monkeypatch):
+    from specdistill.losses import soft_ce
+
+    for N, Vd, chunk in [(11, 37, 4), (30, 53, 7), (5, 37, None)]:  # other sizes: no recompile needed to be right
+        h, w, p_logits, rows, mask = _inputs(N=N, Vd=Vd)
+        eager = linear_soft_cross_entropy(h, w, p_logits, rows, mask, chunk=chunk)
+        fused = linear_soft_cross_entropy(h, w, p_logits, rows, mask, chunk=chunk, compiled=True)
+        torch.testing.assert_close(fused.loss, eager.loss, rtol=1e-5, atol=1e-6)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler here")
+
+    kernels = soft_ce._Kernels()
+    kernels.compiled = (broken, broken)  # what a compiler that fails at its first call leaves
+    monkeypatch.setattr(soft_ce, "_KERNELS", kernels)
+    h, w, p_logits, rows, mask = _inputs()
+    with pytest.warns(UserWarning, match="torch.compile failed .*no C\\+\\+ compiler"):
+        fused = linear_soft_cross_entropy(h, w, p_logits, rows, mask, compiled=True)
+    torch.testing.assert_close(fused.loss, soft_cross_entropy(F.linear(h, w), p_logits, rows, mask).loss)
+    assert kernels.failed and kernels.get(True)[0] is soft_ce._chunk_loss  # eager from then on
 
 
 def test_soft_ce_is_at_least_the_entropy_with_equality_at_q_equal_p():

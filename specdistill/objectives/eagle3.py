@@ -27,6 +27,9 @@ class Eagle3Objective(Objective):
     # recompute each unrolled step's layer in backward instead of keeping its activations: one more layer forward per
     # step for most of the unroll's activation memory (benchmarks/eagle3_memory.py measures both)
     checkpoint_steps: bool = True
+    # the soft cross-entropy's element-wise work (softmaxes, products, sums over the draft vocabulary) as fused compiled
+    # kernels (torch.compile: Triton on CUDA, C++ on the CPU; compiled once per process), else op by op
+    compile_loss: bool = True
 
     def __post_init__(self):
         check_fields(self, "objective")  # the ranges on the fields above
@@ -51,7 +54,8 @@ class Eagle3Objective(Objective):
         sels = [shift_left(row, 1 + j, fill=-1)[mask] for j, mask in enumerate(masks)]  # k x (N_j,)
 
         def soft_ce(j, h, weight):  # h (N_j, H) normed features, weight (Vd, H): soft CE, out-of-vocab targets masked
-            out = linear_soft_cross_entropy(h, weight, p_logits, rows=sels[j], mask=tgt.in_vocab[sels[j]])
+            out = linear_soft_cross_entropy(h, weight, p_logits, rows=sels[j], mask=tgt.in_vocab[sels[j]],
+                                            compiled=self.compile_loss)
             return out.loss, out.q_argmax  # (N_j,), (N_j,)
 
         step_ce = head(tgt.aux_hidden, ids, am, steps=self.steps, readout_at=masks, score=soft_ce,
