@@ -46,7 +46,7 @@ def test_dflash_serve_logs_throughput_flops_and_mfu_and_block_accuracy(tiny_targ
     from specdistill.train.loop import fit
 
     cfg = compose("dflash_serve", tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "out", tmp_path / "cache")
-                  + ["trainer.epochs=null", "trainer.max_steps=1", "trainer.export_formats=[]",
+                  + ["trainer.epochs=null", "trainer.max_steps=2", "trainer.export_formats=[]",
                      "draft.dflash.block_size=4"])
     logged = fit(build_components(cfg)).history[-1]
     for key in ("train/tokens_per_s", "train/flops_per_token", "train/mfu", "train/acc_pos1",
