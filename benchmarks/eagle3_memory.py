@@ -6,13 +6,16 @@ each way of computing it:
               (losses.soft_ce.linear_soft_cross_entropy), which keeps no (N_j, Vd) tensor and recomputes the logits
               in backward;
   fused+ckpt  Eagle3Objective with checkpoint_steps=true: each step's layer recomputed in backward as well;
+  fused+ckpt-eager  the same with compile_loss=false: the soft cross-entropy's element-wise work op by op instead of
+              torch.compile's fused kernels (the fused and fused+ckpt variants use them);
   objective   Eagle3Objective with its defaults, whatever the importable code is: with PYTHONPATH naming another
               checkout, --variants objective measures that code's objective.
 
 What it reports, per variant, each measured in its own process:
   saved_mib  bytes of the distinct tensors autograd keeps for backward after the forward (saved-tensor hooks; the
              parameters excluded; a checkpointed region counts the inputs it keeps to recompute from);
-  seconds    the wall time of forward + backward (on CPU, with mmap-served blocks: a rough guide only);
+  seconds    the wall time of forward + backward after one untimed warm-up step (on CPU, with mmap-served blocks: a
+             rough guide only);
   peak_mib   CPU: the process's peak resident memory during forward + backward above the resident memory before it
              (glibc serves blocks of 64 KiB or more with mmap, so freed tensors leave at once; Linux only);
              CUDA: torch.cuda.max_memory_allocated during the step above the allocated memory before it.
@@ -40,7 +43,7 @@ from typing import Iterable
 
 import torch
 
-VARIANTS = ("plain", "fused", "fused+ckpt")
+VARIANTS = ("plain", "fused", "fused+ckpt", "fused+ckpt-eager")
 
 
 class SavedBytes:
@@ -140,7 +143,8 @@ def step_loss(variant: str, head, target, batch, steps: int) -> torch.Tensor:
 
     if variant == "plain":
         return plain_loss(head, target, batch, steps, 0.8)
-    knobs = {"fused": {"checkpoint_steps": False}, "fused+ckpt": {"checkpoint_steps": True}, "objective": {}}[variant]
+    knobs = {"fused": {"checkpoint_steps": False}, "fused+ckpt": {"checkpoint_steps": True},
+             "fused+ckpt-eager": {"checkpoint_steps": True, "compile_loss": False}, "objective": {}}[variant]
     obj = Eagle3Objective(steps=steps, decay=0.8, **knobs)
     out = obj.loss(batch, Models(head, target))
     return (out.loss * out.weight).sum()
@@ -154,6 +158,9 @@ def _rss_kib(field: str) -> int:
 def child(args) -> None:
     device = torch.device(args.device)
     head, target, batch = build(args, device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        step_loss(args.variant, head, target, batch, args.steps).backward()  # warm-up: compiled kernels, allocator
+    head.zero_grad(set_to_none=True)
     params = list(head.parameters()) + list(head.buffers())
     counter = SavedBytes(exclude=params)
     if device.type == "cuda":
