@@ -37,8 +37,8 @@ from specdistill.data.loader import Prefetcher
 from specdistill.eval.simulated import simulated_acceptance
 from specdistill.train.accelerate_compat import set_gradient_sync
 from specdistill.train.checkpoint import check_resume_config, list_checkpoints, load_checkpoint, save_checkpoint
-from specdistill.train.integrity import select_resume
 from specdistill.train import profile as step_profile
+from specdistill.train.integrity import select_resume
 from specdistill.train.results import drop_replayed, finished_run, nothing_to_do_message
 from specdistill.train.throughput import DevicePeak, Mfu, count_flops, device_peak, step_flops
 
@@ -304,7 +304,7 @@ class Profiled:
 @contextmanager
 def _outside_log_window(c: Components, s: RunState):
     """A step that the FLOP counter or the profiler slows: its time, tokens and data wait stay out of the log window's
-    rates (a window of such steps only logs none: _log_window)."""
+    rates (a window holding only such steps logs its loss but no rate: _log_window)."""
     if c.accelerator.device.type == "cuda":
         torch.cuda.synchronize(c.accelerator.device)  # the steps before finish inside the log window
     t_enter = time.perf_counter()
