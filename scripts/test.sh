@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the test suite. Tiny models only; no network; about 8.5 minutes on 2 cores.
+# Set up (if needed) and run the test suite. Tiny models only; no network; about 7-8.5 minutes on 2 cores.
 # Two pytest-xdist workers (SPECDISTILL_TEST_WORKERS; 0: one process), each test file on one worker (its module
 # fixtures built once). Each worker starts at one OpenMP thread, and threads that wait sleep instead of spinning
 # (OMP_WAIT_POLICY): a test that asks for 2 threads beside the other worker's then shares the cores instead of
