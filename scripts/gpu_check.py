@@ -489,7 +489,10 @@ def train(run: Path, recipe: str, target: Path, data: Path, sizes: Sizes, device
     losses = [r["train/loss"] for r in steps]
     if not all(math.isfinite(x) for x in losses):
         raise RuntimeError(f"{recipe}: non-finite training loss {losses}")
-    timed = steps[1:] or steps  # the first logged step includes compilation of kernels and the FLOP count
+    # steps that logged rates (the FLOP-counted and profiled ones log none), less the first of them, which compiles
+    # the loss's kernels and warms the allocator (all of them when it is the only one)
+    rated = [r for r in steps if r.get("train/tokens_per_s") is not None]
+    timed = rated[1:] or rated
 
     def mean(key: str, scale: float = 1.0) -> Optional[float]:
         values = [r[key] * scale for r in timed if r.get(key) is not None]
