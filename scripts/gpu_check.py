@@ -957,7 +957,7 @@ def main(argv: list[str] | None = None) -> int:
             return None
         return report.stage(name, fn, args.device)
 
-    # steps 2-4 profiled (kept out of the logged rates): where the device's time goes, MFU's factors
+    # steps 3-5 profiled (kept out of the logged rates): where the device's time goes, MFU's factors
     eagle3 = stage("eagle3", lambda: trained("eagle3", "eagle3", big, [f"trainer.max_steps={sizes.steps}",
                                                                        "trainer.profile_steps=3"], MFU_FLOOR))
     # two on-policy steps (the first FLOP-counted, the second timed), mostly decoding: MFU reported, not judged
