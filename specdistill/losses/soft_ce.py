@@ -14,10 +14,9 @@ per-token value (N,); normalising over tokens is the training loop's job.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
-
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +81,9 @@ def _chunk_grad(z: torch.Tensor, p_logits: torch.Tensor, rows: torch.Tensor, g: 
     return ((z.float().softmax(-1) * p.sum(-1, keepdim=True) - p) * g[:, None]).to(dtype)
 
 
+_EAGER = (_chunk_loss, _chunk_grad)
+
+
 class _Kernels:
     """_chunk_loss and _chunk_grad, eager or compiled (once each, every dimension dynamic: chunks and vocabularies of
     any size share the compiled code)."""
@@ -92,25 +94,25 @@ class _Kernels:
 
     def get(self, compiled: bool):
         if not compiled or self.failed is not None or counting():  # under the FLOP counter: eager (flops.counting)
-            return _chunk_loss, _chunk_grad
+            return _EAGER
         if self.compiled is None:
-            self.compiled = (torch.compile(_chunk_loss, dynamic=True), torch.compile(_chunk_grad, dynamic=True))
+            self.compiled = tuple(torch.compile(fn, dynamic=True) for fn in _EAGER)
         return self.compiled
 
     def run(self, which: int, compiled: bool, *args):
         fn = self.get(compiled)[which]
-        if fn is (_chunk_loss, _chunk_grad)[which]:
-            return fn(*args)
         try:
             return fn(*args)
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - the compiler's failure (no C++ compiler, no Triton): eager from here
+            if fn is _EAGER[which]:
+                raise
             self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             warnings.warn(f"soft cross-entropy: torch.compile failed ({self.failed}); its element-wise work runs as "
                           "eager ops from here (same values, slower; objective.compile_loss=false says so up front)",
                           stacklevel=2)
-            return (_chunk_loss, _chunk_grad)[which](*args)
+            return _EAGER[which](*args)
 
 
 _KERNELS = _Kernels()

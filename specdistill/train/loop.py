@@ -334,12 +334,13 @@ def _profiled_step(c: Components, s: RunState, batches: Prefetcher) -> StepTaken
         summary = step_profile.summarize([step_profile.Work(n, sec, k) for n, (sec, k) in p.work.items()],
                                          acc.device.type, p.taken, p.wall_s, flops=flops,
                                          peak_flops_per_s=s.peak.flops_per_s if s.peak is not None else None)
-        extra = {"steps_profiled": [p.steps.start, p.steps.start + p.taken],
+        extra = {"steps_profiled": [p.steps.start, p.steps.start + p.taken],  # step indices from 0, end excluded
                  "peak": s.peak.as_dict() if s.peak is not None else None}
         step_profile.write(c.output_dir, summary, command=shlex.join(["python", *sys.argv]), extra=extra)
         if p.taken == len(p.steps):
             factors = summary.factors
-            acc.print(f"[train] profiled steps {p.steps.start}-{p.steps.stop - 1}: the device busy "
+            acc.print(f"[train] profiled steps {p.steps.start + 1}-{p.steps.stop} (as metrics.jsonl numbers them): "
+                      f"the device busy "
                       f"{100 * summary.busy_fraction:.0f}% of the wall time"
                       + (f", matmul kernels at {100 * factors['matmul_rate_of_peak']:.0f}% of the peak and "
                          f"{100 * factors['matmul_share_of_busy']:.0f}% of the device's work" if factors else "")
